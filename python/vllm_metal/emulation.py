@@ -1,0 +1,117 @@
+"""Metal kernels on a Linux CPU, through the MSL emulator (tools/mslemu).
+
+``load_all()`` builds every ``src/metal/*.metal`` with the emulator (cached
+under ~/.cache/mslemu) and registers it with the C++ core, after which ops in
+the 'emulated' backend run their Metal kernels. ``run_plan`` executes a
+planner's launches directly on NumPy arrays, for kernel tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+_REPO_DIR = _PACKAGE_DIR.parents[1]
+
+
+def metal_source_dir() -> Path:
+    """src/metal of a source checkout (editable installs), else the packaged copy."""
+    for d in (_REPO_DIR / "src" / "metal", _PACKAGE_DIR / "_metal"):
+        if d.is_dir() and any(d.glob("*.metal")):
+            return d
+    raise FileNotFoundError("no Metal kernel sources found (src/metal or vllm_metal/_metal)")
+
+
+def _mslemu_root() -> Path:
+    for d in (_REPO_DIR / "tools" / "mslemu", _PACKAGE_DIR / "_mslemu"):
+        if (d / "mslemu" / "__init__.py").is_file():
+            return d
+    raise FileNotFoundError("the MSL emulator (tools/mslemu) is not available")
+
+
+def _mslemu():
+    root = str(_mslemu_root())
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    import mslemu
+
+    return mslemu
+
+
+def kernel_sources() -> list[str]:
+    """Stems of all .metal files, e.g. ['reshape_and_cache', 'rms_norm']."""
+    return sorted(p.stem for p in metal_source_dir().glob("*.metal"))
+
+
+@functools.lru_cache(maxsize=None)
+def library(source: str):
+    """The emulator build of src/metal/<source>.metal (an mslemu.Library)."""
+    path = metal_source_dir() / f"{source}.metal"
+    if not path.is_file():
+        raise FileNotFoundError(f"no kernel source {path}")
+    return _mslemu().Library(str(path))
+
+
+def load(source: str) -> None:
+    from vllm_metal import _core
+
+    if not _core.has_emulated_library(source):
+        _core.register_emulated_library(source, library(source).so_path)
+
+
+def load_all() -> None:
+    for source in kernel_sources():
+        load(source)
+
+
+def run_plan(plan: Sequence, arrays: Sequence[np.ndarray]) -> None:
+    """Executes launches from a ``_core.plan_*`` planner on NumPy arrays.
+
+    ``arrays[slot]`` backs ``BufferBinding.array_slot``; outputs are written in
+    place, so they must be C-contiguous and writable.
+    """
+    for launch in plan:
+        lib = library(launch.source)
+        for c in launch.constants:
+            lib.set_function_constant(c.index, _constant_value(c))
+        buffers: dict[int, object] = {}
+        for b in launch.buffers:
+            a = arrays[b.array_slot]
+            if not a.flags["C_CONTIGUOUS"]:
+                raise ValueError(f"array slot {b.array_slot} must be C-contiguous")
+            view = a.reshape(-1).view(np.uint8)[b.byte_offset :]
+            buffers[b.index] = view
+        if launch.args:
+            buffers[launch.args_index] = bytes(launch.args)
+        lib.dispatch_threadgroups(
+            launch.kernel,
+            grid=tuple(launch.grid),
+            tg=tuple(launch.threadgroup),
+            buffers=buffers,
+            threadgroup_memory=list(launch.threadgroup_memory),
+        )
+
+
+def _constant_value(c):
+    bits = np.array([c.bits], dtype=np.uint32)
+    return {
+        "bool": np.bool_(c.bits != 0),
+        "int32": bits.view(np.int32)[0],
+        "uint32": bits[0],
+        "float32": bits.view(np.float32)[0],
+    }[c.type]
+
+
+def emulator_available() -> bool:
+    try:
+        _mslemu().find_cxx()
+        return True
+    except Exception:
+        return False
+
+

@@ -1,0 +1,69 @@
+"""Every environment variable vllm-metal reads, in one place.
+
+Each entry: name -> (parser, default, description). Read lazily through
+``vllm_metal.envs.VLLM_METAL_<NAME>`` so tests can monkeypatch os.environ.
+Documented in docs/environment.md (a test keeps the two in sync).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+
+def _bool(value: str) -> bool:
+    # one boolean parser for every flag
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0/true/false), got {value!r}")
+
+
+def _kernels(value: str) -> str:
+    v = value.strip().lower()
+    if v not in ("native", "emulated"):
+        raise ValueError(f"expected 'native' or 'emulated', got {value!r}")
+    return v
+
+
+def _int(value: str) -> int:
+    return int(value)
+
+
+ENVIRONMENT: dict[str, tuple[Callable[[str], Any], Any, str]] = {
+    "VLLM_METAL_KERNELS": (
+        _kernels,
+        "native",
+        "'native': C++ CPU kernels on Linux, Metal on Apple GPUs. 'emulated': run every "
+        "op's Metal kernels in the MSL emulator on the CPU (slow; needs clang-19).",
+    ),
+    "VLLM_METAL_NUM_THREADS": (
+        _int,
+        0,
+        "Threads used by the C++ CPU kernels; 0 means all cores.",
+    ),
+    "VLLM_METAL_DISABLE": (
+        _bool,
+        False,
+        "Turn the vLLM platform plugin off (vLLM then picks another platform).",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in ENVIRONMENT:
+        raise AttributeError(name)
+    parse, default, _ = ENVIRONMENT[name]
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return parse(raw)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted(ENVIRONMENT)

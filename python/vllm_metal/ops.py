@@ -1,0 +1,39 @@
+"""The compute ops, on ``mx.array``.
+
+Each op is an MLX primitive implemented in C++ (src/cpp/ops) with a CPU
+kernel and a Metal kernel. ``VLLM_METAL_KERNELS=emulated`` makes ops created
+afterwards run their Metal kernels in the emulator (see vllm_metal.emulation).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx  # noqa: F401  (loads MLX's types before the extension)
+
+from vllm_metal import _core, envs
+
+rms_norm = _core.rms_norm
+add_rms_norm = _core.add_rms_norm
+reshape_and_cache = _core.reshape_and_cache
+
+__all__ = ["rms_norm", "add_rms_norm", "reshape_and_cache", "set_kernel_backend", "kernel_backend"]
+
+
+def kernel_backend() -> str:
+    return _core.kernel_backend()
+
+
+def set_kernel_backend(name: str) -> None:
+    """'native' or 'emulated'; ops created afterwards use it."""
+    if name == "emulated":
+        from vllm_metal import emulation
+
+        emulation.load_all()
+    _core.set_kernel_backend(name)
+
+
+def _configure_from_env() -> None:
+    _core.set_num_threads(envs.VLLM_METAL_NUM_THREADS)
+    set_kernel_backend(envs.VLLM_METAL_KERNELS)
+
+
+_configure_from_env()

@@ -1,0 +1,222 @@
+#include "ops/reshape_and_cache.h"
+
+#include <cstring>
+#include <stdexcept>
+
+#include "cpu/reshape_and_cache.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "ops/dtype_names.h"
+#include "reshape_and_cache_args.h"
+
+namespace vllm_metal {
+
+namespace {
+
+constexpr const char* kOp = "reshape_and_cache";
+
+[[noreturn]] void fail(const std::string& msg) {
+  throw std::invalid_argument(std::string("[") + kOp + "] " + msg);
+}
+
+std::string shape_str(const mx::Shape& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) {
+    out += (i ? ", " : "") + std::to_string(s[i]);
+  }
+  return out + "]";
+}
+
+void check_inputs(const mx::array& key, const mx::array& value, const mx::array& key_cache,
+                  const mx::array& value_cache, const mx::array& slot_mapping) {
+  if (key.ndim() != 3) fail("key must be [tokens, kv_heads, head_size], got " + shape_str(key.shape()));
+  if (value.shape() != key.shape()) {
+    fail("value must have key's shape " + shape_str(key.shape()) + ", got " +
+         shape_str(value.shape()));
+  }
+  if (key_cache.ndim() != 4) {
+    fail("key_cache must be [num_blocks, block_size, kv_heads, head_size], got " +
+         shape_str(key_cache.shape()));
+  }
+  if (value_cache.shape() != key_cache.shape()) {
+    fail("value_cache must have key_cache's shape " + shape_str(key_cache.shape()) + ", got " +
+         shape_str(value_cache.shape()));
+  }
+  if (key_cache.shape(2) != key.shape(1) || key_cache.shape(3) != key.shape(2)) {
+    fail("cache heads x head_size " + std::to_string(key_cache.shape(2)) + "x" +
+         std::to_string(key_cache.shape(3)) + " do not match key's " +
+         std::to_string(key.shape(1)) + "x" + std::to_string(key.shape(2)));
+  }
+  check_float_dtype(kOp, "key_cache", key_cache.dtype());
+  for (const auto* a : {&key, &value, &value_cache}) {
+    if (a->dtype() != key_cache.dtype()) {
+      fail("key, value and both caches must share one dtype, got key " +
+           dtype_name(key.dtype()) + ", value " + dtype_name(value.dtype()) + ", caches " +
+           dtype_name(key_cache.dtype()) + "/" + dtype_name(value_cache.dtype()));
+    }
+  }
+  if (slot_mapping.dtype() != mx::int64) {
+    fail("slot_mapping must be int64, got " + dtype_name(slot_mapping.dtype()));
+  }
+  if (slot_mapping.ndim() != 1 || slot_mapping.shape(0) != key.shape(0)) {
+    fail("slot_mapping must be [" + std::to_string(key.shape(0)) + "] (one slot per token), got " +
+         shape_str(slot_mapping.shape()));
+  }
+}
+
+int64_t num_slots_of(const mx::array& cache) {
+  return static_cast<int64_t>(cache.shape(0)) * cache.shape(1);
+}
+
+[[noreturn]] void fail_slot(int64_t token, int64_t slot, int64_t num_slots) {
+  throw std::out_of_range(std::string("[") + kOp + "] slot_mapping[" + std::to_string(token) +
+                          "] = " + std::to_string(slot) + " is outside the cache's " +
+                          std::to_string(num_slots) + " slots");
+}
+
+// A slot table that is already computed is checked now, so a bad step is
+// refused before anything is scheduled; lazy tables are checked at eval.
+void check_slots_if_ready(const mx::array& slot_mapping, int64_t num_slots) {
+  if (slot_mapping.status() != mx::array::Status::available ||
+      !slot_mapping.flags().row_contiguous) {
+    return;
+  }
+  const int64_t* slots = slot_mapping.data<int64_t>();
+  int64_t bad = cpu::find_out_of_range_slot(slots, slot_mapping.size(), num_slots);
+  if (bad >= 0) fail_slot(bad, slots[bad], num_slots);
+}
+
+void copy_strides(const mx::array& a, int64_t* out) {
+  for (int i = 0; i < 3; ++i) out[i] = a.strides()[i];
+}
+
+}  // namespace
+
+std::vector<mx::array> reshape_and_cache(const mx::array& key, const mx::array& value,
+                                         const mx::array& key_cache,
+                                         const mx::array& value_cache,
+                                         const mx::array& slot_mapping, mx::StreamOrDevice s) {
+  check_inputs(key, value, key_cache, value_cache, slot_mapping);
+  check_slots_if_ready(slot_mapping, num_slots_of(key_cache));
+  if (key.shape(0) == 0) {
+    return {key_cache, value_cache};
+  }
+  auto stream = mx::to_stream(s);
+  return mx::array::make_arrays(
+      {key_cache.shape(), value_cache.shape()}, {key_cache.dtype(), value_cache.dtype()},
+      std::make_shared<ReshapeAndCache>(stream, default_kernel_backend()),
+      {key, value, key_cache, value_cache, mx::contiguous(slot_mapping, false, s)});
+}
+
+KernelPlan plan_reshape_and_cache(const CacheWriteProblem& p) {
+  KernelPlan plan;
+  const std::string suffix = dtype_name(p.dtype);
+  const uint64_t cache_elements = uint64_t(p.num_slots) * p.num_heads * p.head_size;
+  for (int which = 0; which < 2; ++which) {
+    if (!(which == 0 ? p.copy_key_cache : p.copy_value_cache)) continue;
+    KernelLaunch copy;
+    copy.source = "reshape_and_cache";
+    copy.kernel = "cache_copy_" + suffix;
+    copy.bind(0, 2 + which);  // old cache
+    copy.bind(1, 5 + which);  // new cache
+    copy.set_args(2, CacheCopyArgs{cache_elements});
+    copy.threadgroup = {256, 1, 1};
+    copy.grid = {ceil_div(cache_elements, 256), 1, 1};
+    plan.push_back(copy);
+  }
+  ReshapeAndCacheArgs args{};
+  args.key_token_stride = p.key_strides[0];
+  args.key_head_stride = p.key_strides[1];
+  args.key_dim_stride = p.key_strides[2];
+  args.value_token_stride = p.value_strides[0];
+  args.value_head_stride = p.value_strides[1];
+  args.value_dim_stride = p.value_strides[2];
+  args.num_slots = p.num_slots;
+  args.num_heads = static_cast<uint32_t>(p.num_heads);
+  args.head_size = static_cast<uint32_t>(p.head_size);
+  KernelLaunch write;
+  write.source = "reshape_and_cache";
+  write.kernel = "reshape_and_cache_" + suffix;
+  write.bind(0, 0);  // key
+  write.bind(1, 1);  // value
+  write.bind(2, 4);  // slot_mapping
+  write.bind(3, 5);  // key_cache_out
+  write.bind(4, 6);  // value_cache_out
+  write.set_args(5, args);
+  const uint64_t row = uint64_t(p.num_heads) * p.head_size;
+  uint32_t threads = 32;
+  while (threads < 256 && threads < row) threads *= 2;
+  write.threadgroup = {threads, 1, 1};
+  write.grid = {static_cast<uint32_t>(p.num_tokens), 1, 1};
+  plan.push_back(write);
+  return plan;
+}
+
+void ReshapeAndCache::allocate_outputs(const std::vector<mx::array>& inputs,
+                                       std::vector<mx::array>& outputs) {
+  for (int i = 0; i < 2; ++i) {
+    const mx::array& cache = inputs[2 + i];
+    if (!cache.flags().row_contiguous) {
+      fail(std::string(i == 0 ? "key_cache" : "value_cache") + " must be row-contiguous");
+    }
+    if (cache.is_donatable()) {
+      outputs[i].copy_shared_buffer(cache);  // update in place
+    } else {
+      outputs[i].set_data(mx::allocator::malloc(outputs[i].nbytes()));
+    }
+  }
+}
+
+KernelPlan ReshapeAndCache::plan(const std::vector<mx::array>& inputs,
+                                 const std::vector<mx::array>& outputs) const {
+  const auto& key = inputs[0];
+  CacheWriteProblem p;
+  p.dtype = key.dtype();
+  p.num_tokens = key.shape(0);
+  p.num_heads = key.shape(1);
+  p.head_size = key.shape(2);
+  p.num_slots = num_slots_of(inputs[2]);
+  copy_strides(key, p.key_strides);
+  copy_strides(inputs[1], p.value_strides);
+  p.copy_key_cache = outputs[0].data<char>() != inputs[2].data<char>();
+  p.copy_value_cache = outputs[1].data<char>() != inputs[3].data<char>();
+  return plan_reshape_and_cache(p);
+}
+
+void ReshapeAndCache::eval_native_cpu(const std::vector<mx::array>& inputs,
+                                      std::vector<mx::array>& outputs) {
+  const auto& key = inputs[0];
+  cpu::CacheScatter a;
+  a.num_tokens = key.shape(0);
+  a.num_heads = key.shape(1);
+  a.head_size = key.shape(2);
+  a.num_slots = num_slots_of(inputs[2]);
+  a.itemsize = key.itemsize();
+  copy_strides(key, a.key_strides);
+  copy_strides(inputs[1], a.value_strides);
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& x : inputs) encoder.set_input_array(x);
+  for (auto& x : outputs) encoder.set_output_array(x);
+  encoder.dispatch([a, inputs, outputs]() mutable {
+    a.slot_mapping = inputs[4].data<int64_t>();
+    int64_t bad = cpu::find_out_of_range_slot(a.slot_mapping, a.num_tokens, a.num_slots);
+    if (bad >= 0) fail_slot(bad, a.slot_mapping[bad], a.num_slots);
+    for (int i = 0; i < 2; ++i) {
+      if (outputs[i].data<char>() != inputs[2 + i].data<char>()) {
+        std::memcpy(outputs[i].data<char>(), inputs[2 + i].data<char>(), outputs[i].nbytes());
+      }
+    }
+    a.key = inputs[0].data<void>();
+    a.value = inputs[1].data<void>();
+    a.key_cache = outputs[0].data<void>();
+    a.value_cache = outputs[1].data<void>();
+    cpu::scatter_into_cache(a);
+  });
+}
+
+bool ReshapeAndCache::is_equivalent(const mx::Primitive& other) const {
+  return backend() == static_cast<const KernelPrimitive&>(other).backend();
+}
+
+}  // namespace vllm_metal

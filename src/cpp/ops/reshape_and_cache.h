@@ -1,0 +1,62 @@
+// reshape_and_cache: writes a step's keys and values into the paged KV cache.
+//
+//   key, value        [T, num_kv_heads, head_size]  (any strides)
+//   key/value_cache   [num_blocks, block_size, num_kv_heads, head_size]
+//   slot_mapping      int64 [T]; slot = block * block_size + offset, < 0 skips
+//
+// Returns the updated caches. MLX arrays are immutable, so the update is a
+// new array that reuses the cache's buffer whenever nothing else holds the old
+// contents (the usual case: the caller rebinds its cache to the result), and
+// copies otherwise. Later reads must use the returned caches, which orders the
+// write before them in the lazy graph.
+#pragma once
+
+#include <vector>
+
+#include "mlx/array.h"
+#include "mlx/utils.h"
+#include "ops/kernel_primitive.h"
+
+namespace vllm_metal {
+
+// Returns {key_cache, value_cache}.
+std::vector<mx::array> reshape_and_cache(const mx::array& key, const mx::array& value,
+                                         const mx::array& key_cache,
+                                         const mx::array& value_cache,
+                                         const mx::array& slot_mapping,
+                                         mx::StreamOrDevice s = {});
+
+struct CacheWriteProblem {
+  mx::Dtype dtype = mx::float16;
+  int64_t num_tokens = 0;
+  int64_t num_heads = 0;
+  int64_t head_size = 0;
+  int64_t num_slots = 0;  // num_blocks * block_size
+  int64_t key_strides[3] = {0, 0, 0};
+  int64_t value_strides[3] = {0, 0, 0};
+  bool copy_key_cache = false;  // output buffers are fresh: copy the old cache first
+  bool copy_value_cache = false;
+};
+
+// Slots: 0 key, 1 value, 2 key_cache, 3 value_cache, 4 slot_mapping,
+// 5 key_cache_out, 6 value_cache_out.
+KernelPlan plan_reshape_and_cache(const CacheWriteProblem& p);
+
+class ReshapeAndCache : public KernelPrimitive {
+ public:
+  ReshapeAndCache(mx::Stream stream, KernelBackend backend)
+      : KernelPrimitive(stream, backend) {}
+
+  KernelPlan plan(const std::vector<mx::array>& inputs,
+                  const std::vector<mx::array>& outputs) const override;
+  const char* name() const override { return "ReshapeAndCache"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ protected:
+  void allocate_outputs(const std::vector<mx::array>& inputs,
+                        std::vector<mx::array>& outputs) override;
+  void eval_native_cpu(const std::vector<mx::array>& inputs,
+                       std::vector<mx::array>& outputs) override;
+};
+
+}  // namespace vllm_metal
