@@ -34,7 +34,8 @@ def _mslemu_root() -> Path:
     raise FileNotFoundError("the MSL emulator (tools/mslemu) is not available")
 
 
-def _mslemu():
+def mslemu_module():
+    """The emulator package (tools/mslemu/mslemu), imported from its root."""
     root = str(_mslemu_root())
     if root not in sys.path:
         sys.path.insert(0, root)
@@ -54,7 +55,7 @@ def library(source: str):
     path = metal_source_dir() / f"{source}.metal"
     if not path.is_file():
         raise FileNotFoundError(f"no kernel source {path}")
-    return _mslemu().Library(str(path))
+    return mslemu_module().Library(str(path))
 
 
 def load(source: str) -> None:
@@ -109,7 +110,7 @@ def _constant_value(c):
 
 def emulator_available() -> bool:
     try:
-        _mslemu().find_cxx()
+        mslemu_module().find_cxx()
         return True
     except Exception:
         return False

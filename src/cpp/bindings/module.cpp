@@ -7,6 +7,8 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include <stdexcept>
+
 #include "cpu/parallel.h"
 #include "cpu/vec.h"
 #include "mlx/array.h"
@@ -31,6 +33,14 @@ mx::StreamOrDevice to_stream_or_device(const StreamArg& s) {
   if (std::holds_alternative<mx::Stream>(s)) return std::get<mx::Stream>(s);
   if (std::holds_alternative<mx::Device>(s)) return std::get<mx::Device>(s);
   return {};
+}
+
+mx::Dtype parse_float_dtype(const std::string& name) {
+  if (name == "float32") return mx::float32;
+  if (name == "float16") return mx::float16;
+  if (name == "bfloat16") return mx::bfloat16;
+  throw std::invalid_argument("dtype must be 'float32', 'float16' or 'bfloat16', got '" + name +
+                              "'");
 }
 
 void bind_launches(nb::module_& m) {
@@ -69,7 +79,7 @@ void bind_planners(nb::module_& m) {
       "plan_rms_norm",
       [](const std::string& dtype, int64_t rows, int64_t hidden, bool fused_add, float eps) {
         vm::RmsNormProblem p;
-        p.dtype = dtype == "float16" ? mx::float16 : dtype == "bfloat16" ? mx::bfloat16 : mx::float32;
+        p.dtype = parse_float_dtype(dtype);
         p.rows = rows;
         p.hidden = hidden;
         p.x_row_stride = p.residual_row_stride = hidden;
@@ -79,14 +89,29 @@ void bind_planners(nb::module_& m) {
       },
       "dtype"_a, "rows"_a, "hidden"_a, "fused_add"_a = false, "eps"_a = 1e-6f,
       "Kernel launches of rms_norm for row-contiguous inputs.");
-  m.def("rms_norm_kernel_names", [] {
-    std::vector<std::string> names;
-    for (auto d : {mx::float32, mx::float16, mx::bfloat16}) {
-      names.push_back(vm::rms_norm_kernel_name(d, false));
-      names.push_back(vm::rms_norm_kernel_name(d, true));
-    }
-    return names;
-  });
+  m.def(
+      "plan_reshape_and_cache",
+      [](const std::string& dtype, int64_t num_tokens, int64_t num_heads, int64_t head_size,
+         int64_t num_slots, std::array<int64_t, 3> key_strides,
+         std::array<int64_t, 3> value_strides, bool copy_key_cache, bool copy_value_cache) {
+        vm::CacheWriteProblem p;
+        p.dtype = parse_float_dtype(dtype);
+        p.num_tokens = num_tokens;
+        p.num_heads = num_heads;
+        p.head_size = head_size;
+        p.num_slots = num_slots;
+        for (int i = 0; i < 3; ++i) {
+          p.key_strides[i] = key_strides[i];
+          p.value_strides[i] = value_strides[i];
+        }
+        p.copy_key_cache = copy_key_cache;
+        p.copy_value_cache = copy_value_cache;
+        return vm::plan_reshape_and_cache(p);
+      },
+      "dtype"_a, "num_tokens"_a, "num_heads"_a, "head_size"_a, "num_slots"_a, "key_strides"_a,
+      "value_strides"_a, "copy_key_cache"_a = false, "copy_value_cache"_a = false,
+      "Kernel launches of reshape_and_cache (strides in elements).");
+
 }
 
 }  // namespace

@@ -9,6 +9,11 @@
 // contents (the usual case: the caller rebinds its cache to the result), and
 // copies otherwise. Later reads must use the returned caches, which orders the
 // write before them in the lazy graph.
+//
+// Slots >= num_blocks * block_size: a slot table that is already evaluated is
+// checked when the op is built (IndexError). A lazy one is checked by the CPU
+// kernel before it writes anything (the eval raises); the Metal kernel cannot
+// raise, so it skips such slots and never writes outside the cache.
 #pragma once
 
 #include <vector>

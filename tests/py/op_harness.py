@@ -1,0 +1,42 @@
+"""Shared helpers of the op tests: dtypes, conversion, one tolerance table."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+# Max |actual - reference| allowed, relative to max(1, |reference|), per dtype:
+# a few units in the last place of the output type.
+TOLERANCE = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+def to_numpy(a: mx.array) -> np.ndarray:
+    """float64 copy of an MLX array of any float dtype."""
+    if a.dtype in (mx.float16, mx.bfloat16):
+        a = a.astype(mx.float32)
+    return np.array(a).astype(np.float64)
+
+
+def random(shape, dtype_name: str, seed: int, scale: float = 1.0) -> mx.array:
+    rng = np.random.default_rng(seed)
+    return mx.array((rng.standard_normal(shape) * scale).astype(np.float32)).astype(
+        DTYPES[dtype_name]
+    )
+
+
+def round_to(x: np.ndarray, dtype_name: str) -> np.ndarray:
+    """float64 values rounded to the precision of dtype_name."""
+    return to_numpy(mx.array(x.astype(np.float32)).astype(DTYPES[dtype_name]))
+
+
+def assert_close(actual: mx.array, reference: np.ndarray, dtype_name: str, what: str = ""):
+    got = to_numpy(actual)
+    assert got.shape == reference.shape, f"{what}: shape {got.shape} != {reference.shape}"
+    assert np.isfinite(got).all(), f"{what}: non-finite values in the output"
+    err = np.abs(got - reference) / np.maximum(1.0, np.abs(reference))
+    worst = float(err.max()) if err.size else 0.0
+    assert worst <= TOLERANCE[dtype_name], (
+        f"{what}: max relative error {worst:.3g} > {TOLERANCE[dtype_name]} ({dtype_name})"
+    )
