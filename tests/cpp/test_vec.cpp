@@ -33,16 +33,22 @@ std::vector<float> awkward_floats() {
 }  // namespace
 
 #if defined(__x86_64__) || defined(__aarch64__)
+#if defined(__aarch64__)
+using CompilerHalf = __fp16;  // GCC's C++ front end has no _Float16 on arm64
+#else
+using CompilerHalf = _Float16;
+#endif
+
 TEST(Vec, Float16MatchesTheCompilersConversion) {
   for (float f : awkward_floats()) {
-    _Float16 h = static_cast<_Float16>(f);
+    CompilerHalf h = static_cast<CompilerHalf>(f);
     uint16_t expect;
     std::memcpy(&expect, &h, 2);
     ASSERT_EQ(c::float_to_f16(f), expect) << "f=" << f;
   }
   for (uint32_t b = 0; b < 65536; ++b) {
     uint16_t bits = static_cast<uint16_t>(b);
-    _Float16 h;
+    CompilerHalf h;
     std::memcpy(&h, &bits, 2);
     float expect = static_cast<float>(h);
     float got = c::f16_to_float(bits);

@@ -1,5 +1,6 @@
 #include "cpu/reshape_and_cache.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "cpu/parallel.h"

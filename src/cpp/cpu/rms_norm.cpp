@@ -1,5 +1,6 @@
 #include "cpu/rms_norm.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "cpu/parallel.h"
@@ -71,6 +72,34 @@ VLLM_METAL_AVX2 void row_avx2(const S<E>* x, const S<E>* r, const S<E>* w, S<E>*
 }
 #endif
 
+#if defined(__aarch64__)
+template <Elt E>
+void row_neon(const S<E>* x, const S<E>* r, const S<E>* w, S<E>* y, S<E>* h, int64_t n,
+              float eps) {
+  float32x4_t acc0 = vdupq_n_f32(0.0f), acc1 = vdupq_n_f32(0.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    float32x4_t a = load4<E>(x + i), b = load4<E>(x + i + 4);
+    if (r) {
+      store4<E>(h + i, vaddq_f32(a, load4<E>(r + i)));
+      store4<E>(h + i + 4, vaddq_f32(b, load4<E>(r + i + 4)));
+      a = load4<E>(h + i);
+      b = load4<E>(h + i + 4);
+    }
+    acc0 = vfmaq_f32(acc0, a, a);
+    acc1 = vfmaq_f32(acc1, b, b);
+  }
+  float ss = vaddvq_f32(vaddq_f32(acc0, acc1)) + sum_squares_scalar<E>(x, r, h, i, n);
+  float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  const S<E>* src = r ? h : x;
+  i = 0;
+  for (; i + 4 <= n; i += 4) {
+    store4<E>(y + i, vmulq_f32(vmulq_n_f32(load4<E>(src + i), inv), load4<E>(w + i)));
+  }
+  scale_scalar<E>(src, w, y, inv, i, n);
+}
+#endif
+
 template <Elt E>
 void run(const RmsNormRows& a) {
   auto* x = static_cast<const S<E>*>(a.x);
@@ -81,6 +110,8 @@ void run(const RmsNormRows& a) {
   auto row = &row_generic<E>;
 #if defined(__x86_64__)
   if (has_avx2_fma()) row = &row_avx2<E>;
+#elif defined(__aarch64__)
+  row = &row_neon<E>;
 #endif
   const int64_t n = a.hidden;
   // ~16k elements per chunk keeps thread hand-off cost well below the work.

@@ -147,4 +147,34 @@ VLLM_METAL_AVX2 inline float hsum8(__m256 v) {
 }
 #endif  // __x86_64__
 
+#if defined(__aarch64__)
+template <Elt E>
+inline float32x4_t load4(const typename EltTraits<E>::Storage* p) {
+  if constexpr (E == Elt::kF32) {
+    return vld1q_f32(p);
+  } else if constexpr (E == Elt::kF16) {
+    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
+  } else {
+    return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
+  }
+}
+
+template <Elt E>
+inline void store4(typename EltTraits<E>::Storage* p, float32x4_t v) {
+  if constexpr (E == Elt::kF32) {
+    vst1q_f32(p, v);
+  } else if constexpr (E == Elt::kF16) {
+    vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(v)));  // FPCR default: nearest even
+  } else {
+    // round to nearest even on the upper 16 bits; NaN lanes keep a quiet NaN
+    uint32x4_t x = vreinterpretq_u32_f32(v);
+    uint32x4_t odd = vandq_u32(vshrq_n_u32(x, 16), vdupq_n_u32(1));
+    uint32x4_t r = vaddq_u32(x, vaddq_u32(odd, vdupq_n_u32(0x7fff)));
+    uint32x4_t is_num = vceqq_f32(v, v);
+    uint32x4_t qnan = vorrq_u32(x, vdupq_n_u32(0x400000));
+    vst1_u16(p, vshrn_n_u32(vbslq_u32(is_num, r, qnan), 16));
+  }
+}
+#endif  // __aarch64__
+
 }  // namespace vllm_metal::cpu

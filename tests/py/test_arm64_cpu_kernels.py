@@ -1,0 +1,44 @@
+"""The CPU kernels' NEON paths, built for arm64 and run under qemu-user.
+
+Apple Silicon runs the NEON code; this machine is x86-64. The MLX-free kernel
+files and their C++ tests are cross-compiled (static) with GoogleTest from
+source and executed with qemu-aarch64, so the arm64 paths are tested here.
+"""
+
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+GTEST = Path("/usr/src/googletest/googletest")
+KERNELS = ["vec", "parallel", "rms_norm", "reshape_and_cache"]
+TESTS = ["test_vec", "test_parallel", "test_cpu_kernels"]
+
+pytestmark = pytest.mark.skipif(
+    platform.system() != "Linux" or platform.machine() != "x86_64",
+    reason="cross-check for x86-64 Linux hosts; arm64 hosts run the NEON paths natively in ctest",
+)
+
+
+@pytest.mark.slow
+def test_cpu_kernels_pass_their_tests_on_arm64(tmp_path):
+    cxx = shutil.which("aarch64-linux-gnu-g++")
+    qemu = shutil.which("qemu-aarch64")
+    assert cxx and qemu, "needs g++-aarch64-linux-gnu and qemu-user (scripts/setup installs them)"
+    exe = tmp_path / "cpu_tests_arm64"
+    sources = [ROOT / f"src/cpp/cpu/{k}.cpp" for k in KERNELS]
+    sources += [ROOT / f"tests/cpp/{t}.cpp" for t in TESTS]
+    sources += [GTEST / "src/gtest-all.cc", GTEST / "src/gtest_main.cc"]
+    build = subprocess.run(
+        [cxx, "-O2", "-std=c++17", "-Wall", "-Werror", "-Wno-psabi", f"-I{ROOT / 'src/cpp'}",
+         f"-I{GTEST / 'include'}", f"-I{GTEST}", *map(str, sources), "-pthread", "-static",
+         "-o", str(exe)],
+        capture_output=True, text=True,
+    )
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([qemu, str(exe)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "PASSED" in run.stdout
