@@ -73,31 +73,49 @@ MTL::ComputePipelineState* get_pipeline(mx::metal::Device& d, const KernelLaunch
   return d.get_kernel(launch.kernel, lib, hash, consts);
 }
 
+[[noreturn]] void fail(const KernelLaunch& launch, const std::string& what) {
+  throw std::runtime_error("[vllm_metal] " + launch.kernel + ": " + what);
+}
+
+// Everything Metal would reject (or silently misbehave on), caught before encoding.
+void check_launch(const KernelLaunch& launch, MTL::ComputePipelineState* kernel,
+                  int num_slots) {
+  const uint64_t group = uint64_t(launch.threadgroup[0]) * launch.threadgroup[1] *
+                         launch.threadgroup[2];
+  if (group > kernel->maxTotalThreadsPerThreadgroup()) {
+    fail(launch, "threadgroup of " + std::to_string(group) + " threads exceeds the pipeline's " +
+                     std::to_string(kernel->maxTotalThreadsPerThreadgroup()));
+  }
+  for (const auto& b : launch.buffers) {
+    if (b.array_slot < 0 || b.array_slot >= num_slots) {
+      fail(launch, "buffer(" + std::to_string(b.index) + ") binds missing array slot " +
+                       std::to_string(b.array_slot));
+    }
+  }
+  if (launch.args.size() > 4096) {  // setBytes is meant for data up to 4 KB
+    fail(launch, "args struct of " + std::to_string(launch.args.size()) + " bytes exceeds 4096");
+  }
+}
+
 }  // namespace
 
 void run_plan_metal(const KernelPlan& plan, const std::vector<mx::array>& inputs,
                     std::vector<mx::array>& outputs, mx::Stream stream) {
   auto& d = mx::metal::device(stream.device);
-  auto& enc = mx::metal::get_command_encoder(stream);
   const int num_inputs = static_cast<int>(inputs.size());
   const int num_slots = num_inputs + static_cast<int>(outputs.size());
+  // All pipelines and checks first, so a bad launch leaves nothing half-encoded.
+  std::vector<MTL::ComputePipelineState*> kernels;
   for (const auto& launch : plan) {
-    if (launch.num_threads() == 0) continue;  // empty grid: nothing to encode
-    MTL::ComputePipelineState* kernel = get_pipeline(d, launch);
-    const uint64_t group = uint64_t(launch.threadgroup[0]) * launch.threadgroup[1] *
-                           launch.threadgroup[2];
-    if (group > kernel->maxTotalThreadsPerThreadgroup()) {
-      throw std::runtime_error("[vllm_metal] " + launch.kernel + ": threadgroup of " +
-                               std::to_string(group) + " threads exceeds the pipeline's " +
-                               std::to_string(kernel->maxTotalThreadsPerThreadgroup()));
-    }
-    enc.set_compute_pipeline_state(kernel);
+    kernels.push_back(launch.num_threads() == 0 ? nullptr : get_pipeline(d, launch));
+    if (kernels.back()) check_launch(launch, kernels.back(), num_slots);
+  }
+  auto& enc = mx::metal::get_command_encoder(stream);
+  for (size_t k = 0; k < plan.size(); ++k) {
+    const KernelLaunch& launch = plan[k];
+    if (!kernels[k]) continue;  // empty grid: nothing to encode
+    enc.set_compute_pipeline_state(kernels[k]);
     for (const auto& b : launch.buffers) {
-      if (b.array_slot < 0 || b.array_slot >= num_slots) {
-        throw std::runtime_error("[vllm_metal] " + launch.kernel + ": buffer(" +
-                                 std::to_string(b.index) + ") binds missing array slot " +
-                                 std::to_string(b.array_slot));
-      }
       if (b.array_slot < num_inputs) {
         enc.set_input_array(inputs[b.array_slot], b.index, b.byte_offset);
       } else {

@@ -1,0 +1,10 @@
+// One bind_* function per area; module.cpp calls them all.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+namespace vllm_metal::bindings {
+
+void bind_ops(nanobind::module_& m);
+
+}  // namespace vllm_metal::bindings

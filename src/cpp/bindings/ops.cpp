@@ -1,0 +1,169 @@
+// Bindings of the ops, their planners and the kernel backend switch. Thin:
+// C++ functions bound by name, keyword arguments, a docstring each.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/array.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include <stdexcept>
+
+#include "bindings/bindings.h"
+#include "cpu/parallel.h"
+#include "cpu/vec.h"
+#include "mlx/array.h"
+#include "mlx/utils.h"
+#include "ops/emulator.h"
+#include "ops/kernel_backend.h"
+#include "ops/kernel_launch.h"
+#include "ops/reshape_and_cache.h"
+#include "ops/rms_norm.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+namespace mx = mlx::core;
+namespace vm = vllm_metal;
+
+namespace {
+
+// Same conversion MLX's own bindings use for `stream=` arguments.
+using StreamArg = std::variant<std::monostate, mx::Stream, mx::Device>;
+
+mx::StreamOrDevice to_stream_or_device(const StreamArg& s) {
+  if (std::holds_alternative<mx::Stream>(s)) return std::get<mx::Stream>(s);
+  if (std::holds_alternative<mx::Device>(s)) return std::get<mx::Device>(s);
+  return {};
+}
+
+mx::Dtype parse_float_dtype(const std::string& name) {
+  if (name == "float32") return mx::float32;
+  if (name == "float16") return mx::float16;
+  if (name == "bfloat16") return mx::bfloat16;
+  throw std::invalid_argument("dtype must be 'float32', 'float16' or 'bfloat16', got '" + name +
+                              "'");
+}
+
+void bind_launches(nb::module_& m) {
+  nb::class_<vm::FunctionConstant>(m, "FunctionConstant")
+      .def_ro("index", &vm::FunctionConstant::index)
+      .def_prop_ro("type", [](const vm::FunctionConstant& c) {
+        switch (c.type) {
+          case vm::FunctionConstant::Type::kBool: return "bool";
+          case vm::FunctionConstant::Type::kInt32: return "int32";
+          case vm::FunctionConstant::Type::kUInt32: return "uint32";
+          default: return "float32";
+        }
+      })
+      .def_ro("bits", &vm::FunctionConstant::bits);
+  nb::class_<vm::BufferBinding>(m, "BufferBinding")
+      .def_ro("index", &vm::BufferBinding::index)
+      .def_ro("array_slot", &vm::BufferBinding::array_slot)
+      .def_ro("byte_offset", &vm::BufferBinding::byte_offset);
+  nb::class_<vm::KernelLaunch>(m, "KernelLaunch",
+                               "One Metal kernel launch as data (see kernel_launch.h).")
+      .def_ro("source", &vm::KernelLaunch::source)
+      .def_ro("kernel", &vm::KernelLaunch::kernel)
+      .def_ro("constants", &vm::KernelLaunch::constants)
+      .def_ro("buffers", &vm::KernelLaunch::buffers)
+      .def_ro("args_index", &vm::KernelLaunch::args_index)
+      .def_prop_ro("args", [](const vm::KernelLaunch& l) {
+        return nb::bytes(reinterpret_cast<const char*>(l.args.data()), l.args.size());
+      })
+      .def_ro("grid", &vm::KernelLaunch::grid)
+      .def_ro("threadgroup", &vm::KernelLaunch::threadgroup)
+      .def_ro("threadgroup_memory", &vm::KernelLaunch::threadgroup_memory);
+}
+
+void bind_planners(nb::module_& m) {
+  m.def(
+      "plan_rms_norm",
+      [](const std::string& dtype, int64_t rows, int64_t hidden, bool fused_add, float eps) {
+        vm::RmsNormProblem p;
+        p.dtype = parse_float_dtype(dtype);
+        p.rows = rows;
+        p.hidden = hidden;
+        p.x_row_stride = p.residual_row_stride = hidden;
+        p.fused_add = fused_add;
+        p.eps = eps;
+        return vm::plan_rms_norm(p);
+      },
+      "dtype"_a, "rows"_a, "hidden"_a, "fused_add"_a = false, "eps"_a = 1e-6f,
+      "Kernel launches of rms_norm for row-contiguous inputs.");
+  m.def(
+      "plan_reshape_and_cache",
+      [](const std::string& dtype, int64_t num_tokens, int64_t num_heads, int64_t head_size,
+         int64_t num_slots, std::array<int64_t, 3> key_strides,
+         std::array<int64_t, 3> value_strides, bool copy_key_cache, bool copy_value_cache) {
+        vm::CacheWriteProblem p;
+        p.dtype = parse_float_dtype(dtype);
+        p.num_tokens = num_tokens;
+        p.num_heads = num_heads;
+        p.head_size = head_size;
+        p.num_slots = num_slots;
+        for (int i = 0; i < 3; ++i) {
+          p.key_strides[i] = key_strides[i];
+          p.value_strides[i] = value_strides[i];
+        }
+        p.copy_key_cache = copy_key_cache;
+        p.copy_value_cache = copy_value_cache;
+        return vm::plan_reshape_and_cache(p);
+      },
+      "dtype"_a, "num_tokens"_a, "num_heads"_a, "head_size"_a, "num_slots"_a, "key_strides"_a,
+      "value_strides"_a, "copy_key_cache"_a = false, "copy_value_cache"_a = false,
+      "Kernel launches of reshape_and_cache (strides in elements).");
+
+}
+
+}  // namespace
+
+namespace vllm_metal::bindings {
+
+void bind_ops(nb::module_& m) {
+  m.def(
+      "rms_norm",
+      [](const mx::array& x, const mx::array& weight, float eps, const StreamArg& s) {
+        return vm::rms_norm(x, weight, eps, to_stream_or_device(s));
+      },
+      "x"_a, "weight"_a, "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
+      "x * rsqrt(mean(x**2, axis=-1) + eps) * weight, computed in float32.");
+  m.def(
+      "add_rms_norm",
+      [](const mx::array& x, const mx::array& residual, const mx::array& weight, float eps,
+         const StreamArg& s) {
+        auto r = vm::add_rms_norm(x, residual, weight, eps, to_stream_or_device(s));
+        return nb::make_tuple(r[0], r[1]);
+      },
+      "x"_a, "residual"_a, "weight"_a, "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
+      "h = x + residual (in x.dtype); returns (rms_norm(h, weight, eps), h).");
+  m.def(
+      "reshape_and_cache",
+      [](const mx::array& key, const mx::array& value, const mx::array& key_cache,
+         const mx::array& value_cache, const mx::array& slot_mapping, const StreamArg& s) {
+        auto r = vm::reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                                       to_stream_or_device(s));
+        return nb::make_tuple(r[0], r[1]);
+      },
+      "key"_a, "value"_a, "key_cache"_a, "value_cache"_a, "slot_mapping"_a, nb::kw_only(),
+      "stream"_a = nb::none(),
+      "Write key/value [T, H, D] into the paged caches at slot_mapping (int64, < 0 skips);\n"
+      "returns the updated (key_cache, value_cache).");
+
+  m.def(
+      "set_kernel_backend",
+      [](const std::string& name) { vm::set_default_kernel_backend(vm::parse_kernel_backend(name)); },
+      "name"_a, "'native' (C++ CPU kernels / Metal) or 'emulated' (Metal kernels in mslemu).");
+  m.def("kernel_backend", [] { return std::string(vm::kernel_backend_name(vm::default_kernel_backend())); });
+  m.def("register_emulated_library", &vm::emulator::register_library, "source"_a, "so_path"_a,
+        "Make the emulator-built kernels of src/metal/<source>.metal runnable.");
+  m.def("has_emulated_library", &vm::emulator::has_library, "source"_a);
+  m.def("set_num_threads", &vm::cpu::set_num_threads, "n"_a,
+        "Threads of the CPU kernels (0 = all cores).");
+  m.def("num_threads", &vm::cpu::num_threads);
+  m.def("has_avx2_fma", &vm::cpu::has_avx2_fma);
+
+  bind_launches(m);
+  bind_planners(m);
+}
+
+}  // namespace vllm_metal::bindings
