@@ -8,31 +8,16 @@
 #include <stdexcept>
 #include <vector>
 
+#include "mslemu/abi.h"
+
 namespace vllm_metal::emulator {
 
 namespace {
 
-// Mirror of the C ABI in tools/mslemu/include/mslemu/runtime.h.
-struct MslemuLaunch {
-  void* const* buffers;
-  const uint64_t* buffer_sizes;
-  uint32_t n_buffers;
-  const uint64_t* tg_mem_len;
-  uint32_t n_tg_mem;
-  uint32_t grid[3];
-  uint32_t tg[3];
-  uint32_t nonuniform;
-  uint32_t n_workers;
-};
-using DispatchFn = int (*)(const char*, const MslemuLaunch*);
-using SetConstantFn = int (*)(const char*, const void*, unsigned long);
-
 struct Library {
   void* handle = nullptr;
-  DispatchFn dispatch = nullptr;
-  SetConstantFn set_constant = nullptr;
-  // Function constants are globals of the library: set + dispatch is atomic.
-  std::mutex mutex;
+  mslemu_dispatch_fc_fn dispatch = nullptr;  // sets constants + dispatches atomically
+  mslemu_last_error_fn last_error = nullptr;
 };
 
 std::mutex& registry_mutex() {
@@ -59,10 +44,9 @@ void register_library(const std::string& source, const std::string& so_path) {
   }
   auto lib = std::make_shared<Library>();
   lib->handle = h;
-  lib->dispatch = reinterpret_cast<DispatchFn>(dlsym(h, "mslemu_dispatch"));
-  lib->set_constant =
-      reinterpret_cast<SetConstantFn>(dlsym(h, "mslemu_set_function_constant"));
-  if (!lib->dispatch || !lib->set_constant) {
+  lib->dispatch = reinterpret_cast<mslemu_dispatch_fc_fn>(dlsym(h, "mslemu_dispatch_fc"));
+  lib->last_error = reinterpret_cast<mslemu_last_error_fn>(dlsym(h, "mslemu_last_error"));
+  if (!lib->dispatch || !lib->last_error) {
     throw std::runtime_error("[emulator] " + so_path + " is not an mslemu kernel library");
   }
   std::lock_guard<std::mutex> lock(registry_mutex());
@@ -104,7 +88,7 @@ void run(const KernelLaunch& launch, void* const* slot_ptrs, const uint64_t* slo
     ptrs[launch.args_index] = const_cast<uint8_t*>(launch.args.data());
     sizes[launch.args_index] = launch.args.size();
   }
-  MslemuLaunch L{};
+  mslemu_launch L{};
   L.buffers = ptrs.data();
   L.buffer_sizes = sizes.data();
   L.n_buffers = static_cast<uint32_t>(n);
@@ -114,17 +98,19 @@ void run(const KernelLaunch& launch, void* const* slot_ptrs, const uint64_t* slo
     L.grid[i] = launch.grid[i];
     L.tg[i] = launch.threadgroup[i];
   }
-  std::lock_guard<std::mutex> lock(lib->mutex);
+  std::vector<std::string> indices;
+  indices.reserve(launch.constants.size());
+  std::vector<mslemu_function_constant> constants;
   for (const auto& c : launch.constants) {
-    std::string idx = std::to_string(c.index);
-    if (lib->set_constant(idx.c_str(), &c.bits, c.byte_size()) != 0) {
-      throw std::runtime_error("[emulator] " + launch.kernel + ": cannot set function constant " +
-                               idx);
-    }
+    indices.push_back(std::to_string(c.index));
+    constants.push_back({indices.back().c_str(), &c.bits, c.byte_size()});
   }
-  if (lib->dispatch(launch.kernel.c_str(), &L) != 0) {
-    throw std::runtime_error("[emulator] kernel '" + launch.kernel + "' not found in " +
-                             launch.source + ".metal");
+  int rc = lib->dispatch(launch.kernel.c_str(), &L, constants.data(),
+                         static_cast<uint32_t>(constants.size()));
+  if (rc != 0) {
+    const char* why = lib->last_error();
+    throw std::runtime_error("[emulator] " + launch.source + ".metal:" + launch.kernel +
+                             " failed (" + std::to_string(rc) + "): " + (why ? why : "?"));
   }
 }
 

@@ -1,0 +1,77 @@
+/* mslemu C ABI: what a generated kernel library (kernels.so) exports.  Plain C, so a
+ * host (Python ctypes, the vllm-metal C++ runtime via dlopen/dlsym) can include it
+ * without the emulator's fiber runtime.
+ *
+ *   int mslemu_dispatch(const char *name, const mslemu_launch *L);
+ *   int mslemu_dispatch_fc(const char *name, const mslemu_launch *L,
+ *                          const mslemu_function_constant *fc, uint32_t n_fc);
+ *   int mslemu_set_function_constant(const char *idx, const void *v, unsigned long n);
+ *   const char *mslemu_kernel_name(int i);   // i-th host name (sorted), NULL past the end
+ *   const char *mslemu_last_error(void);     // message of the calling thread's last failure
+ *
+ * Return codes: 0 ok; MSLEMU_E_NO_KERNEL unknown kernel name or function-constant index;
+ * MSLEMU_E_FC_SIZE wrong function-constant size; MSLEMU_E_LAUNCH invalid launch (more
+ * than 1024 threads per threadgroup, NULL arrays, threadgroup memory over 32 KiB under
+ * MSLEMU_STRICT); MSLEMU_E_KERNEL the kernel failed (MSLEMU_STRICT violation, unbound
+ * buffer or threadgroup memory, threadgroup variables over the limit).  A failed dispatch
+ * abandons the remaining threadgroups, so outputs are partially written.  Out-of-bounds
+ * accesses are not detected: they corrupt memory or crash the process as on a CPU.
+ *
+ * Grid and threadgroup sizes of 0 are treated as 1 (a zero-initialised y/z is fine);
+ * skip empty dispatches on the host.
+ *
+ * Threading contract: every entry point may be called from any host thread.  One mutex
+ * per library serialises them: a dispatch runs alone (it already uses every core through
+ * its own worker threads) and never sees a half-written function constant.  Function
+ * constants are library-global state, like a pipeline specialised at creation, and
+ * set_function_constant followed by dispatch is two calls: a host that dispatches with
+ * different constant values from several threads must use mslemu_dispatch_fc, which sets
+ * the constants and dispatches under one hold of the lock.  Buffers are the caller's:
+ * two dispatches writing the same memory are the caller's race, as on a GPU.
+ */
+#ifndef MSLEMU_ABI_H
+#define MSLEMU_ABI_H
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct mslemu_launch {
+  void *const *buffers;         /* [[buffer(i)]] -> buffers[i] (NULL: unbound) */
+  const uint64_t *buffer_sizes; /* bytes (informational, may be NULL) */
+  uint32_t n_buffers;
+  const uint64_t *tg_mem_len;   /* [[threadgroup(i)]] dynamic sizes in bytes */
+  uint32_t n_tg_mem;
+  uint32_t grid[3];             /* threadgroups per grid (dispatchThreadgroups) or */
+                                /* threads per grid (dispatchThreads, nonuniform=1) */
+  uint32_t tg[3];               /* threads per threadgroup */
+  uint32_t nonuniform;          /* 1: grid is in threads (dispatchThreads) */
+  uint32_t n_workers;           /* 0 = auto (MSLEMU_THREADS or hw concurrency) */
+} mslemu_launch;
+
+/* One function-constant value for mslemu_dispatch_fc: index as written in
+ * [[function_constant(index)]] (decimal string), value bytes of exactly the constant's size. */
+typedef struct mslemu_function_constant {
+  const char *index;
+  const void *value;
+  unsigned long size;
+} mslemu_function_constant;
+
+#define MSLEMU_E_NO_KERNEL (-1)
+#define MSLEMU_E_FC_SIZE (-2)
+#define MSLEMU_E_LAUNCH (-3)
+#define MSLEMU_E_KERNEL (-4)
+
+/* dlsym targets */
+typedef int (*mslemu_dispatch_fn)(const char *name, const mslemu_launch *L);
+typedef int (*mslemu_dispatch_fc_fn)(const char *name, const mslemu_launch *L,
+                                     const mslemu_function_constant *fc, uint32_t n_fc);
+typedef int (*mslemu_set_function_constant_fn)(const char *idx, const void *v, unsigned long n);
+typedef const char *(*mslemu_kernel_name_fn)(int i);
+typedef const char *(*mslemu_last_error_fn)(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MSLEMU_ABI_H */
