@@ -14,8 +14,9 @@ from vllm_metal import _core, envs
 rms_norm = _core.rms_norm
 add_rms_norm = _core.add_rms_norm
 reshape_and_cache = _core.reshape_and_cache
+paged_attention = _core.paged_attention
 
-__all__ = ["rms_norm", "add_rms_norm", "reshape_and_cache", "set_kernel_backend", "kernel_backend"]
+__all__ = ["rms_norm", "add_rms_norm", "reshape_and_cache", "paged_attention", "set_kernel_backend", "kernel_backend"]
 
 
 def kernel_backend() -> str:

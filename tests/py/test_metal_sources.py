@@ -27,6 +27,10 @@ def planned_kernel_names():
         plan = _core.plan_reshape_and_cache(dtype, 2, 2, 64, 32, [128, 64, 1], [128, 64, 1],
                                             copy_key_cache=True, copy_value_cache=True)
         names |= {l.kernel for l in plan}
+    for dtype, d in itertools.product(DTYPES, (64, 80, 96, 128, 256)):
+        plan = _core.plan_paged_attention(dtype, 9, 3, 8, 2, d, 16, 100, 64, num_decode_seqs=2,
+                                          max_seq_len=4000, max_query_len=7)
+        names |= {l.kernel for l in plan}
     return names
 
 
@@ -36,6 +40,15 @@ def test_every_planned_kernel_is_instantiated():
         instantiated |= set(emulation.library(source).kernels)
     missing = planned_kernel_names() - instantiated
     assert not missing, f"planners produce kernels no .metal file instantiates: {sorted(missing)}"
+
+
+def test_kernel_names_are_unique_across_sources():
+    # all .metal files link into one metallib on Apple
+    seen = {}
+    for source in emulation.kernel_sources():
+        for name in emulation.library(source).kernels:
+            assert name not in seen, f"{name} is defined in {seen[name]} and {source}"
+            seen[name] = source
 
 
 def test_rms_norm_plan_geometry():

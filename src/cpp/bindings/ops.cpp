@@ -17,6 +17,7 @@
 #include "ops/emulator.h"
 #include "ops/kernel_backend.h"
 #include "ops/kernel_launch.h"
+#include "ops/paged_attention.h"
 #include "ops/reshape_and_cache.h"
 #include "ops/rms_norm.h"
 
@@ -91,6 +92,40 @@ void bind_planners(nb::module_& m) {
       "dtype"_a, "rows"_a, "hidden"_a, "fused_add"_a = false, "eps"_a = 1e-6f,
       "Kernel launches of rms_norm for row-contiguous inputs.");
   m.def(
+      "plan_paged_attention",
+      [](const std::string& dtype, int64_t num_tokens, int64_t num_seqs, int64_t num_q_heads,
+         int64_t num_kv_heads, int64_t head_size, int64_t block_size, int64_t num_blocks,
+         int64_t max_blocks, int64_t num_decode_seqs, int64_t max_seq_len,
+         int64_t max_query_len, float scale, int64_t sliding_window, float softcap,
+         bool has_sinks, int64_t partition_size) {
+        vm::PagedAttentionProblem p;
+        p.dtype = parse_float_dtype(dtype);
+        p.num_tokens = num_tokens;
+        p.num_seqs = num_seqs;
+        p.num_q_heads = num_q_heads;
+        p.num_kv_heads = num_kv_heads;
+        p.head_size = head_size;
+        p.block_size = block_size;
+        p.num_blocks = num_blocks;
+        p.max_blocks = max_blocks;
+        p.q_token_stride = num_q_heads * head_size;
+        p.q_head_stride = head_size;
+        p.num_decode_seqs = num_decode_seqs;
+        p.max_seq_len = max_seq_len;
+        p.max_query_len = max_query_len;
+        p.scale = scale;
+        p.sliding_window = sliding_window;
+        p.softcap = softcap;
+        p.has_sinks = has_sinks;
+        p.partition_size = partition_size;
+        return vm::plan_paged_attention(p);
+      },
+      "dtype"_a, "num_tokens"_a, "num_seqs"_a, "num_q_heads"_a, "num_kv_heads"_a, "head_size"_a,
+      "block_size"_a, "num_blocks"_a, "max_blocks"_a, "num_decode_seqs"_a, "max_seq_len"_a,
+      "max_query_len"_a, "scale"_a = 1.0f, "sliding_window"_a = 0, "softcap"_a = 0.0f,
+      "has_sinks"_a = false, "partition_size"_a = 512,
+      "Kernel launches of paged_attention for a contiguous q (slots: see paged_attention.h).");
+  m.def(
       "plan_reshape_and_cache",
       [](const std::string& dtype, int64_t num_tokens, int64_t num_heads, int64_t head_size,
          int64_t num_slots, std::array<int64_t, 3> key_strides,
@@ -149,6 +184,31 @@ void bind_ops(nb::module_& m) {
       "Write key/value [T, H, D] into the paged caches at slot_mapping (int64, < 0 skips);\n"
       "returns the updated (key_cache, value_cache).");
 
+  m.def(
+      "paged_attention",
+      [](const mx::array& q, const mx::array& key_cache, const mx::array& value_cache,
+         const mx::array& block_tables, const mx::array& seq_lens, const mx::array& cu_seqlens_q,
+         float scale, int64_t sliding_window, float softcap,
+         const std::optional<mx::array>& sinks, std::optional<int64_t> num_decode_seqs,
+         std::optional<int64_t> max_seq_len, std::optional<int64_t> max_query_len,
+         const StreamArg& s) {
+        vm::PagedAttentionOptions o;
+        o.scale = scale;
+        o.sliding_window = sliding_window;
+        o.softcap = softcap;
+        o.num_decode_seqs = num_decode_seqs;
+        o.max_seq_len = max_seq_len;
+        o.max_query_len = max_query_len;
+        return vm::paged_attention(q, key_cache, value_cache, block_tables, seq_lens,
+                                   cu_seqlens_q, o, sinks, to_stream_or_device(s));
+      },
+      "q"_a, "key_cache"_a, "value_cache"_a, "block_tables"_a, "seq_lens"_a, "cu_seqlens_q"_a,
+      nb::kw_only(), "scale"_a, "sliding_window"_a = 0, "softcap"_a = 0.0f,
+      "sinks"_a = nb::none(), "num_decode_seqs"_a = nb::none(), "max_seq_len"_a = nb::none(),
+      "max_query_len"_a = nb::none(), "stream"_a = nb::none(),
+      "Attention of packed rows q [T, Hq, D] (decode rows first) against the paged KV cache.\n"
+      "seq_lens: context incl. new tokens; sliding_window: last W positions (0 = all);\n"
+      "softcap: tanh soft-capping (0 = off); sinks: float32 [Hq] extra logits.");
   m.def(
       "set_kernel_backend",
       [](const std::string& name) { vm::set_default_kernel_backend(vm::parse_kernel_backend(name)); },
