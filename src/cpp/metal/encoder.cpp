@@ -4,7 +4,9 @@
 // grid) is already in the plan and tested on Linux with the emulator; this
 // file only translates it into encoder calls. Kernels come from
 // vllm_metal.metallib, built by CMake (mlx_build_metallib) and found next to
-// the core shared library. Type-checked on Linux by tools/apple_check.
+// the core shared library. See docs/apple.md. Checked on Linux by
+// tools/apple_check: compiled against MLX's macOS headers, its symbols looked up
+// in the real libmlx.dylib, and run against a recording fake of MLX's device.
 #include <dlfcn.h>
 #include <sys/stat.h>
 
