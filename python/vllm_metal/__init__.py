@@ -1,7 +1,53 @@
 """vllm-metal: a vLLM hardware plugin for Apple Silicon.
 
-Importing this package is cheap (vLLM imports plugins in every process); the
-C++ core loads with ``vllm_metal.ops`` or ``vllm_metal._core``.
+Importing this package is cheap: vLLM imports plugins in every process and
+calls ``register()`` more than once. The C++ core loads with
+``vllm_metal.ops`` or ``vllm_metal._core``.
 """
 
+from __future__ import annotations
+
+import importlib.util
+import logging
+
 __version__ = "0.1.0"
+
+logger = logging.getLogger(__name__)
+
+PLATFORM = "vllm_metal.platform.MetalPlatform"
+
+
+def register() -> str | None:
+    """vllm.platform_plugins entry point: the platform's qualified name, or
+    None (with the reason logged) when the plugin should stay off."""
+    from vllm_metal import envs
+
+    if envs.VLLM_METAL_DISABLE:
+        logger.info("vllm-metal is disabled by VLLM_METAL_DISABLE")
+        return None
+    if importlib.util.find_spec("mlx") is None:
+        logger.info("vllm-metal is inactive: MLX is not installed")
+        return None
+    return PLATFORM
+
+
+def register_general() -> None:
+    """vllm.general_plugins entry point, run in every vLLM process.
+
+    vLLM's engine calls torch.accelerator.empty_cache() between phases; with the
+    CPU build of torch and no accelerator that raises, so it becomes a no-op.
+    """
+    from vllm_metal import envs
+
+    if envs.VLLM_METAL_DISABLE:
+        return
+    import torch
+
+    if not torch.accelerator.is_available() and not getattr(
+        torch.accelerator.empty_cache, "_vllm_metal_noop", False
+    ):
+        def empty_cache() -> None:
+            return None
+
+        empty_cache._vllm_metal_noop = True  # idempotent: vLLM loads plugins repeatedly
+        torch.accelerator.empty_cache = empty_cache

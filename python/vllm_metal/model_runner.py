@@ -1,0 +1,191 @@
+"""MetalModelRunner: one forward per scheduler step, on MLX.
+
+Per step: apply the scheduler's deltas to the C++ request table, pack the
+scheduled requests into flat arrays (BatchPacker, no per-step allocation),
+build the attention context, and submit the forward lazily (execute_model);
+sample_tokens then evaluates, picks the tokens and records them in the table.
+The paged KV cache is one (key, value) pair of MLX arrays per layer, updated
+in place by the attention layers through reshape_and_cache.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import numpy as np
+
+from vllm_metal import _core
+from vllm_metal.models import AttentionContext, load_model
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32"}
+
+
+class MetalModelRunner:
+    def __init__(self, vllm_config) -> None:
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.cache_config = vllm_config.cache_config
+        self.scheduler_config = vllm_config.scheduler_config
+        self.use_v2 = bool(getattr(vllm_config, "use_v2_model_runner", True))
+        self.loaded = None
+        self.model = None
+        self.kv_caches: list[tuple[mx.array, mx.array]] = []
+        self.packer = None
+        self._pending = None  # (req_ids, discard, next_tokens) of the step in flight
+
+    # ---- setup ------------------------------------------------------------------
+    def load_model(self) -> None:
+        dtype = _dtype_name(self.model_config.dtype)
+        self.loaded = load_model(self.model_config.model, dtype)
+        self.model = self.loaded.model
+        spec = self.loaded.spec
+        logger.info("vllm-metal loaded %s: %d layers, %d kv heads x %d, cache %s",
+                    spec.architecture, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype)
+
+    def layer_names(self) -> list[str]:
+        return [f"model.layers.{i}.self_attn.attn" for i in range(self.loaded.spec.num_layers)]
+
+    def get_kv_cache_spec(self):
+        import torch
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        spec = self.loaded.spec
+        dtype = getattr(torch, _TORCH_DTYPES[spec.dtype])
+        # Sliding-window layers are declared as full attention that records its
+        # window: one KV group, blocks kept for all tokens, the window applied
+        # by the kernel.
+        return {
+            name: FullAttentionSpec(
+                block_size=self.cache_config.block_size,
+                num_kv_heads=spec.num_kv_heads,
+                head_size=spec.head_dim,
+                dtype=dtype,
+                sliding_window=spec.sliding_window_per_layer[i] or None,
+            )
+            for i, name in enumerate(self.layer_names())
+        }
+
+    def cache_block_size_bytes(self) -> int:
+        spec = self.loaded.spec
+        itemsize = np.dtype(np.float32).itemsize if spec.dtype == "float32" else 2
+        return 2 * self.cache_config.block_size * spec.num_kv_heads * spec.head_dim * itemsize * spec.num_layers
+
+    def initialize_kv_cache(self, kv_cache_config) -> None:
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise ValueError("[vllm-metal] models with several KV-cache groups are not supported yet")
+        group = kv_cache_config.kv_cache_groups[0]
+        missing = set(self.layer_names()) - set(group.layer_names)
+        if missing:
+            raise ValueError(f"[vllm-metal] KV cache config lacks layers {sorted(missing)[:3]}...")
+        spec = self.loaded.spec
+        num_blocks = kv_cache_config.num_blocks
+        block_size = group.kv_cache_spec.block_size
+        dtype = getattr(mx, spec.dtype)
+        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv_caches = [(mx.zeros(shape, dtype), mx.zeros(shape, dtype)) for _ in range(spec.num_layers)]
+        mx.eval(self.kv_caches)
+        self.packer = _core.BatchPacker(
+            max_num_reqs=self.scheduler_config.max_num_seqs,
+            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
+            max_model_len=self.model_config.max_model_len,
+            kv_groups=[_core.KvGroupSpec(block_size, num_blocks=num_blocks)],
+        )
+        logger.info("vllm-metal KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, block_size,
+                    2 * spec.num_layers * np.prod(shape) * (4 if spec.dtype == "float32" else 2) / 2**20)
+
+    def warm_up(self) -> None:
+        """One tiny forward so the first request does not pay one-time costs."""
+        if self.packer is None:
+            return
+        self.packer.add_request("__warmup__", [0, 1], block_ids=[[0]])
+        try:
+            self.packer.pack({"__warmup__": 2})
+            logits = self._forward()
+            mx.eval(logits)
+        finally:
+            self.packer.remove_requests(["__warmup__"])
+
+    # ---- one step -----------------------------------------------------------------
+    def execute_model(self, scheduler_output):
+        self._apply_scheduler_output(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            self._pending = None
+            return None
+        self.packer.pack(dict(scheduler_output.num_scheduled_tokens))
+        logits = self._forward()
+        next_tokens = mx.argmax(logits, axis=-1).astype(mx.int32)  # greedy (issue 8 adds sampling)
+        mx.async_eval(next_tokens)
+        self._pending = (list(self.packer.req_ids), np.array(self.packer.discard_sampled), next_tokens)
+        return None
+
+    def sample_tokens(self, grammar_output):
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+        if self._pending is None:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        req_ids, discard, next_tokens = self._pending
+        self._pending = None
+        tokens = np.array(next_tokens, dtype=np.int32)  # [num_seqs]: waits for the forward
+        self.packer.append_sampled(tokens)
+        sampled = [[] if discard[i] else [int(tokens[i])] for i in range(len(req_ids))]
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+
+    def _forward(self) -> mx.array:
+        p = self.packer
+        t = p.num_tokens
+        ctx = AttentionContext(
+            positions=mx.array(p.positions[:t]),
+            slot_mapping=mx.array(p.slot_mapping[:t]),
+            block_tables=mx.array(p.block_table),
+            seq_lens=mx.array(p.seq_lens),
+            cu_seqlens_q=mx.array(p.cu_seqlens_q),
+            num_decode_seqs=p.num_decodes,
+            max_seq_len=p.max_seq_len,
+            max_query_len=p.max_query_len,
+            logits_indices=mx.array(p.logits_indices),
+            kv_caches=self.kv_caches,
+        )
+        logits = self.model(mx.array(p.input_ids[:t]), ctx)
+        self.kv_caches = ctx.kv_caches  # the updated caches
+        return logits
+
+    def _apply_scheduler_output(self, so) -> None:
+        """The scheduler's deltas -> the request table (both runner contracts).
+
+        V2 (default): preempted requests are dropped and come back as new ones
+        carrying all their tokens (prefill_token_ids). V1: they stay; on resume
+        their block ids are replaced and all_token_ids restores their tokens.
+        """
+        p = self.packer
+        gone = set(so.finished_req_ids)
+        if self.use_v2 and so.preempted_req_ids:
+            gone |= set(so.preempted_req_ids)
+        if gone:
+            p.remove_requests(sorted(gone))
+        for new in so.scheduled_new_reqs:
+            tokens = new.prefill_token_ids if new.prefill_token_ids is not None else new.prompt_token_ids
+            if tokens is None:
+                raise ValueError("[vllm-metal] prompt embeddings are not supported")
+            p.add_request(new.req_id, list(tokens), num_computed_tokens=new.num_computed_tokens,
+                          block_ids=[list(b) for b in new.block_ids],
+                          prompt_len=len(new.prompt_token_ids or tokens), replace=True)
+        cached = so.scheduled_cached_reqs
+        if cached.req_ids:
+            p.update_requests(
+                list(cached.req_ids), list(cached.num_computed_tokens),
+                [None if b is None else [list(g) for g in b] for b in cached.new_block_ids],
+                resumed_req_ids=list(cached.resumed_req_ids) if cached.resumed_req_ids else None,
+                all_token_ids={k: list(v) for k, v in cached.all_token_ids.items()} or None,
+            )
+
+
+def _dtype_name(dtype) -> str | None:
+    name = str(dtype).replace("torch.", "")
+    return name if name in _TORCH_DTYPES else None

@@ -1,0 +1,173 @@
+"""MetalPlatform: how vLLM 0.33 sees this plugin.
+
+vLLM keeps its API server, scheduler and KV-cache manager; this platform points
+it at our worker (vllm_metal.worker.MetalWorker), runs it in-process, and
+refuses at startup what the runner does not support. All config edits live in
+check_and_update_config.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import psutil
+import torch
+from vllm.platforms.interface import Platform, PlatformEnum
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
+
+# The attention backend vLLM's selector sees. Our runner never builds vLLM's
+# attention layers; the class only answers capability questions.
+ATTENTION_BACKEND = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Ministral3ForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+}
+
+
+class UnsupportedConfiguration(ValueError):
+    """Raised at startup for settings the Metal runner does not support."""
+
+
+def _refuse(what: str, hint: str = "") -> None:
+    raise UnsupportedConfiguration(f"[vllm-metal] {what} is not supported" + (f"; {hint}" if hint else ""))
+
+
+class MetalPlatform(Platform):
+    _enum = PlatformEnum.OOT
+    device_name: str = "cpu"
+    device_type: str = "cpu"
+    dispatch_key: str = "CPU"
+    dist_backend: str = "gloo"
+    ray_device_key: str = ""
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return "Apple Silicon (Metal)" if _on_apple() else "CPU (vllm-metal)"
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        return psutil.virtual_memory().total
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def inference_mode(cls):
+        return torch.no_grad()
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        return None
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+        return ATTENTION_BACKEND
+
+    @classmethod
+    def update_block_size_for_backend(cls, vllm_config: VllmConfig) -> None:
+        # Our kernels take any block size: keep the user's or vLLM's default.
+        return None
+
+    @classmethod
+    def get_current_memory_usage(cls, device=None) -> float:
+        return float(psutil.Process().memory_info().rss)
+
+    @classmethod
+    def pre_register_and_update(cls, parser=None) -> None:
+        # `vllm serve model.gguf`: the model argument resolves to a directory
+        # prepared from the file's metadata (config.json, tokenizer), which
+        # vLLM's front end reads like any local checkpoint.
+        if parser is None:
+            return
+        from vllm_metal.model_paths import resolve_model_argument
+
+        for action in parser._actions:
+            if action.dest in ("model_tag", "model", "tokenizer"):
+                action.type = resolve_model_argument
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        from vllm.config import CompilationMode
+        from vllm.config.compilation import CUDAGraphMode
+
+        _refuse_unsupported(vllm_config)
+        parallel = vllm_config.parallel_config
+        if parallel.worker_cls == "auto":
+            parallel.worker_cls = "vllm_metal.worker.MetalWorker"
+        # one process drives the device; no collective communication
+        parallel.distributed_executor_backend = "uni"
+        parallel.disable_custom_all_reduce = True
+        vllm_config.scheduler_config.async_scheduling = False
+        compilation = vllm_config.compilation_config
+        compilation.mode = CompilationMode.NONE
+        compilation.cudagraph_mode = CUDAGraphMode.NONE
+        compilation.cudagraph_capture_sizes = []
+        cache = vllm_config.cache_config
+        if cache.block_size is None:
+            cache.block_size = 16
+        _name_gguf_models_after_their_file(vllm_config)
+
+    @classmethod
+    def validate_request(cls, processed_inputs, params) -> None:
+        from vllm_metal.request_validation import validate_sampling_params
+
+        validate_sampling_params(params)
+
+
+def _name_gguf_models_after_their_file(vllm_config: VllmConfig) -> None:
+    """A GGUF served from its prepared directory keeps the file's path as its
+    model name, so clients ask for what they passed to `vllm serve`."""
+    from vllm_metal.model_paths import gguf_source_of
+
+    model = vllm_config.model_config
+    if model is None:
+        return
+    source = gguf_source_of(model.model)
+    if source and model.served_model_name in (model.model, None):
+        model.served_model_name = source
+
+
+def _on_apple() -> bool:
+    import platform
+
+    return platform.system() == "Darwin" and platform.machine() == "arm64"
+
+
+def _refuse_unsupported(vllm_config: VllmConfig) -> None:
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        _refuse("tensor or pipeline parallelism", "run with --tensor-parallel-size 1")
+    if parallel.data_parallel_size > 1:
+        _refuse("data parallelism", "run one server per device")
+    if vllm_config.lora_config is not None:
+        _refuse("LoRA")
+    if vllm_config.speculative_config is not None:
+        _refuse("speculative decoding")
+    model = vllm_config.model_config
+    if model is None:
+        return
+    if model.runner_type != "generate":
+        _refuse(f"the '{model.runner_type}' runner (pooling/embedding)", "only text generation is served")
+    archs = set(getattr(model.hf_config, "architectures", None) or [])
+    if not archs & SUPPORTED_ARCHITECTURES:
+        _refuse(f"architecture {sorted(archs) or 'unknown'}",
+                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    if vllm_config.cache_config.cache_dtype not in ("auto", None):
+        _refuse(f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype}", "use auto")
+    if model.quantization not in (None, "gguf"):
+        _refuse(f"quantization '{model.quantization}'", "serve safetensors in float16/bfloat16 or a GGUF file")
