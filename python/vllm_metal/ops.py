@@ -14,9 +14,13 @@ from vllm_metal import _core, envs
 rms_norm = _core.rms_norm
 add_rms_norm = _core.add_rms_norm
 reshape_and_cache = _core.reshape_and_cache
+rope = _core.rope  # rope(x, positions, *, rotary_dim, is_neox, base, scaling)
+gguf_dequantize = _core.gguf_dequantize  # GGUF blocks -> dense weights (docs/gguf.md)
+gguf_matmul = _core.gguf_matmul  # x @ W.T straight from GGUF blocks
 paged_attention = _core.paged_attention
 
-__all__ = ["rms_norm", "add_rms_norm", "reshape_and_cache", "paged_attention", "set_kernel_backend", "kernel_backend"]
+__all__ = ["rms_norm", "add_rms_norm", "reshape_and_cache", "rope", "gguf_dequantize", "gguf_matmul",
+           "paged_attention", "set_kernel_backend", "kernel_backend"]
 
 
 def kernel_backend() -> str:

@@ -31,7 +31,22 @@ def planned_kernel_names():
         plan = _core.plan_paged_attention(dtype, 9, 3, 8, 2, d, 16, 100, 64, num_decode_seqs=2,
                                           max_seq_len=4000, max_query_len=7)
         names |= {l.kernel for l in plan}
+    gguf_types = [_core.gguf_type_info(t)[0] for t in range(64)
+                  if _safe_type_info(t) and _core.gguf_type_info(t)[3]]
+    for t, dtype in itertools.product(gguf_types, DTYPES):
+        names |= {l.kernel for l in _core.plan_gguf_dequantize(t, dtype, 3, 256)}
+        for m in (1, 8, 9, 100):  # mat-vec up to 8 rows, mat-mat beyond
+            names |= {l.kernel for l in _core.plan_gguf_matmul(t, dtype, m, 64, 256)}
+    for dtype, pos_dtype, neox in itertools.product(DTYPES, ("int32", "int64"), (True, False)):
+        names |= {l.kernel for l in _core.plan_rope(dtype, pos_dtype, 3, 2, 64, is_neox=neox)}
     return names
+
+
+def _safe_type_info(t):
+    try:
+        return _core.gguf_type_info(t)
+    except ValueError:
+        return None
 
 
 def test_every_planned_kernel_is_instantiated():

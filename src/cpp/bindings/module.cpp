@@ -7,4 +7,8 @@
 NB_MODULE(_core, m) {
   m.doc() = "vllm-metal C++ runtime and ops";
   vllm_metal::bindings::bind_ops(m);
+  vllm_metal::bindings::bind_runtime_pool(m);
+  vllm_metal::bindings::bind_rope(m);
+  vllm_metal::bindings::bind_runtime_packer(m);
+  vllm_metal::bindings::bind_gguf(m);
 }

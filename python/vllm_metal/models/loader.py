@@ -1,0 +1,122 @@
+"""load_model: a local checkpoint -> PagedCausalLM with its KV-cache spec.
+
+Sources:
+- a directory with config.json and model*.safetensors: mlx-lm's own loader
+  (mlx_lm.utils.load_model: sanitize, MLX-quantized checkpoints, ...);
+- a .gguf file, or a directory prepare_gguf_dir made (config.json + model.gguf):
+  gguf_loader, weights dequantized at load.
+
+dtype: the requested one, else the checkpoint's own: the dtype most of the
+weights are stored in (a float16 checkpoint whose config says bfloat16 stays
+float16), gguf_loader.native_dtype for GGUF. Never upcast implicitly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from vllm_metal.models.architectures import architecture_of, layer_sliding_windows, mlx_lm_classes, mlx_lm_config
+from vllm_metal.models.paged_model import PagedCausalLM
+
+_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+GGUF_FILE_IN_DIR = "model.gguf"
+
+
+def _dtype(name: str) -> mx.Dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"[vllm-metal] dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return {v: k for k, v in _DTYPES.items()}[dtype]
+
+
+def load(model_path: str, dtype: str | None = None):
+    """-> LoadedModel; see vllm_metal.models.load_model."""
+    path = Path(model_path).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return _load_gguf(path, None, dtype)
+    if not path.is_dir():
+        raise FileNotFoundError(f"[vllm-metal] model path not found: {model_path}")
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"[vllm-metal] {model_path} has no config.json")
+    ggufs = [path / GGUF_FILE_IN_DIR] if (path / GGUF_FILE_IN_DIR).exists() else []
+    if ggufs and not list(path.glob("model*.safetensors")):
+        return _load_gguf(ggufs[0], path, dtype)
+    return _load_safetensors(path, dtype)
+
+
+def _load_safetensors(path: Path, dtype: str | None):
+    from mlx_lm.utils import load_config, load_model as mlx_lm_load_model
+
+    hf_config = json.loads((path / "config.json").read_text())
+    config = load_config(path)  # config.json + generation_config's eos_token_id
+    arch = architecture_of(config)
+    lm, _ = mlx_lm_load_model(path, lazy=True, model_config=mlx_lm_config(config),
+                              get_model_classes=lambda config: mlx_lm_classes(arch))
+    stored = _stored_dtype(lm)
+    target = _dtype(dtype) if dtype else stored
+    return _finish(lm, config, hf_config, target, _eos_ids(config.get("eos_token_id")))
+
+
+def _load_gguf(gguf_path: Path, directory: Path | None, dtype: str | None):
+    from vllm_metal.models import gguf_loader
+
+    ckpt = gguf_loader.GGUFCheckpoint(str(gguf_path))
+    if directory is not None:
+        hf_config = json.loads((directory / "config.json").read_text())
+    else:
+        hf_config = gguf_loader.hf_config(ckpt)
+    target = _dtype(dtype or gguf_loader.native_dtype(ckpt))
+    arch = architecture_of(hf_config)
+    model_class, args_class = mlx_lm_classes(arch)
+    lm = model_class(args_class.from_dict(mlx_lm_config(hf_config)))
+    weights = gguf_loader.load_weights(ckpt, hf_config, target)
+    if hasattr(lm, "sanitize"):
+        weights = lm.sanitize(weights)
+    lm.load_weights(list(weights.items()), strict=True)
+    lm.eval()
+    return _finish(lm, hf_config, hf_config, target, gguf_loader.eos_token_ids(ckpt))
+
+
+def _stored_dtype(lm) -> mx.Dtype:
+    """The float dtype holding most parameters (quantized weights count by their scales)."""
+    counts = Counter()
+    for _, p in tree_flatten(lm.parameters()):
+        if mx.issubdtype(p.dtype, mx.floating):
+            counts[p.dtype] += p.size
+    return counts.most_common(1)[0][0] if counts else mx.float32
+
+
+def _finish(lm, config: dict, hf_config: dict, dtype: mx.Dtype, eos_ids: list[int]):
+    from vllm_metal.models import LoadedModel, ModelSpec
+
+    model = PagedCausalLM.adapt(lm, config)
+    model.set_dtype(dtype)
+    model.fold_norm_offsets()
+    model.eval()
+    mx.eval(model.parameters())
+
+    attn = model.layers[0].self_attn
+    spec = ModelSpec(
+        num_layers=len(model.layers),
+        num_kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim,
+        dtype=_dtype_name(dtype),
+        sliding_window_per_layer=layer_sliding_windows(config),
+        vocab_size=int(config["vocab_size"]),
+        architecture=architecture_of(config).hf_architecture,
+    )
+    return LoadedModel(model=model, spec=spec, hf_config=hf_config, eos_token_ids=eos_ids)
+
+
+def _eos_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]

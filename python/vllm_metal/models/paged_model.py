@@ -1,0 +1,167 @@
+"""An mlx-lm model run over a packed batch and the paged KV cache.
+
+`PagedCausalLM.adapt(mlx_lm_model, config)` swaps, in place, every attention
+for PagedAttention and every RMSNorm for ours (same parameter names), then the
+forward below walks the mlx-lm module tree itself: embeddings, decoder blocks,
+final norm, lm_head. It never calls mlx-lm's model __call__, so no [T, T] mask
+is built; the residual adds are fused with the following norm (add_rms_norm).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from vllm_metal import ops
+from vllm_metal.models.architectures import (Architecture, architecture_of, layer_sliding_windows,
+                                             mlx_lm_config)
+from vllm_metal.models.context import AttentionContext
+from vllm_metal.models.layers import PagedAttention, RMSNorm
+from vllm_metal.models.rope import rope_config
+
+_NORM_NAMES = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+               "post_feedforward_layernorm")
+
+
+class PagedCausalLM(nn.Module):
+    """forward: (input_ids int32 [T], ctx) -> logits [len(ctx.logits_indices), vocab]
+    in the model dtype (the residual stream's)."""
+
+    def __init__(self, lm: nn.Module, arch: Architecture, config: dict):
+        super().__init__()
+        self.lm = lm  # the mlx-lm Model; parameters keep its names under "lm."
+        self.arch = arch
+        self.sandwich = arch.block_style == "sandwich"
+        # gemma3: embeddings times sqrt(hidden), rounded through bfloat16 as mlx-lm does
+        self.embed_scale = math.sqrt(config["hidden_size"]) if self.sandwich else None
+        self.final_softcap = float(config.get("final_logit_softcapping") or 0.0)
+        # ministral3: queries scaled by 1 + beta * log(1 + floor(pos / original_max))
+        self.llama4_beta = None
+        if arch.model_type == "ministral3":
+            rp = config["rope_parameters"]
+            self.llama4_beta = float(rp["llama_4_scaling_beta"])
+            self.llama4_original_max = float(rp["original_max_position_embeddings"])
+
+    @classmethod
+    def adapt(cls, lm: nn.Module, config: dict) -> "PagedCausalLM":
+        """Swap attention and norms of `lm` (an mlx-lm Model, weights loaded or
+        not); `config` is the HF config.json content."""
+        arch = architecture_of(config)
+        windows = layer_sliding_windows(config)
+        rope_args = mlx_lm_config(config)
+        offset = 1.0 if arch.block_style == "sandwich" else 0.0  # gemma: (1 + w)
+        softcap = float(config.get("attn_logit_softcapping") or 0.0)
+        body = lm.model
+        for i, layer in enumerate(body.layers):
+            attn = layer.self_attn
+            if "q_norm" in attn:
+                attn.q_norm = RMSNorm.replacing(attn.q_norm, offset)
+                attn.k_norm = RMSNorm.replacing(attn.k_norm, offset)
+            base, scaling = _rope_source(arch, rope_args, getattr(attn, "is_sliding", False))
+            layer.self_attn = PagedAttention(
+                attn, layer_idx=i, rope=rope_config(attn.rope, base, scaling),
+                sliding_window=windows[i], softcap=softcap)
+            for name in _NORM_NAMES:
+                if name in layer:
+                    setattr(layer, name, RMSNorm.replacing(layer[name], offset))
+        body.norm = RMSNorm.replacing(body.norm, offset)
+        return cls(lm, arch, config)
+
+    def fold_norm_offsets(self) -> None:
+        for _, m in self.named_modules():
+            if isinstance(m, RMSNorm):
+                m.fold_offset()
+
+    @property
+    def layers(self) -> list:
+        return self.lm.model.layers
+
+    def __call__(self, input_ids: mx.array, ctx: AttentionContext) -> mx.array:
+        body = self.lm.model
+        h = body.embed_tokens(input_ids)  # [T, hidden]
+        if self.embed_scale is not None:
+            h = h * mx.array(self.embed_scale, mx.bfloat16).astype(h.dtype)
+        query_scale = self._llama4_query_scale(ctx.positions)
+        if self.sandwich:
+            h, residual = self._sandwich_layers(h, ctx)
+        else:
+            h, residual = self._pre_norm_layers(h, ctx, query_scale)
+
+        # Only the rows whose logits are wanted go through the final norm and lm_head.
+        h = h[ctx.logits_indices]
+        residual = residual[ctx.logits_indices]
+        norm = body.norm
+        out, _ = ops.add_rms_norm(h, residual, norm.multiplier(), norm.eps)
+        if "lm_head" in self.lm:
+            logits = self.lm.lm_head(out)
+        else:
+            logits = body.embed_tokens.as_linear(out)
+        if self.final_softcap:
+            logits = mx.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    def _pre_norm_layers(self, h, ctx, query_scale):
+        """llama family: x = norm1(h); h += attn(x); h += mlp(norm2(h)).
+        Returns the last block's output and the residual it is added to."""
+        residual = None
+        for layer in self.layers:
+            n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+            if residual is None:
+                residual = h
+                x = n1(h)
+            else:
+                x, residual = ops.add_rms_norm(h, residual, n1.multiplier(), n1.eps)
+            h = layer.self_attn(x, ctx, query_scale)
+            x, residual = ops.add_rms_norm(h, residual, n2.multiplier(), n2.eps)
+            h = layer.mlp(x)
+        return h, residual
+
+    def _sandwich_layers(self, h, ctx):
+        """gemma3: h += post_attn_norm(attn(in_norm(h))); h += post_ff_norm(mlp(pre_ff_norm(h)))."""
+        if h.dtype == mx.float16:
+            return self._sandwich_layers_clipped(h, ctx)
+        residual = None
+        for layer in self.layers:
+            n_in, n_pre = layer.input_layernorm, layer.pre_feedforward_layernorm
+            if residual is None:
+                residual = h
+                x = n_in(h)
+            else:
+                x, residual = ops.add_rms_norm(h, residual, n_in.multiplier(), n_in.eps)
+            r = layer.post_attention_layernorm(layer.self_attn(x, ctx))
+            x, residual = ops.add_rms_norm(r, residual, n_pre.multiplier(), n_pre.eps)
+            h = layer.post_feedforward_layernorm(layer.mlp(x))
+        return h, residual
+
+    def _sandwich_layers_clipped(self, h, ctx):
+        """float16 gemma: residual adds in float32 clipped to the float16 range
+        (mlx-lm's clip_residual), so they are not fused with the norms."""
+        from mlx_lm.models.gemma3_text import clip_residual
+
+        for layer in self.layers:
+            r = layer.post_attention_layernorm(layer.self_attn(layer.input_layernorm(h), ctx))
+            h = clip_residual(h, r)
+            r = layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+            h = clip_residual(h, r)
+        return mx.zeros_like(h), h  # the caller adds h + residual before the final norm
+
+    def _llama4_query_scale(self, positions: mx.array):
+        if self.llama4_beta is None:
+            return None
+        pos = positions.astype(mx.float32)
+        scale = 1 + self.llama4_beta * mx.log(1 + mx.floor(pos / self.llama4_original_max))  # [T]
+        return scale[:, None, None]
+
+
+def _rope_source(arch: Architecture, config: dict, sliding: bool):
+    """(base, scaling dict) the mlx-lm module built its rope from."""
+    if arch.model_type == "gemma3_text":
+        if sliding:
+            return config.get("rope_local_base_freq", 10_000.0), None
+        return config.get("rope_theta", 1_000_000.0), config.get("rope_scaling")
+    if arch.model_type == "ministral3":
+        rp = config["rope_parameters"]
+        return rp["rope_theta"], rp
+    return config.get("rope_theta") or 10_000.0, config.get("rope_scaling")

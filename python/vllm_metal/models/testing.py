@@ -1,0 +1,309 @@
+"""Tiny random checkpoints of every architecture, for tests and benchmarks.
+
+    cfg = tiny_config("qwen3")
+    write_random_checkpoint(cfg, dir)         # config.json + model.safetensors (mlx-lm names)
+    dense = write_tiny_gguf(cfg, "m.gguf")    # llama.cpp names/layout, returns the weights it holds
+    ref = mlx_lm_reference(dir)               # mlx-lm's own model of the same checkpoint
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from vllm_metal.models.architectures import architecture_of, mlx_lm_classes, mlx_lm_config
+
+_COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, vocab_size=300,
+               max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+
+TINY_CONFIGS = {
+    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], rope_theta=10000.0,
+                  tie_word_embeddings=True),
+    "llama3": dict(model_type="llama", architectures=["LlamaForCausalLM"], rope_theta=500000.0,
+                   tie_word_embeddings=False, attention_bias=True,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], rope_theta=1e6,
+                    tie_word_embeddings=False, sliding_window=None),
+    "ministral": dict(model_type="ministral", architectures=["MinistralForCausalLM"], rope_theta=1e6,
+                      tie_word_embeddings=False, sliding_window=7,
+                      layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "ministral3": dict(model_type="ministral3", architectures=["Ministral3ForCausalLM"],
+                       tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                        "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                                        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                        "llama_4_scaling_beta": 0.1}),
+    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], rope_theta=1e6,
+                  tie_word_embeddings=True, head_dim=None),
+    "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], rope_theta=1e6,
+                  tie_word_embeddings=False),
+    "gemma3": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], rope_theta=1e6,
+                   rope_local_base_freq=10000.0, sliding_window=5, sliding_window_pattern=2,
+                   query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh",
+                   rms_norm_eps=1e-6, num_key_value_heads=1, tie_word_embeddings=True),
+}
+
+
+def tiny_config(name: str, **overrides) -> dict:
+    cfg = dict(_COMMON)
+    cfg.update(copy.deepcopy(TINY_CONFIGS[name]))
+    cfg.update(overrides)
+    if cfg.get("head_dim") is None:
+        cfg.pop("head_dim", None)
+    if cfg["model_type"] == "qwen2":
+        cfg.pop("head_dim", None)
+    return cfg
+
+
+def random_weights(config: dict, seed: int = 0, scale: float = 0.25) -> dict[str, np.ndarray]:
+    """float32 weights under mlx-lm names; norm weights near 1 (near 0 for gemma's 1 + w)."""
+    arch = architecture_of(config)
+    model_class, args_class = mlx_lm_classes(arch)
+    model = model_class(args_class.from_dict(mlx_lm_config(config)))
+    rng = np.random.default_rng(seed)
+    gemma = arch.block_style == "sandwich"
+    out = {}
+    for name, p in tree_flatten(model.parameters()):
+        if name == "lm_head.weight" and config.get("tie_word_embeddings", gemma):
+            continue
+        w = rng.standard_normal(p.shape).astype(np.float32)
+        if name.endswith("norm.weight"):
+            w = (0.0 if gemma else 1.0) + 0.1 * w
+        elif name.endswith("embed_tokens.weight"):
+            w = w * 1.0
+        else:
+            w = w * scale / np.sqrt(max(1, p.shape[-1]) / 16)
+        out[name] = w
+    return out
+
+
+def write_random_checkpoint(config: dict, out_dir, *, seed: int = 0, dtype: str = "float32",
+                            config_dtype: str | None = None) -> Path:
+    """config.json + model.safetensors with weights stored in `dtype`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = dict(config)
+    cfg["torch_dtype"] = config_dtype or dtype
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    mx_dtype = getattr(mx, dtype)
+    weights = {k: mx.array(v).astype(mx_dtype) for k, v in random_weights(config, seed).items()}
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    return out
+
+
+def mlx_lm_reference(checkpoint_dir):
+    """mlx-lm's own model of a checkpoint directory (its loader, its config handling)."""
+    from mlx_lm.utils import load_config, load_model
+
+    config = load_config(Path(checkpoint_dir))
+    model, _ = load_model(Path(checkpoint_dir), get_model_classes=lambda config: mlx_lm_classes(
+        architecture_of(config)))
+    return model
+
+
+def reference_logits(model, tokens: list[int], chunks: list[int] | None = None) -> np.ndarray:
+    """Logits [len(tokens), vocab] of mlx-lm's model fed `tokens` in chunks with its KV cache."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    chunks = chunks or [len(tokens)]
+    out, start = [], 0
+    for n in chunks:
+        ids = mx.array(np.array(tokens[start:start + n], np.int32))[None]
+        logits = model(ids, cache=cache)
+        mx.eval(logits)
+        out.append(np.array(logits[0].astype(mx.float32)))
+        start += n
+    assert start == len(tokens)
+    return np.concatenate(out)
+
+
+# Per sequence: the chunk sizes it is fed in, one chunk per step (1 = a decode step).
+SCHEDULES = [
+    [8, 5, 1, 1, 1, 1, 1],   # 2 prefill chunks, then decodes
+    [3, 1, 1, 1, 1, 1, 1],   # short prompt; decodes from step 2 while others prefill
+    [13, 1, 1, 1, 1, 1, 1],  # long single-chunk prefill (crosses the sliding windows)
+    [2, 4, 9, 1, 1, 1],      # three prefill chunks
+]
+
+
+def run_packed(loaded, sequences, schedules=SCHEDULES, *, block_size=4, num_blocks=64, seed=0):
+    """Feed every sequence through our model, packed: each step takes the next
+    chunk of every unfinished sequence, decode rows first. Blocks are handed out
+    in shuffled order. Returns per sequence the logits [len(seq), vocab] of
+    every position."""
+    from vllm_metal.models.generate import KVPool, SeqChunk, build_step
+
+    rng = np.random.default_rng(seed)
+    pool = KVPool(loaded.spec, num_blocks, block_size)
+    rng.shuffle(pool.free)
+    tables = [[] for _ in sequences]
+    computed = [0] * len(sequences)
+    out = [np.zeros((len(s), loaded.spec.vocab_size), np.float32) for s in sequences]
+    for step in range(max(len(s) for s in schedules)):
+        active = [i for i, s in enumerate(schedules) if step < len(s)]
+        active.sort(key=lambda i: 0 if (schedules[i][step] == 1 and computed[i] > 0) else 1)
+        chunks = []
+        for i in active:
+            n = schedules[i][step]
+            pool.allocate(tables[i], computed[i] + n)
+            chunks.append(SeqChunk(sequences[i][computed[i]:computed[i] + n], computed[i], tables[i], "all"))
+        packed = build_step(chunks, pool.kv_caches, block_size)
+        logits = loaded.model(packed.input_ids, packed.ctx)
+        mx.eval(logits, packed.ctx.kv_caches)
+        pool.kv_caches = packed.ctx.kv_caches
+        logits = np.array(logits.astype(mx.float32))
+        for row, (ci, j) in enumerate(packed.row_of_logit):
+            i = active[ci]
+            out[i][computed[i] + j] = logits[row]
+        for i in active:
+            computed[i] += schedules[i][step]
+    return out
+
+
+# ---- tiny GGUF files ----------------------------------------------------------------
+
+_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+
+
+def byte_level_vocab(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
+    """A GPT-2 style byte-level BPE vocabulary: 3 specials, 256 byte symbols, merges."""
+    def byte_symbols():
+        keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+        symbols, extra = {}, 0
+        for b in range(256):
+            if b in keep:
+                symbols[b] = chr(b)
+            else:
+                symbols[b] = chr(256 + extra)
+                extra += 1
+        return [symbols[b] for b in range(256)]
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = specials + byte_symbols()
+    merges: list[str] = []
+    words = ["Ġthe", "Ġcapital", "ĠFrance", "ĠParis", "Ġis", "Ġof", "Ġwhat", "Ġhello", "Ġworld",
+             "ing", "Ġand", "Ġto", "Ġin", "Ġit", "Ġa", "user", "assistant", "system"]
+    for word in words:
+        cur = word[0]
+        for ch in word[1:]:
+            new = cur + ch
+            if new not in tokens and len(tokens) < vocab_size:
+                merges.append(f"{cur} {ch}")
+                tokens.append(new)
+            cur = new
+    n = len(tokens)
+    while len(tokens) < vocab_size:  # pad with unused control tokens
+        tokens.append(f"<|unused{len(tokens) - n}|>")
+    types = [3] * len(specials) + [1] * (len(tokens) - len(specials))
+    return tokens, types, merges
+
+
+def write_tiny_gguf(config: dict, path, *, seed: int = 0, qtype: str = "Q8_0",
+                    chat_template: str | None = None) -> dict[str, np.ndarray]:
+    """A GGUF file of `config` as llama.cpp's converter lays it out (permuted llama
+    Q/K rows, gemma norms stored as 1 + w, 2-D weights in `qtype`); returns the
+    dense float32 weights it encodes under mlx-lm names, in HF layout."""
+    import gguf
+
+    from vllm_metal.models.gguf_loader import permute_rows
+
+    arch = architecture_of(config)
+    gguf_arch = _GGUF_ARCH[arch.model_type]
+    weights = random_weights(config, seed)
+    qt = gguf.GGMLQuantizationType[qtype]
+    w = gguf.GGUFWriter(str(path), gguf_arch)
+    n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_rope_freq_base(config["rope_theta"])
+    w.add_vocab_size(config["vocab_size"])
+    if arch.model_type == "gemma3_text":
+        w.add_sliding_window(config["sliding_window"])
+        w.add_sliding_window_pattern(config.get("sliding_window_pattern", 6))
+    tokens, types, merges = byte_level_vocab(config["vocab_size"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(config["bos_token_id"])
+    w.add_eos_token_id(config["eos_token_id"])
+    w.add_add_bos_token(False)
+    if chat_template:
+        w.add_chat_template(chat_template)
+
+    dense = {}
+    names = {v: k for k, v in _reverse_names(arch.model_type, config["num_hidden_layers"]).items()}
+    for name, value in weights.items():
+        gname = names[name]
+        stored = value
+        if arch.model_type == "gemma3_text" and name.endswith("norm.weight"):
+            stored = value + 1.0
+        if arch.model_type == "llama" and ".attn_q." in gname:
+            stored = permute_rows(stored, n_heads)
+        elif arch.model_type == "llama" and ".attn_k." in gname:
+            stored = permute_rows(stored, n_kv)
+        if stored.ndim == 2 and stored.shape[1] % gguf.GGML_QUANT_SIZES[qt][0] == 0 and qt != gguf.GGMLQuantizationType.F32:
+            blocks = gguf.quants.quantize(stored, qt)
+            w.add_tensor(gname, blocks, raw_dtype=qt)
+            roundtrip = gguf.quants.dequantize(blocks, qt).reshape(stored.shape)
+        else:
+            w.add_tensor(gname, stored.astype(np.float32))
+            roundtrip = stored.astype(np.float32)
+        # Back to what the checkpoint means, in HF layout.
+        if arch.model_type == "llama" and ".attn_q." in gname:
+            roundtrip = _unpermute_np(roundtrip, n_heads)
+        elif arch.model_type == "llama" and ".attn_k." in gname:
+            roundtrip = _unpermute_np(roundtrip, n_kv)
+        if arch.model_type == "gemma3_text" and name.endswith("norm.weight"):
+            roundtrip = roundtrip - 1.0
+        dense[name] = roundtrip.astype(np.float32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dense
+
+
+def _unpermute_np(w: np.ndarray, n_heads: int) -> np.ndarray:
+    rows = w.shape[0]
+    d = rows // n_heads
+    return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _reverse_names(model_type: str, n_layers: int) -> dict[str, str]:
+    """GGUF name -> mlx-lm name for every tensor a model of this type can have."""
+    from vllm_metal.models.gguf_loader import _BLOCK_NAMES, _GEMMA3_BLOCK_NAMES, _GLOBAL_NAMES
+
+    table = _GEMMA3_BLOCK_NAMES if model_type == "gemma3_text" else _BLOCK_NAMES
+    out = dict(_GLOBAL_NAMES)
+    for i in range(n_layers):
+        for g, m in table.items():
+            for suffix in ("weight", "bias"):
+                out[f"blk.{i}.{g}.{suffix}"] = f"model.layers.{i}.{m}.{suffix}"
+    return out
+
+
+def write_dense_checkpoint(config: dict, weights: dict[str, np.ndarray], out_dir) -> Path:
+    """config.json + model.safetensors holding exactly `weights` (float32)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(dict(config, torch_dtype="float32"), indent=2))
+    mx.save_safetensors(str(out / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()})
+    return out

@@ -1,0 +1,500 @@
+#include "cpu/gguf_quants.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "cpu/parallel.h"
+#include "gguf_tables.h"
+
+// Bit-exactness needs each product rounded before the following add/sub, as
+// the NumPy reference does: no contraction into fused multiply-adds here. On
+// x86-64 these functions are compiled without FMA, so nothing can contract;
+// clang contracts only within one expression (the decoders keep products and
+// sums in separate statements); GCC on arm64 needs the pragma. (GCC's optimize
+// pragma costs speed, so it is used only where it is needed.)
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__) && defined(__aarch64__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+namespace vllm_metal::cpu {
+
+namespace {
+
+using gguf::GGMLType;
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return f16_to_float(h);
+}
+inline uint32_t u32_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// ---- legacy 32-weight blocks ----------------------------------------------
+// Weight j < 16 is the low nibble of qs[j], weight j + 16 its high nibble.
+
+void decode_q4_0(const uint8_t* b, float* y) {
+  const float d = half_at(b);
+  const uint8_t* qs = b + 2;
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * static_cast<float>((qs[j] & 0xF) - 8);
+    y[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
+  }
+}
+
+void decode_q4_1(const uint8_t* b, float* y) {
+  const float d = half_at(b), m = half_at(b + 2);
+  const uint8_t* qs = b + 4;
+  for (int j = 0; j < 16; ++j) {
+    float lo = d * static_cast<float>(qs[j] & 0xF);
+    float hi = d * static_cast<float>(qs[j] >> 4);
+    y[j] = lo + m;
+    y[j + 16] = hi + m;
+  }
+}
+
+void decode_q5_0(const uint8_t* b, float* y) {
+  const float d = half_at(b);
+  const uint32_t qh = u32_at(b + 2);
+  const uint8_t* qs = b + 6;
+  for (int j = 0; j < 16; ++j) {
+    int lo = (qs[j] & 0xF) | (((qh >> j) & 1) << 4);
+    int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+    y[j] = d * static_cast<float>(lo - 16);
+    y[j + 16] = d * static_cast<float>(hi - 16);
+  }
+}
+
+void decode_q5_1(const uint8_t* b, float* y) {
+  const float d = half_at(b), m = half_at(b + 2);
+  const uint32_t qh = u32_at(b + 4);
+  const uint8_t* qs = b + 8;
+  for (int j = 0; j < 16; ++j) {
+    int lo = (qs[j] & 0xF) | (((qh >> j) & 1) << 4);
+    int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+    float a = d * static_cast<float>(lo);
+    float c = d * static_cast<float>(hi);
+    y[j] = a + m;
+    y[j + 16] = c + m;
+  }
+}
+
+void decode_q8_0(const uint8_t* b, float* y) {
+  const float d = half_at(b);
+  const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
+  for (int j = 0; j < 32; ++j) y[j] = static_cast<float>(qs[j]) * d;
+}
+
+void decode_iq4_nl(const uint8_t* b, float* y) {
+  const float d = half_at(b);
+  const uint8_t* qs = b + 2;
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * static_cast<float>(kGgufIq4nlValues[qs[j] & 0xF]);
+    y[j + 16] = d * static_cast<float>(kGgufIq4nlValues[qs[j] >> 4]);
+  }
+}
+
+// ---- K quants: 256-weight super-blocks ------------------------------------
+
+// block_q2_K: scales[16] (lo nibble scale, hi nibble min), qs[64], d, dmin.
+// Weight i = 128h + 32s + l is (qs[32h + l] >> 2s) & 3, in sub-block i / 16.
+void decode_q2_k(const uint8_t* b, float* y) {
+  const uint8_t* sc = b;
+  const uint8_t* qs = b + 16;
+  const float d = half_at(b + 80), dmin = half_at(b + 82);
+  for (int i = 0; i < 256; ++i) {
+    int h = i >> 7, s = (i >> 5) & 3, l = i & 31;
+    int q = (qs[32 * h + l] >> (2 * s)) & 3;
+    uint8_t sub = sc[i >> 4];
+    float dl = d * static_cast<float>(sub & 0xF);
+    float ml = dmin * static_cast<float>(sub >> 4);
+    float t = dl * static_cast<float>(q);
+    y[i] = t - ml;
+  }
+}
+
+// block_q3_K: hmask[32], qs[64], scales[12] (16 x 6 bits), d.
+void decode_q3_k(const uint8_t* b, float* y) {
+  const uint8_t* hmask = b;
+  const uint8_t* qs = b + 32;
+  const uint8_t* sc = b + 96;
+  const float d = half_at(b + 108);
+  float dl[16];
+  for (int i = 0; i < 16; ++i) {
+    int lo = (i < 8 ? sc[i] : sc[i - 8] >> 4) & 0xF;
+    int hi = (sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+    dl[i] = d * static_cast<float>((lo | (hi << 4)) - 32);
+  }
+  for (int i = 0; i < 256; ++i) {
+    int h = i >> 7, s = (i >> 5) & 3, l = i & 31;
+    int ql = (qs[32 * h + l] >> (2 * s)) & 3;
+    int hb = (hmask[l] >> (i >> 5)) & 1;
+    y[i] = dl[i >> 4] * static_cast<float>(ql - (hb ? 0 : 4));
+  }
+}
+
+// The 8 six-bit (scale, min) pairs of Q4_K / Q5_K.
+inline void k_scale_min(const uint8_t* s, int j, int* sc, int* mn) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *mn = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 2) & 0x30);
+    *mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+  }
+}
+
+// block_q4_K: d, dmin, scales[12], qs[128]. Sub-block j = 2c + s holds
+// (qs[32c + l] >> 4s) & 0xF.
+void decode_q4_k(const uint8_t* b, float* y) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* qs = b + 16;
+  for (int j = 0; j < 8; ++j) {
+    int sc, mn;
+    k_scale_min(scales, j, &sc, &mn);
+    float dj = d * static_cast<float>(sc), mj = dmin * static_cast<float>(mn);
+    int c = j >> 1, sh = 4 * (j & 1);
+    for (int l = 0; l < 32; ++l) {
+      float t = dj * static_cast<float>((qs[32 * c + l] >> sh) & 0xF);
+      y[32 * j + l] = t - mj;
+    }
+  }
+}
+
+// block_q5_K: d, dmin, scales[12], qh[32], qs[128]; bit j of qh[l] is the
+// fifth bit of weight l of sub-block j.
+void decode_q5_k(const uint8_t* b, float* y) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* qh = b + 16;
+  const uint8_t* qs = b + 48;
+  for (int j = 0; j < 8; ++j) {
+    int sc, mn;
+    k_scale_min(scales, j, &sc, &mn);
+    float dj = d * static_cast<float>(sc), mj = dmin * static_cast<float>(mn);
+    int c = j >> 1, sh = 4 * (j & 1);
+    for (int l = 0; l < 32; ++l) {
+      int q = ((qs[32 * c + l] >> sh) & 0xF) | (((qh[l] >> j) & 1) << 4);
+      float t = dj * static_cast<float>(q);
+      y[32 * j + l] = t - mj;
+    }
+  }
+}
+
+// block_q6_K: ql[128], qh[64], scales[16] (int8), d. Weight i = 128h + 32s + l:
+// low 4 bits (ql[64h + 32(s&1) + l] >> 4(s>>1)), high 2 bits (qh[32h + l] >> 2s).
+void decode_q6_k(const uint8_t* b, float* y) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = half_at(b + 208);
+  for (int i = 0; i < 256; ++i) {
+    int h = i >> 7, s = (i >> 5) & 3, l = i & 31;
+    int lo = (ql[64 * h + 32 * (s & 1) + l] >> (4 * (s >> 1))) & 0xF;
+    int hi = (qh[32 * h + l] >> (2 * s)) & 3;
+    float ds = d * static_cast<float>(sc[i >> 4]);
+    y[i] = ds * static_cast<float>((lo | (hi << 4)) - 32);
+  }
+}
+
+// ---- IQ quants -------------------------------------------------------------
+
+// block_iq4_xs: d, scales_h (u16), scales_l[4], qs[128].
+void decode_iq4_xs(const uint8_t* b, float* y) {
+  const float d = half_at(b);
+  const uint16_t sh = static_cast<uint16_t>(b[2] | (b[3] << 8));
+  const uint8_t* sl = b + 4;
+  const uint8_t* qs = b + 8;
+  for (int ib = 0; ib < 8; ++ib) {
+    int lo = (sl[ib >> 1] >> (4 * (ib & 1))) & 0xF;
+    int hi = (sh >> (2 * ib)) & 3;
+    float dl = d * static_cast<float>((lo | (hi << 4)) - 32);
+    for (int l = 0; l < 16; ++l) {
+      uint8_t q = qs[16 * ib + l];
+      y[32 * ib + l] = dl * static_cast<float>(kGgufIq4nlValues[q & 0xF]);
+      y[32 * ib + 16 + l] = dl * static_cast<float>(kGgufIq4nlValues[q >> 4]);
+    }
+  }
+}
+
+inline float grid_byte(uint32_t g, int e) { return static_cast<float>((g >> (8 * e)) & 0xFF); }
+
+// block_iq3_xxs: d, qs[64] (grid indices), 8 x u32 (4 x 7 sign bits, 4-bit scale).
+// The 8th sign of each group of 8 is the parity of the other 7.
+void decode_iq3_xxs(const uint8_t* b, float* y) {
+  const float d = half_at(b);
+  const uint8_t* qs = b + 2;
+  for (int ib = 0; ib < 8; ++ib) {
+    uint32_t aux = u32_at(b + 66 + 4 * ib);
+    float t = d * (0.5f + static_cast<float>(aux >> 28));
+    float db = t * 0.5f;
+    for (int k = 0; k < 4; ++k) {
+      uint32_t s7 = (aux >> (7 * k)) & 127;
+      uint32_t signs = s7 | ((__builtin_popcount(s7) & 1) << 7);
+      for (int e = 0; e < 8; ++e) {
+        uint32_t g = kGgufIq3xxsGrid[qs[8 * ib + 2 * k + (e >> 2)]];
+        float v = db * grid_byte(g, e & 3);
+        y[32 * ib + 8 * k + e] = (signs >> e) & 1 ? -v : v;
+      }
+    }
+  }
+}
+
+// block_iq3_s: d, qs[64], qh[8] (9th index bits), signs[32], scales[4] (8 x 4 bits).
+void decode_iq3_s(const uint8_t* b, float* y) {
+  const float d = half_at(b);
+  const uint8_t* qs = b + 2;
+  const uint8_t* qh = b + 66;
+  const uint8_t* signs = b + 74;
+  const uint8_t* scales = b + 106;
+  for (int ib = 0; ib < 8; ++ib) {
+    int sc = (scales[ib >> 1] >> (4 * (ib & 1))) & 0xF;
+    float db = d * static_cast<float>(1 + 2 * sc);
+    for (int e = 0; e < 32; ++e) {
+      int i = 32 * ib + e;
+      int g = i >> 2;
+      uint32_t idx = qs[g] | (((qh[g >> 3] >> (g & 7)) & 1) << 8);
+      float v = db * grid_byte(kGgufIq3sGrid[idx], i & 3);
+      y[i] = (signs[i >> 3] >> (i & 7)) & 1 ? -v : v;
+    }
+  }
+}
+
+
+// ---- AVX2 decoders of the hot types ---------------------------------------------
+// Same arithmetic as the scalar decoders (one rounding per product, separate
+// adds): no "fma" in the target list, so nothing can be contracted.
+#if defined(__x86_64__)
+#define GGUF_AVX2 __attribute__((target("avx2,f16c")))
+
+GGUF_AVX2 inline __m256 u8x8_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
+GGUF_AVX2 inline __m256i u8x8_i32(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Low / high nibbles of 16 bytes as 2 x 8 int32 each: lo[0..7], lo[8..15], hi[0..7], hi[8..15].
+GGUF_AVX2 inline void nibbles16(const uint8_t* qs, __m256i out[4]) {
+  __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  __m128i m = _mm_set1_epi8(0x0F);
+  __m128i lo = _mm_and_si128(q, m), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m);
+  out[0] = _mm256_cvtepu8_epi32(lo);
+  out[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+  out[2] = _mm256_cvtepu8_epi32(hi);
+  out[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+}
+
+GGUF_AVX2 void decode_q4_0_avx2(const uint8_t* b, float* y) {
+  __m256 d = _mm256_set1_ps(half_at(b));
+  __m256i q[4];
+  nibbles16(b + 2, q);
+  for (int i = 0; i < 4; ++i) {
+    __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(q[i], _mm256_set1_epi32(8)));
+    _mm256_storeu_ps(y + 8 * i, _mm256_mul_ps(d, v));
+  }
+}
+
+GGUF_AVX2 void decode_q4_1_avx2(const uint8_t* b, float* y) {
+  __m256 d = _mm256_set1_ps(half_at(b)), m = _mm256_set1_ps(half_at(b + 2));
+  __m256i q[4];
+  nibbles16(b + 4, q);
+  for (int i = 0; i < 4; ++i) {
+    __m256 t = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q[i]));
+    _mm256_storeu_ps(y + 8 * i, _mm256_add_ps(t, m));
+  }
+}
+
+// 8 lanes of ((qh >> j0) & 1) << 4 for j = j0 .. j0 + 7.
+GGUF_AVX2 inline __m256i high_bits8(uint32_t qh, int j0) {
+  __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  __m256i b = _mm256_and_si256(_mm256_set1_epi32(static_cast<int>((qh >> j0) & 0xFF)), sel);
+  return _mm256_and_si256(_mm256_cmpeq_epi32(b, sel), _mm256_set1_epi32(16));
+}
+
+GGUF_AVX2 void decode_q5_0_avx2(const uint8_t* b, float* y) {
+  __m256 d = _mm256_set1_ps(half_at(b));
+  uint32_t qh = u32_at(b + 2);
+  __m256i q[4];
+  nibbles16(b + 6, q);
+  for (int i = 0; i < 4; ++i) {
+    __m256i v = _mm256_or_si256(q[i], high_bits8(qh, 8 * i));
+    v = _mm256_sub_epi32(v, _mm256_set1_epi32(16));
+    _mm256_storeu_ps(y + 8 * i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(v)));
+  }
+}
+
+GGUF_AVX2 void decode_q8_0_avx2(const uint8_t* b, float* y) {
+  __m256 d = _mm256_set1_ps(half_at(b));
+  for (int i = 0; i < 4; ++i) {
+    __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
+    _mm256_storeu_ps(y + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+  }
+}
+
+GGUF_AVX2 void decode_q4_k_avx2(const uint8_t* b, float* y) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  for (int j = 0; j < 8; ++j) {
+    int sc, mn;
+    k_scale_min(b + 4, j, &sc, &mn);
+    __m256 dj = _mm256_set1_ps(d * static_cast<float>(sc));
+    __m256 mj = _mm256_set1_ps(dmin * static_cast<float>(mn));
+    const uint8_t* qs = b + 16 + 32 * (j >> 1);
+    __m128i sh = _mm_cvtsi32_si128(4 * (j & 1));
+    for (int l = 0; l < 32; l += 8) {
+      __m256i q = _mm256_and_si256(_mm256_srl_epi32(u8x8_i32(qs + l), sh), _mm256_set1_epi32(0xF));
+      __m256 t = _mm256_mul_ps(dj, _mm256_cvtepi32_ps(q));
+      _mm256_storeu_ps(y + 32 * j + l, _mm256_sub_ps(t, mj));
+    }
+  }
+}
+
+GGUF_AVX2 void decode_q6_k_avx2(const uint8_t* b, float* y) {
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = half_at(b + 208);
+  for (int h = 0; h < 2; ++h) {
+    for (int s = 0; s < 4; ++s) {
+      const uint8_t* ql = b + 64 * h + 32 * (s & 1);
+      const uint8_t* qh = b + 128 + 32 * h;
+      __m128i shl = _mm_cvtsi32_si128(4 * (s >> 1)), shh = _mm_cvtsi32_si128(2 * s);
+      for (int l = 0; l < 32; l += 8) {
+        int i = 128 * h + 32 * s + l;
+        __m256 ds = _mm256_set1_ps(d * static_cast<float>(sc[i >> 4]));
+        __m256i lo = _mm256_and_si256(_mm256_srl_epi32(u8x8_i32(ql + l), shl), _mm256_set1_epi32(0xF));
+        __m256i hi = _mm256_and_si256(_mm256_srl_epi32(u8x8_i32(qh + l), shh), _mm256_set1_epi32(3));
+        __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(ds, _mm256_cvtepi32_ps(q)));
+      }
+    }
+  }
+}
+
+GGUF_AVX2 void decode_f16_avx2(const uint8_t* src, int64_t n, float* y) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i))));
+  }
+  for (; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, src + 2 * i, 2);
+    y[i] = f16_to_float(h);
+  }
+}
+
+GGUF_AVX2 void decode_bf16_avx2(const uint8_t* src, int64_t n, float* y) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i)));
+    _mm256_storeu_ps(y + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  }
+  for (; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, src + 2 * i, 2);
+    y[i] = bf16_to_float(h);
+  }
+}
+
+bool has_avx2_f16c() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return ok;
+}
+#endif  // __x86_64__
+
+template <Elt E>
+void store_row(const float* src, int64_t n, void* dst) {
+  auto* o = static_cast<typename EltTraits<E>::Storage*>(dst);
+  for (int64_t i = 0; i < n; ++i) EltTraits<E>::store(o + i, src[i]);
+}
+
+}  // namespace
+
+GgufBlockDecoder gguf_block_decoder(GGMLType type) {
+#if defined(__x86_64__)
+  if (has_avx2_f16c()) {
+    switch (type) {
+      case GGMLType::kQ4_0: return decode_q4_0_avx2;
+      case GGMLType::kQ4_1: return decode_q4_1_avx2;
+      case GGMLType::kQ5_0: return decode_q5_0_avx2;
+      case GGMLType::kQ8_0: return decode_q8_0_avx2;
+      case GGMLType::kQ4_K: return decode_q4_k_avx2;
+      case GGMLType::kQ6_K: return decode_q6_k_avx2;
+      default: break;
+    }
+  }
+#endif
+  switch (type) {
+    case GGMLType::kQ4_0: return decode_q4_0;
+    case GGMLType::kQ4_1: return decode_q4_1;
+    case GGMLType::kQ5_0: return decode_q5_0;
+    case GGMLType::kQ5_1: return decode_q5_1;
+    case GGMLType::kQ8_0: return decode_q8_0;
+    case GGMLType::kQ2_K: return decode_q2_k;
+    case GGMLType::kQ3_K: return decode_q3_k;
+    case GGMLType::kQ4_K: return decode_q4_k;
+    case GGMLType::kQ5_K: return decode_q5_k;
+    case GGMLType::kQ6_K: return decode_q6_k;
+    case GGMLType::kIQ4_NL: return decode_iq4_nl;
+    case GGMLType::kIQ4_XS: return decode_iq4_xs;
+    case GGMLType::kIQ3_XXS: return decode_iq3_xxs;
+    case GGMLType::kIQ3_S: return decode_iq3_s;
+    default: return nullptr;
+  }
+}
+
+void gguf_decode_row(GGMLType type, const uint8_t* src, int64_t n, float* out) {
+  switch (type) {
+    case GGMLType::kF32:
+      std::memcpy(out, src, n * sizeof(float));
+      return;
+    case GGMLType::kF16:
+#if defined(__x86_64__)
+      if (has_avx2_f16c()) return decode_f16_avx2(src, n, out);
+#endif
+      for (int64_t i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, src + 2 * i, 2);
+        out[i] = f16_to_float(h);
+      }
+      return;
+    case GGMLType::kBF16:
+#if defined(__x86_64__)
+      if (has_avx2_f16c()) return decode_bf16_avx2(src, n, out);
+#endif
+      for (int64_t i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, src + 2 * i, 2);
+        out[i] = bf16_to_float(h);
+      }
+      return;
+    default: break;
+  }
+  GgufBlockDecoder dec = gguf_block_decoder(type);
+  gguf::TypeInfo ti = gguf::type_info(type);
+  for (int64_t i = 0; i < n / ti.block_size; ++i) {
+    dec(src + i * ti.type_size, out + i * ti.block_size);
+  }
+}
+
+void gguf_dequantize_rows(const GgufDequantizeRows& a) {
+  const int64_t rb = gguf::row_bytes(a.type, a.cols);
+  const auto* src = static_cast<const uint8_t*>(a.blocks);
+  const size_t out_size = a.out_elt == Elt::kF32 ? 4 : 2;
+  int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, a.cols));
+  parallel_for(a.rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(a.out_elt == Elt::kF32 ? 0 : a.cols);
+    for (int64_t r = begin; r < end; ++r) {
+      void* dst = static_cast<uint8_t*>(a.out) + r * a.cols * out_size;
+      float* y = a.out_elt == Elt::kF32 ? static_cast<float*>(dst) : tmp.data();
+      gguf_decode_row(a.type, src + r * rb, a.cols, y);
+      if (a.out_elt == Elt::kF16) store_row<Elt::kF16>(y, a.cols, dst);
+      if (a.out_elt == Elt::kBF16) store_row<Elt::kBF16>(y, a.cols, dst);
+    }
+  });
+}
+
+}  // namespace vllm_metal::cpu

@@ -1,0 +1,103 @@
+// Ops on GGUF weights kept in block form (see runtime/gguf_types.h).
+//
+//   gguf_dequantize(blocks, type, shape, out_dtype) -> dense [shape] weights
+//   gguf_matmul(x, blocks, type, shape)             -> x @ W^T, W = [N, K] = shape
+//
+// `blocks` is a uint8 array holding the tensor's bytes exactly as stored in the
+// file (rows of K weights, row-major). F32, F16 and BF16 weights take the same
+// path (block size 1), so dense checkpoints use our CPU GEMM too.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "mlx/array.h"
+#include "mlx/utils.h"
+#include "ops/kernel_primitive.h"
+#include "runtime/gguf_types.h"
+
+namespace vllm_metal {
+
+mx::array gguf_dequantize(const mx::array& blocks, gguf::GGMLType type, const mx::Shape& shape,
+                          mx::Dtype out_dtype = mx::float32, mx::StreamOrDevice s = {});
+
+// x: [..., K] float32/float16/bfloat16; returns [..., N] in x's dtype.
+mx::array gguf_matmul(const mx::array& x, const mx::array& blocks, gguf::GGMLType type,
+                      const mx::Shape& shape, mx::StreamOrDevice s = {});
+
+// Throws std::invalid_argument "[op] type Q2_XXS is not supported ..." for
+// types our kernels do not decode.
+void check_gguf_type(const char* op, gguf::GGMLType type);
+
+// ---- planners -------------------------------------------------------------------
+
+struct GgufDequantizeProblem {
+  gguf::GGMLType type = gguf::GGMLType::kF32;
+  mx::Dtype dtype = mx::float32;  // of the output
+  int64_t rows = 0;
+  int64_t cols = 0;
+};
+
+constexpr int64_t kGgufMetalMatvecMaxRows = 8;  // gguf_matmul.metal kMatvecMaxRows
+
+struct GgufMatmulProblem {
+  gguf::GGMLType type = gguf::GGMLType::kF32;
+  mx::Dtype dtype = mx::float32;  // of x and y
+  int64_t m = 0;
+  int64_t n = 0;
+  int64_t k = 0;
+};
+
+// "gguf_dequantize_q4_k_float16"
+std::string gguf_dequantize_kernel_name(gguf::GGMLType type, mx::Dtype dtype);
+// "gguf_matvec_q4_k_float32" (m <= kGgufMetalMatvecMaxRows) or "gguf_matmul_..."
+std::string gguf_matmul_kernel_name(gguf::GGMLType type, mx::Dtype dtype, bool matvec);
+
+// Slots: 0 blocks, 1 out. One thread per 16-weight chunk.
+KernelPlan plan_gguf_dequantize(const GgufDequantizeProblem& p);
+// Slots: 0 x, 1 blocks, 2 y.
+KernelPlan plan_gguf_matmul(const GgufMatmulProblem& p);
+
+class GgufDequantize : public KernelPrimitive {
+ public:
+  GgufDequantize(mx::Stream stream, KernelBackend backend, gguf::GGMLType type, int64_t rows,
+                 int64_t cols)
+      : KernelPrimitive(stream, backend), type_(type), rows_(rows), cols_(cols) {}
+
+  KernelPlan plan(const std::vector<mx::array>& inputs,
+                  const std::vector<mx::array>& outputs) const override;
+  const char* name() const override { return "GgufDequantize"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ protected:
+  void eval_native_cpu(const std::vector<mx::array>& inputs,
+                       std::vector<mx::array>& outputs) override;
+
+ private:
+  gguf::GGMLType type_;
+  int64_t rows_;
+  int64_t cols_;
+};
+
+class GgufMatmul : public KernelPrimitive {
+ public:
+  GgufMatmul(mx::Stream stream, KernelBackend backend, gguf::GGMLType type, int64_t n, int64_t k)
+      : KernelPrimitive(stream, backend), type_(type), n_(n), k_(k) {}
+
+  KernelPlan plan(const std::vector<mx::array>& inputs,
+                  const std::vector<mx::array>& outputs) const override;
+  const char* name() const override { return "GgufMatmul"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ protected:
+  void eval_native_cpu(const std::vector<mx::array>& inputs,
+                       std::vector<mx::array>& outputs) override;
+
+ private:
+  GgufMatmulProblem problem(const std::vector<mx::array>& inputs) const;
+  gguf::GGMLType type_;
+  int64_t n_;
+  int64_t k_;
+};
+
+}  // namespace vllm_metal

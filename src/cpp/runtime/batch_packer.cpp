@@ -1,0 +1,375 @@
+#include "runtime/batch_packer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace vllm_metal::runtime {
+
+namespace {
+
+[[noreturn]] void fail(const std::string& what) {
+  throw std::invalid_argument("[BatchPacker] " + what);
+}
+
+std::string quoted(std::string_view id) { return "'" + std::string(id) + "'"; }
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+RequestTableConfig table_config(const BatchPackerConfig& c) {
+  RequestTableConfig t;
+  t.max_model_len = c.max_model_len;
+  t.kv_groups = c.kv_groups;
+  t.mrope_num_dims = c.mrope_num_dims;
+  return t;
+}
+
+}  // namespace
+
+DecodePrefillSplit split_decode_prefill(const int32_t* query_lens, const int32_t* seq_lens,
+                                        int32_t num_decode_like, int32_t num_seqs,
+                                        int64_t min_total_context) {
+  int64_t context = 0;
+  for (int32_t i = 0; i < num_decode_like; ++i) context += seq_lens[i];
+  DecodePrefillSplit split;
+  split.num_decodes = context >= min_total_context ? num_decode_like : 0;
+  for (int32_t i = 0; i < num_seqs; ++i) {
+    if (i < split.num_decodes) {
+      split.num_decode_tokens += query_lens[i];
+    } else {
+      split.num_prefill_tokens += query_lens[i];
+    }
+  }
+  split.num_prefills = num_seqs - split.num_decodes;
+  return split;
+}
+
+BatchPacker::BatchPacker(BatchPackerConfig config)
+    : config_(std::move(config)), table_(table_config(config_)) {
+  if (config_.max_num_reqs <= 0 || config_.max_num_batched_tokens <= 0) {
+    fail("max_num_reqs and max_num_batched_tokens must be positive, got " +
+         std::to_string(config_.max_num_reqs) + " and " +
+         std::to_string(config_.max_num_batched_tokens));
+  }
+  const auto R = static_cast<size_t>(config_.max_num_reqs);
+  const auto T = static_cast<size_t>(config_.max_num_batched_tokens);
+  const auto G = static_cast<size_t>(table_.num_groups());
+  staged_.reserve(R);
+  row_stamp_.reserve(2 * R);  // grows with the table only
+  staged_drafts_.resize(T);
+  order_.resize(R);
+  batch_generations_.resize(R);
+  input_ids_.assign(T, 0);
+  positions_.assign(static_cast<size_t>(position_dims()) * T, 0);
+  slot_mapping_.assign(G * T, -1);
+  for (int32_t g = 0; g < table_.num_groups(); ++g) {
+    const KvGroupSpec& spec = table_.group(g);
+    const int32_t width = table_.max_blocks(g) * (spec.block_size / spec.kernel_block_size);
+    widths_.push_back(width);
+    block_tables_.emplace_back(R * static_cast<size_t>(width), 0);
+  }
+  entries_written_.assign(G * R, 0);
+  slot_cache_.resize(R);
+  seq_lens_.assign(R, 0);
+  query_lens_.assign(R, 0);
+  cu_seqlens_q_.assign(R + 1, 0);
+  logits_indices_.assign(T, 0);
+  cu_num_logits_.assign(R + 1, 0);
+  req_rows_.assign(R, 0);
+  discard_sampled_.assign(R, 0);
+}
+
+// ---- staging -----------------------------------------------------------------------
+
+void BatchPacker::begin_step() {
+  staged_.clear();
+  staged_num_drafts_ = 0;
+}
+
+void BatchPacker::schedule(std::string_view req_id, int32_t num_tokens, Int32Span draft_tokens) {
+  const int32_t row = table_.find(req_id);
+  if (row < 0) {
+    begin_step();
+    fail("unknown request id " + quoted(req_id) + " scheduled");
+  }
+  schedule_row(row, num_tokens, draft_tokens);
+}
+
+void BatchPacker::schedule_row(int32_t row, int32_t num_tokens, Int32Span draft_tokens) {
+  const auto abandon = [this](const std::string& what) {
+    begin_step();
+    fail(what);
+  };
+  if (row < 0 || row >= table_.num_rows() || !table_.row(row).live) {
+    abandon("row " + std::to_string(row) + " holds no request");
+  }
+  const std::string& id = table_.row(row).req_id;
+  if (static_cast<int32_t>(staged_.size()) >= config_.max_num_reqs) {
+    abandon("more than max_num_reqs = " + std::to_string(config_.max_num_reqs) +
+            " requests scheduled in one step (at " + quoted(id) + ")");
+  }
+  const auto num_drafts = static_cast<int64_t>(draft_tokens.size);
+  if (num_tokens < 1 || num_drafts > num_tokens - 1) {
+    abandon("request " + quoted(id) + ": expected 1 + drafts <= num_tokens, got num_tokens " +
+            std::to_string(num_tokens) + " with " + std::to_string(num_drafts) + " drafts");
+  }
+  if (staged_num_drafts_ + num_drafts > config_.max_num_batched_tokens) {
+    abandon("more draft tokens than max_num_batched_tokens = " +
+            std::to_string(config_.max_num_batched_tokens) + " in one step");
+  }
+  std::copy(draft_tokens.begin(), draft_tokens.end(),
+            staged_drafts_.begin() + staged_num_drafts_);
+  staged_.push_back(Staged{row, table_.row(row).generation, num_tokens, staged_num_drafts_,
+                           static_cast<int32_t>(num_drafts)});
+  staged_num_drafts_ += static_cast<int32_t>(num_drafts);
+}
+
+// ---- pack ----------------------------------------------------------------------------
+
+void BatchPacker::validate_staged(int32_t pad_tokens_to) {
+  if (row_stamp_.size() < static_cast<size_t>(table_.num_rows())) {
+    row_stamp_.resize(static_cast<size_t>(table_.num_rows()), 0);
+  }
+  stamp_ += 1;
+  int64_t total = 0;
+  for (const Staged& s : staged_) {
+    if (s.row >= table_.num_rows() || !table_.row(s.row).live ||
+        table_.row(s.row).generation != s.generation) {
+      fail("a request scheduled in this step left the table before pack()");
+    }
+    const RequestRow& row = table_.row(s.row);
+    if (row_stamp_[static_cast<size_t>(s.row)] == stamp_) {
+      fail("request " + quoted(row.req_id) + " scheduled twice in one step");
+    }
+    row_stamp_[static_cast<size_t>(s.row)] = stamp_;
+    const int64_t c = row.num_computed_tokens;
+    const int64_t end = c + s.num_tokens;  // seq_len
+    if (end - s.num_drafts > row.num_tokens()) {
+      fail("request " + quoted(row.req_id) + ": " + std::to_string(s.num_tokens - s.num_drafts) +
+           " tokens scheduled after " + std::to_string(c) + " computed need " +
+           std::to_string(end - s.num_drafts) + " known tokens, the request has " +
+           std::to_string(row.num_tokens()) + " (append the sampled tokens first)");
+    }
+    if (end > table_.max_model_len()) {
+      fail("request " + quoted(row.req_id) + ": seq_len " + std::to_string(end) +
+           " exceeds max_model_len " + std::to_string(table_.max_model_len()));
+    }
+    for (int32_t g = 0; g < table_.num_groups(); ++g) {
+      const KvGroupSpec& spec = table_.group(g);
+      if (!spec.paged) continue;
+      const int64_t need = ceil_div(end, spec.block_size);
+      const auto held = static_cast<int64_t>(row.block_ids[static_cast<size_t>(g)].size());
+      if (need > held) {
+        fail("request " + quoted(row.req_id) + ": " + std::to_string(end) +
+             " tokens need " + std::to_string(need) + " blocks of " +
+             std::to_string(spec.block_size) + " in KV group " + std::to_string(g) +
+             ", the block table holds " + std::to_string(held));
+      }
+    }
+    total += s.num_tokens;
+  }
+  if (total > config_.max_num_batched_tokens || pad_tokens_to > config_.max_num_batched_tokens) {
+    fail("step of " + std::to_string(std::max<int64_t>(total, pad_tokens_to)) +
+         " tokens exceeds max_num_batched_tokens " +
+         std::to_string(config_.max_num_batched_tokens));
+  }
+  if (pad_tokens_to < 0) fail("pad_tokens_to must be >= 0, got " + std::to_string(pad_tokens_to));
+}
+
+const PackedBatch& BatchPacker::pack(int32_t pad_tokens_to) {
+  validate_staged(pad_tokens_to);  // throws before anything is written
+
+  // Order: decode-like rows first, then prefill chunks, each in scheduled order.
+  const auto n = static_cast<int32_t>(staged_.size());
+  int32_t num_decode_like = 0;
+  for (int32_t i = 0; i < n; ++i) {
+    if (is_decode_row(staged_[static_cast<size_t>(i)].num_tokens,
+                      staged_[static_cast<size_t>(i)].num_drafts)) {
+      order_[static_cast<size_t>(num_decode_like++)] = i;
+    }
+  }
+  int32_t k = num_decode_like;
+  for (int32_t i = 0; i < n; ++i) {
+    if (!is_decode_row(staged_[static_cast<size_t>(i)].num_tokens,
+                       staged_[static_cast<size_t>(i)].num_drafts)) {
+      order_[static_cast<size_t>(k++)] = i;
+    }
+  }
+
+  PackedBatch& out = batch_;
+  out = PackedBatch{};
+  out.num_seqs = n;
+  out.num_decode_like = num_decode_like;
+  int32_t total = 0;
+  for (const Staged& s : staged_) total += s.num_tokens;
+  out.num_tokens = total;
+  out.num_tokens_padded = std::max(total, pad_tokens_to);
+
+  int32_t query_start = 0;
+  int32_t logits_start = 0;
+  cu_seqlens_q_[0] = 0;
+  cu_num_logits_[0] = 0;
+  for (int32_t b = 0; b < n; ++b) {
+    const Staged& s = staged_[static_cast<size_t>(order_[static_cast<size_t>(b)])];
+    write_request(b, s, query_start, logits_start);
+    query_start += s.num_tokens;
+    logits_start += s.num_drafts + 1;
+    cu_seqlens_q_[static_cast<size_t>(b) + 1] = query_start;
+    cu_num_logits_[static_cast<size_t>(b) + 1] = logits_start;
+    out.max_query_len = std::max(out.max_query_len, s.num_tokens);
+    out.max_seq_len = std::max(out.max_seq_len, seq_lens_[static_cast<size_t>(b)]);
+    if (b < num_decode_like) out.decode_context += seq_lens_[static_cast<size_t>(b)];
+  }
+  out.num_logits = logits_start;
+
+  // padding tokens: id 0, position 0, no cache write
+  const int32_t Tp = out.num_tokens_padded;
+  const size_t pad = static_cast<size_t>(Tp - total);
+  if (pad > 0) {
+    std::fill_n(input_ids_.begin() + total, pad, 0);
+    for (int32_t d = 0; d < position_dims(); ++d) {
+      std::fill_n(positions_.begin() + static_cast<ptrdiff_t>(d) * Tp + total, pad, 0);
+    }
+  }
+  for (int32_t g = 0; g < table_.num_groups(); ++g) {
+    int64_t* slots = slot_mapping_.data() + static_cast<size_t>(g) * Tp;
+    if (!table_.group(g).paged) {
+      std::fill_n(slots, Tp, -1);
+    } else if (pad > 0) {
+      std::fill_n(slots + total, pad, -1);
+    }
+  }
+
+  out.split = split_decode_prefill(query_lens_.data(), seq_lens_.data(), num_decode_like, n,
+                                   config_.decode_min_total_context);
+  sampled_appended_ = false;
+  staged_.clear();
+  staged_num_drafts_ = 0;
+  return out;
+}
+
+// Writes batch row b (request s) into every output. Never throws.
+void BatchPacker::write_request(int32_t b, const Staged& s, int32_t query_start,
+                                int32_t logits_start) {
+  const RequestRow& row = table_.row(s.row);
+  const size_t bi = static_cast<size_t>(b);
+  const int32_t c = row.num_computed_tokens;
+  const int32_t q = s.num_tokens;
+  const int32_t known = q - s.num_drafts;  // tokens from the table; the drafts follow
+  const int32_t seq_len = c + q;
+  const int32_t Tp = batch_.num_tokens_padded;
+
+  // input_ids
+  int32_t* ids = input_ids_.data() + query_start;
+  std::memcpy(ids, row.token_ids.data() + c, sizeof(int32_t) * static_cast<size_t>(known));
+  std::memcpy(ids + known, staged_drafts_.data() + s.draft_offset,
+              sizeof(int32_t) * static_cast<size_t>(s.num_drafts));
+
+  // positions: c .. c+q-1, or M-RoPE rows (precomputed up to mrope_len, then pos + delta)
+  if (config_.mrope_num_dims == 0) {
+    int32_t* pos = positions_.data() + query_start;
+    for (int32_t t = 0; t < q; ++t) pos[t] = c + t;
+  } else {
+    const int32_t L = row.mrope_len;
+    for (int32_t d = 0; d < config_.mrope_num_dims; ++d) {
+      int32_t* pos = positions_.data() + static_cast<size_t>(d) * Tp + query_start;
+      const int32_t* pre = row.mrope_positions.data() + static_cast<size_t>(d) * L;
+      for (int32_t t = 0; t < q; ++t) {
+        const int32_t p = c + t;
+        pos[t] = p < L ? pre[p] : p + row.mrope_position_delta;
+      }
+    }
+  }
+
+  for (int32_t g = 0; g < table_.num_groups(); ++g) {
+    const KvGroupSpec& spec = table_.group(g);
+    const std::vector<int32_t>& held = row.block_ids[static_cast<size_t>(g)];
+    // slot_mapping, one block-sized run at a time
+    if (spec.paged) {
+      int64_t* slots = slot_mapping_.data() + static_cast<size_t>(g) * Tp + query_start;
+      const int32_t B = spec.block_size;
+      int32_t t = 0;
+      while (t < q) {
+        const int32_t p = c + t;
+        const int32_t off = p % B;
+        const int32_t run = std::min(B - off, q - t);
+        const int64_t base = static_cast<int64_t>(held[static_cast<size_t>(p / B)]) * B + off;
+        for (int32_t j = 0; j < run; ++j) slots[t + j] = base + j;
+        t += run;
+      }
+    }
+    // block table row in kernel blocks: entry e = held[e / k] * k + e % k
+    const int32_t kb = spec.block_size / spec.kernel_block_size;
+    const int32_t need =
+        spec.paged ? static_cast<int32_t>(ceil_div(seq_len, spec.kernel_block_size))
+                   : static_cast<int32_t>(held.size()) * kb;
+    int32_t* table = block_tables_[static_cast<size_t>(g)].data() + bi * widths_[static_cast<size_t>(g)];
+    int32_t& written = entries_written_[static_cast<size_t>(g) * config_.max_num_reqs + bi];
+    const SlotCache& cached = slot_cache_[bi];
+    const bool same = cached.row == s.row && cached.generation == row.generation &&
+                      cached.block_ids_version == row.block_ids_version;
+    // entries [0, min(written, need)) already hold this request's ids when `same`
+    const int32_t from = same ? std::min(written, need) : 0;
+    if (kb == 1) {
+      std::memcpy(table + from, held.data() + from, sizeof(int32_t) * static_cast<size_t>(need - from));
+    } else {
+      for (int32_t e = from; e < need; ++e) table[e] = held[static_cast<size_t>(e / kb)] * kb + e % kb;
+    }
+    if (written > need) std::fill(table + need, table + written, 0);
+    written = need;
+  }
+  slot_cache_[bi] = SlotCache{s.row, row.generation, row.block_ids_version};
+
+  seq_lens_[bi] = seq_len;
+  query_lens_[bi] = q;
+  int32_t* logits = logits_indices_.data() + logits_start;
+  const int32_t first = query_start + known - 1;
+  for (int32_t j = 0; j <= s.num_drafts; ++j) logits[j] = first + j;
+  req_rows_[bi] = s.row;
+  batch_generations_[bi] = row.generation;
+  discard_sampled_[bi] = c + known < row.num_tokens() ? 1 : 0;
+}
+
+// ---- after sampling ---------------------------------------------------------------
+
+void BatchPacker::append_sampled(const int32_t* token_ids, int32_t num_seqs, int32_t stride) {
+  if (sampled_appended_) {
+    fail("append_sampled: no packed step is waiting for its sampled tokens");
+  }
+  if (num_seqs != batch_.num_seqs || stride < 1) {
+    fail("append_sampled: expected token_ids [" + std::to_string(batch_.num_seqs) +
+         ", k >= 1] in the last step's batch order, got [" + std::to_string(num_seqs) + ", " +
+         std::to_string(stride) + "]");
+  }
+  const auto count_of = [&](int32_t b) {
+    const int32_t* r = token_ids + static_cast<size_t>(b) * stride;
+    int32_t k = 0;
+    while (k < stride && r[k] >= 0) ++k;
+    return k;
+  };
+  for (int32_t b = 0; b < num_seqs; ++b) {
+    const size_t bi = static_cast<size_t>(b);
+    if (discard_sampled_[bi]) continue;
+    const int32_t r = req_rows_[bi];
+    if (!table_.row(r).live || table_.row(r).generation != batch_generations_[bi]) {
+      fail("append_sampled: the request of batch row " + std::to_string(b) +
+           " left the table after pack()");
+    }
+    const RequestRow& row = table_.row(r);
+    if (row.num_tokens() + count_of(b) > table_.max_model_len()) {
+      fail("append_sampled: request " + quoted(row.req_id) + " would exceed max_model_len " +
+           std::to_string(table_.max_model_len()));
+    }
+  }
+  for (int32_t b = 0; b < num_seqs; ++b) {
+    const size_t bi = static_cast<size_t>(b);
+    if (discard_sampled_[bi]) continue;
+    table_.append_tokens_to_row(req_rows_[bi],
+                                Int32Span(token_ids + bi * static_cast<size_t>(stride),
+                                          static_cast<size_t>(count_of(b))));
+  }
+  sampled_appended_ = true;
+}
+
+}  // namespace vllm_metal::runtime

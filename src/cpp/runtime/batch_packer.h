@@ -1,0 +1,174 @@
+// BatchPacker: turns one step of scheduled requests into the flat arrays the
+// kernels read, in buffers allocated once (pack() allocates nothing).
+//
+// Layout of a packed step (S = num_seqs, T = num_tokens, Tp = T padded, G = KV groups):
+//   input_ids       int32 [Tp]         token ids; drafts follow each request's tokens
+//   positions       int32 [Tp], or [mrope_num_dims, Tp] (row stride Tp) with M-RoPE
+//   slot_mapping    int64 [G, Tp]      block_table[pos // B] * B + pos % B; -1 = skip
+//                                      (padding tokens, state groups)
+//   block_tables    int32 [S, width_g] per group, in kernel blocks, zero-padded;
+//                                      width_g = max_blocks_g * (B_g / kernel B_g)
+//   seq_lens        int32 [S]          context incl. this step's tokens
+//   cu_seqlens_q    int32 [S + 1]
+//   logits_indices  int32 [L]          token rows to sample: the last 1 + drafts of each
+//   cu_num_logits   int32 [S + 1]      request's query (rejection sampling reads them)
+//   req_rows        int32 [S]          batch index -> request-table row
+//   discard_sampled uint8 [S]          1: a partial prefill chunk, its sample is dropped
+// Rows: decode rows first (one new token, plus drafts), then prefill chunks,
+// each group in the order scheduled. Which leading rows the decode kernel
+// takes is split_decode_prefill()'s rule.
+//
+// Errors: std::invalid_argument with "[BatchPacker] ...". pack() validates the
+// whole step before writing, so a rejected step leaves the previous step's
+// outputs and the request table untouched.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "runtime/request_table.h"
+
+namespace vllm_metal::runtime {
+
+// Context length at which decode rows start going to the decode kernel.
+constexpr int64_t kDecodeMinTotalContext = 512;
+
+struct DecodePrefillSplit {
+  int32_t num_decodes = 0;  // leading rows for the decode (split-KV) kernel
+  int32_t num_decode_tokens = 0;
+  int32_t num_prefills = 0;  // the remaining rows, for the varlen (prefill) kernel
+  int32_t num_prefill_tokens = 0;
+};
+
+// A row is decode-like when it computes one new token (plus its drafts).
+inline bool is_decode_row(int32_t num_scheduled_tokens, int32_t num_draft_tokens) {
+  return num_scheduled_tokens - num_draft_tokens == 1;
+}
+
+// The decode/prefill split (issue 3). The first `num_decode_like` rows are
+// decode-like; they go to the decode kernel together once their contexts add
+// up to at least `min_total_context` tokens (sum of their seq_lens), which is
+// when a split-KV decode pays for its extra launch. Below that they stay with
+// the prefill rows in the varlen kernel (num_decodes = 0). The length of any
+// single row does not matter: eight rows of 64 tokens go to the decode kernel,
+// one row of 511 does not.
+//   query_lens, seq_lens: [num_seqs]
+DecodePrefillSplit split_decode_prefill(const int32_t* query_lens, const int32_t* seq_lens,
+                                        int32_t num_decode_like, int32_t num_seqs,
+                                        int64_t min_total_context = kDecodeMinTotalContext);
+
+struct BatchPackerConfig {
+  int32_t max_num_reqs = 0;            // sequences per step
+  int32_t max_num_batched_tokens = 0;  // tokens per step, padding included
+  int32_t max_model_len = 0;
+  std::vector<KvGroupSpec> kv_groups;  // at least one
+  int32_t mrope_num_dims = 0;          // 0: positions [Tp]; else [mrope_num_dims, Tp]
+  int64_t decode_min_total_context = kDecodeMinTotalContext;
+};
+
+// Counts of the last packed step (the arrays are BatchPacker's accessors).
+struct PackedBatch {
+  int32_t num_seqs = 0;
+  int32_t num_tokens = 0;         // T
+  int32_t num_tokens_padded = 0;  // Tp >= T: row stride of positions and slot_mapping
+  int32_t num_logits = 0;
+  int32_t num_decode_like = 0;    // leading decode-like rows
+  int64_t decode_context = 0;     // sum of their seq_lens
+  DecodePrefillSplit split;
+  int32_t max_query_len = 0;
+  int32_t max_seq_len = 0;
+};
+
+class BatchPacker {
+ public:
+  explicit BatchPacker(BatchPackerConfig config);
+
+  RequestTable& requests() { return table_; }
+  const RequestTable& requests() const { return table_; }
+  const BatchPackerConfig& config() const { return config_; }
+
+  // ---- one step: begin_step, schedule each request, pack -----------------
+  // schedule() checks the id and the counts it can check alone; an error
+  // abandons the step (its staged requests are dropped).
+  void begin_step();
+  void schedule(std::string_view req_id, int32_t num_tokens, Int32Span draft_tokens = {});
+  void schedule_row(int32_t row, int32_t num_tokens, Int32Span draft_tokens = {});
+  // Packs the staged requests; pad_tokens_to > T pads the token arrays to that
+  // length (input_ids 0, positions 0, slot -1) for fixed-shape graphs.
+  const PackedBatch& pack(int32_t pad_tokens_to = 0);
+
+  // After sampling: token_ids [num_seqs, stride] in the last step's batch
+  // order, each row ending at its first negative entry (vLLM's -1 padding of
+  // rejected drafts). Rows of partial prefill chunks are skipped. All or
+  // nothing; once per packed step.
+  void append_sampled(const int32_t* token_ids, int32_t num_seqs, int32_t stride);
+
+  // ---- the last packed step --------------------------------------------------------
+  const PackedBatch& batch() const { return batch_; }
+  const int32_t* input_ids() const { return input_ids_.data(); }
+  const int32_t* positions() const { return positions_.data(); }
+  const int64_t* slot_mapping(int32_t g) const {
+    return slot_mapping_.data() + static_cast<size_t>(g) * batch_.num_tokens_padded;
+  }
+  const int32_t* block_table(int32_t g) const { return block_tables_[static_cast<size_t>(g)].data(); }
+  int32_t block_table_width(int32_t g) const { return widths_[static_cast<size_t>(g)]; }
+  const int32_t* seq_lens() const { return seq_lens_.data(); }
+  const int32_t* cu_seqlens_q() const { return cu_seqlens_q_.data(); }
+  const int32_t* logits_indices() const { return logits_indices_.data(); }
+  const int32_t* cu_num_logits() const { return cu_num_logits_.data(); }
+  const int32_t* req_rows() const { return req_rows_.data(); }
+  const uint8_t* discard_sampled() const { return discard_sampled_.data(); }
+  int32_t num_groups() const { return table_.num_groups(); }
+  int32_t position_dims() const { return config_.mrope_num_dims > 0 ? config_.mrope_num_dims : 1; }
+
+ private:
+  struct Staged {
+    int32_t row;
+    uint32_t generation;
+    int32_t num_tokens;
+    int32_t draft_offset;  // into staged_drafts_
+    int32_t num_drafts;
+  };
+  // What a batch slot's block-table rows hold (to rewrite only what changed).
+  struct SlotCache {
+    int32_t row = -1;
+    uint32_t generation = 0;
+    uint32_t block_ids_version = 0;
+  };
+
+  void validate_staged(int32_t pad_tokens_to);
+  void write_request(int32_t b, const Staged& s, int32_t query_start, int32_t logits_start);
+
+  BatchPackerConfig config_;
+  RequestTable table_;
+
+  // staging
+  std::vector<Staged> staged_;
+  std::vector<int32_t> staged_drafts_;
+  int32_t staged_num_drafts_ = 0;
+  std::vector<uint32_t> row_stamp_;  // duplicate detection, per table row
+  uint32_t stamp_ = 0;
+  std::vector<int32_t> order_;  // batch index -> staged index
+
+  // outputs
+  PackedBatch batch_;
+  bool sampled_appended_ = true;
+  std::vector<uint32_t> batch_generations_;  // [max_num_reqs] generation of each req_rows entry
+  std::vector<int32_t> input_ids_;           // [max_num_batched_tokens]
+  std::vector<int32_t> positions_;           // [dims * max_num_batched_tokens]
+  std::vector<int64_t> slot_mapping_;        // [G * max_num_batched_tokens]
+  std::vector<std::vector<int32_t>> block_tables_;  // G x [max_num_reqs * width_g]
+  std::vector<int32_t> widths_;                     // [G]
+  std::vector<int32_t> entries_written_;            // [G * max_num_reqs]
+  std::vector<SlotCache> slot_cache_;               // [max_num_reqs]
+  std::vector<int32_t> seq_lens_;        // [max_num_reqs]
+  std::vector<int32_t> query_lens_;      // [max_num_reqs]
+  std::vector<int32_t> cu_seqlens_q_;    // [max_num_reqs + 1]
+  std::vector<int32_t> logits_indices_;  // [max_num_batched_tokens]
+  std::vector<int32_t> cu_num_logits_;   // [max_num_reqs + 1]
+  std::vector<int32_t> req_rows_;        // [max_num_reqs]
+  std::vector<uint8_t> discard_sampled_;  // [max_num_reqs]
+};
+
+}  // namespace vllm_metal::runtime

@@ -1,0 +1,273 @@
+#include "runtime/kv_geometry.h"
+
+#include <cstdio>
+#include <limits>
+#include <stdexcept>
+
+namespace vllm_metal::runtime {
+
+namespace {
+
+constexpr int64_t kKernelBlockSizes[] = {32, 16, 8};  // largest first
+constexpr int64_t kMaxId = std::numeric_limits<int32_t>::max();  // block ids are int32
+
+[[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument("[kv_geometry] " + msg); }
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+// Bytes with a readable unit alongside the exact count.
+std::string bytes_str(int64_t b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(b);
+  int u = 0;
+  while (v >= 1024.0 && u < 4) {
+    v /= 1024.0;
+    ++u;
+  }
+  char buf[64];
+  if (u == 0) {
+    std::snprintf(buf, sizeof(buf), "%lld B", static_cast<long long>(b));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%lld B (%.2f %s)", static_cast<long long>(b), v, units[u]);
+  }
+  return buf;
+}
+
+int64_t mul(int64_t a, int64_t b, const char* what) {
+  int64_t r;
+  if (__builtin_mul_overflow(a, b, &r)) fail(std::string(what) + " overflows 64 bits");
+  return r;
+}
+
+int64_t add(int64_t a, int64_t b, const char* what) {
+  int64_t r;
+  if (__builtin_add_overflow(a, b, &r)) fail(std::string(what) + " overflows 64 bits");
+  return r;
+}
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+std::string dividing_sizes(int64_t block_size) {
+  std::string s;
+  for (int64_t kb : {8, 16, 32}) {
+    if (block_size % kb == 0) s += (s.empty() ? "" : ", ") + str(kb);
+  }
+  return s.empty() ? "none" : s;
+}
+
+}  // namespace
+
+int64_t kv_dtype_size(KvDtype dtype) {
+  switch (dtype) {
+    case KvDtype::kFloat32: return 4;
+    case KvDtype::kFloat16:
+    case KvDtype::kBFloat16: return 2;
+    case KvDtype::kInt8:
+    case KvDtype::kUInt8: return 1;
+  }
+  fail("unknown dtype");
+}
+
+const char* kv_dtype_name(KvDtype dtype) {
+  switch (dtype) {
+    case KvDtype::kFloat32: return "float32";
+    case KvDtype::kFloat16: return "float16";
+    case KvDtype::kBFloat16: return "bfloat16";
+    case KvDtype::kInt8: return "int8";
+    case KvDtype::kUInt8: return "uint8";
+  }
+  return "?";
+}
+
+KvDtype parse_kv_dtype(const std::string& name) {
+  for (KvDtype d : {KvDtype::kFloat32, KvDtype::kFloat16, KvDtype::kBFloat16, KvDtype::kInt8,
+                    KvDtype::kUInt8}) {
+    if (name == kv_dtype_name(d)) return d;
+  }
+  fail("dtype must be 'float32', 'float16', 'bfloat16', 'int8' or 'uint8', got '" + name + "'");
+}
+
+const char* kv_layer_kind_name(KvLayerKind kind) {
+  switch (kind) {
+    case KvLayerKind::kFullAttention: return "full_attention";
+    case KvLayerKind::kSlidingWindow: return "sliding_window";
+    case KvLayerKind::kLinearAttention: return "linear_attention";
+  }
+  return "?";
+}
+
+KvLayerKind parse_kv_layer_kind(const std::string& name) {
+  for (KvLayerKind k : {KvLayerKind::kFullAttention, KvLayerKind::kSlidingWindow,
+                        KvLayerKind::kLinearAttention}) {
+    if (name == kv_layer_kind_name(k)) return k;
+  }
+  fail("layer kind must be 'full_attention', 'sliding_window' or 'linear_attention', got '" + name + "'");
+}
+
+int64_t choose_kernel_block_size(int64_t block_size, int64_t requested) {
+  if (block_size <= 0) fail("block_size must be > 0, got " + str(block_size));
+  if (requested != 0) {
+    if (requested != 8 && requested != 16 && requested != 32) {
+      fail("kernel_block_size must be 8, 16 or 32 (or 0 to choose), got " + str(requested));
+    }
+    if (block_size % requested != 0) {
+      fail("kernel_block_size " + str(requested) + " does not divide block_size " + str(block_size) +
+           "; kernel block sizes that do: " + dividing_sizes(block_size));
+    }
+    return requested;
+  }
+  for (int64_t kb : kKernelBlockSizes) {
+    if (block_size % kb == 0) return kb;
+  }
+  fail("block_size must be a multiple of 8 (the kernels read blocks of 8, 16 or 32 tokens), got " +
+       str(block_size));
+}
+
+void split_block_ids(const int32_t* ids, size_t n, int64_t kernel_blocks_per_block, int32_t* out) {
+  const int64_t k = kernel_blocks_per_block;
+  if (k <= 0) fail("kernel_blocks_per_block must be > 0, got " + str(k));
+  for (size_t i = 0; i < n; ++i) {
+    if (ids[i] >= 0 && (static_cast<int64_t>(ids[i]) + 1) * k - 1 > kMaxId) {
+      fail("block id " + str(ids[i]) + " split " + str(k) + " ways exceeds the int32 id range");
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t b = ids[i];
+    for (int64_t j = 0; j < k; ++j) {
+      out[i * static_cast<size_t>(k) + static_cast<size_t>(j)] =
+          static_cast<int32_t>(b < 0 ? b : b * k + j);
+    }
+  }
+}
+
+KvPoolGeometry plan_kv_pool(const KvPoolConfig& c) {
+  KvPoolGeometry g;
+  g.block_size = c.block_size;
+  g.kernel_block_size = choose_kernel_block_size(c.block_size, c.kernel_block_size);
+  g.kernel_blocks_per_block = c.block_size / g.kernel_block_size;
+  g.max_num_seqs = c.max_num_seqs;
+  if (c.memory_budget_bytes < 0) fail("memory_budget_bytes must be >= 0, got " + str(c.memory_budget_bytes));
+  if (c.num_blocks < 0) fail("num_blocks must be >= 0, got " + str(c.num_blocks));
+  if (c.max_model_len < 0) fail("max_model_len must be >= 0, got " + str(c.max_model_len));
+  if (c.layers.empty()) fail("layers must not be empty");
+
+  // Per-layer bytes: one block of each attention layer, one sequence of each state.
+  int64_t state_bytes_per_seq = 0;
+  bool has_linear = false;
+  for (size_t i = 0; i < c.layers.size(); ++i) {
+    const KvLayerSpec& l = c.layers[i];
+    const std::string where = "layer " + std::to_string(i) + " (" + kv_layer_kind_name(l.kind) + "): ";
+    KvLayerGeometry lg;
+    lg.kind = l.kind;
+    lg.dtype = l.dtype;
+    if (l.kind == KvLayerKind::kLinearAttention) {
+      has_linear = true;
+      if (l.states.empty()) fail(where + "needs at least one state tensor");
+      for (const KvStateSpec& s : l.states) {
+        int64_t elems = 1;
+        for (int64_t d : s.shape) {
+          if (d <= 0) fail(where + "state dimensions must be > 0, got " + str(d));
+          elems = mul(elems, d, "state size");
+        }
+        state_bytes_per_seq = add(state_bytes_per_seq, mul(elems, kv_dtype_size(s.dtype), "state size"), "state size");
+        lg.state_dtypes.push_back(s.dtype);
+      }
+    } else {
+      if (l.num_kv_heads <= 0) fail(where + "num_kv_heads must be > 0, got " + str(l.num_kv_heads));
+      if (l.head_dim <= 0) fail(where + "head_dim must be > 0, got " + str(l.head_dim));
+      if (l.kind == KvLayerKind::kSlidingWindow) {
+        if (l.sliding_window <= 0) fail(where + "sliding_window must be > 0, got " + str(l.sliding_window));
+        lg.sliding_window = l.sliding_window;
+      } else if (l.sliding_window != 0) {
+        fail(where + "sliding_window is only for sliding_window layers, got " + str(l.sliding_window));
+      }
+      const int64_t per_block =
+          mul(mul(mul(mul(2, c.block_size, "block bytes"), l.num_kv_heads, "block bytes"), l.head_dim, "block bytes"),
+              kv_dtype_size(l.dtype), "block bytes");
+      lg.bytes_per_block = per_block;
+      g.bytes_per_block = add(g.bytes_per_block, per_block, "block bytes");
+    }
+    g.layers.push_back(std::move(lg));
+  }
+  if (has_linear && c.max_num_seqs <= 0) fail("max_num_seqs must be > 0 with linear-attention layers, got " + str(c.max_num_seqs));
+  g.state_bytes = has_linear ? mul(state_bytes_per_seq, c.max_num_seqs, "state bytes") : 0;
+
+  const int64_t null_blocks = c.reserve_null_block ? 1 : 0;
+  const bool has_attention = g.bytes_per_block > 0;
+  // Blocks one sequence of max_model_len tokens needs, plus the null block.
+  const int64_t min_blocks = (c.max_model_len > 0 ? cdiv(c.max_model_len, c.block_size) : 1) + null_blocks;
+  const int64_t max_blocks = kMaxId / g.kernel_blocks_per_block;  // kernel ids stay int32
+  const std::string seq_need =
+      c.max_model_len > 0 ? "one sequence of max_model_len = " + str(c.max_model_len) + " tokens needs " +
+                                str(min_blocks - null_blocks) + " blocks" + (null_blocks ? " + the null block" : "")
+                          : "the pool needs at least one usable block" + std::string(null_blocks ? " + the null block" : "");
+  auto tokens_of = [&](int64_t blocks) { return blocks > null_blocks ? (blocks - null_blocks) * c.block_size : 0; };
+
+  if (c.memory_budget_bytes > 0 && g.state_bytes > c.memory_budget_bytes) {
+    fail("linear-attention state for max_num_seqs = " + str(c.max_num_seqs) + " needs " + bytes_str(g.state_bytes) +
+         " (" + bytes_str(state_bytes_per_seq) + " per sequence), more than the budget of " +
+         bytes_str(c.memory_budget_bytes) + ": at most " + str(c.memory_budget_bytes / state_bytes_per_seq) +
+         " sequences fit");
+  }
+
+  if (!has_attention) {
+    if (c.num_blocks > 0) fail("num_blocks = " + str(c.num_blocks) + " given, but no layer uses KV blocks");
+    g.num_blocks = 0;
+  } else if (c.num_blocks > 0) {
+    g.num_blocks = c.num_blocks;
+    if (g.num_blocks > max_blocks) {
+      fail("num_blocks = " + str(c.num_blocks) + " split into " + str(g.kernel_blocks_per_block) +
+           " kernel blocks each exceeds the int32 block id range: at most " + str(max_blocks) + " blocks");
+    }
+    if (g.num_blocks < min_blocks) {
+      fail("num_blocks = " + str(c.num_blocks) + " holds " + str(tokens_of(g.num_blocks)) + " tokens, but " + seq_need +
+           ": at least " + str(min_blocks) + " blocks (or max_model_len <= " + str(tokens_of(g.num_blocks)) + ")");
+    }
+    const int64_t need = add(mul(g.num_blocks, g.bytes_per_block, "KV bytes"), g.state_bytes, "pool bytes");
+    if (c.memory_budget_bytes > 0 && need > c.memory_budget_bytes) {
+      const int64_t fit = (c.memory_budget_bytes - g.state_bytes) / g.bytes_per_block;
+      fail("num_blocks = " + str(c.num_blocks) + " needs " + bytes_str(need) + " (" + bytes_str(g.bytes_per_block) +
+           " per block" + (g.state_bytes ? " + " + bytes_str(g.state_bytes) + " of state" : std::string()) +
+           "), more than the budget of " + bytes_str(c.memory_budget_bytes) + ": at most " + str(fit) + " blocks fit");
+    }
+  } else {
+    if (c.memory_budget_bytes <= 0) fail("need memory_budget_bytes > 0 or num_blocks > 0 to size the pool");
+    const int64_t for_blocks = c.memory_budget_bytes - g.state_bytes;
+    const int64_t fit = for_blocks / g.bytes_per_block;
+    if (fit < min_blocks) {
+      const int64_t need = add(mul(min_blocks, g.bytes_per_block, "KV bytes"), g.state_bytes, "pool bytes");
+      fail("a budget of " + bytes_str(c.memory_budget_bytes) + " holds " + str(fit) + " blocks of " +
+           bytes_str(g.bytes_per_block) + (g.state_bytes ? " after " + bytes_str(g.state_bytes) + " of state" : std::string()) +
+           " = " + str(tokens_of(fit)) + " tokens, but " + seq_need + ": a budget of at least " + bytes_str(need) +
+           " (or max_model_len <= " + str(tokens_of(fit)) + ")");
+    }
+    g.num_blocks = fit < max_blocks ? fit : max_blocks;
+  }
+
+  g.num_kernel_blocks = g.num_blocks * g.kernel_blocks_per_block;
+  g.kv_bytes = mul(g.num_blocks, g.bytes_per_block, "KV bytes");
+  g.total_bytes = add(g.kv_bytes, g.state_bytes, "pool bytes");
+  g.max_tokens = tokens_of(g.num_blocks);
+
+  for (size_t i = 0; i < c.layers.size(); ++i) {
+    const KvLayerSpec& l = c.layers[i];
+    KvLayerGeometry& lg = g.layers[i];
+    if (l.kind == KvLayerKind::kLinearAttention) {
+      for (const KvStateSpec& s : l.states) {
+        std::vector<int64_t> shape{c.max_num_seqs};
+        shape.insert(shape.end(), s.shape.begin(), s.shape.end());
+        int64_t elems = 1;
+        for (int64_t d : shape) elems *= d;
+        lg.bytes += elems * kv_dtype_size(s.dtype);
+        lg.state_shapes.push_back(std::move(shape));
+      }
+    } else {
+      lg.cache_shape = {g.num_blocks, c.block_size, l.num_kv_heads, l.head_dim};
+      lg.kernel_cache_shape = {g.num_kernel_blocks, g.kernel_block_size, l.num_kv_heads, l.head_dim};
+      lg.bytes = g.num_blocks * lg.bytes_per_block;
+    }
+  }
+  return g;
+}
+
+}  // namespace vllm_metal::runtime

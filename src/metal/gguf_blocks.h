@@ -1,0 +1,345 @@
+// GGUF block decoders for the Metal kernels (MSL only).
+//
+// Each format is a struct with kBlock (weights per block), kBytes (bytes per
+// block) and decode16(row, chunk, k, v): weights [16 chunk, 16 chunk + 16) of
+// one encoded row, as float, into v. The float formats zero-fill past k, so
+// rows of any length work; quantized rows are whole blocks. The arithmetic
+// mirrors the reference dequantizer: one rounding per product, no fused
+// multiply-add written out (statements kept apart).
+#pragma once
+
+#include <metal_stdlib>
+#include "gguf_tables.h"
+
+using namespace metal;
+
+inline float gguf_half(device const uchar* p) {
+  return float(as_type<half>(ushort(ushort(p[0]) | (ushort(p[1]) << 8))));
+}
+inline uint gguf_u32(device const uchar* p) {
+  return uint(p[0]) | (uint(p[1]) << 8) | (uint(p[2]) << 16) | (uint(p[3]) << 24);
+}
+
+// Start of the block holding chunk `chunk`, and the chunk's index inside it.
+template <typename Q>
+inline device const uchar* gguf_block_of(device const uchar* row, uint chunk, thread uint& il) {
+  uint first = chunk * 16;
+  il = (first % Q::kBlock) / 16;
+  return row + (first / Q::kBlock) * Q::kBytes;
+}
+
+// ---- float formats ------------------------------------------------------------
+
+struct GgufF32 {
+  enum { kBlock = 1, kBytes = 4 };
+  static void decode16(device const uchar* row, uint chunk, uint k, thread float* v) {
+    device const float* p = (device const float*)row;
+    for (uint e = 0; e < 16; ++e) {
+      uint i = chunk * 16 + e;
+      v[e] = i < k ? p[i] : 0.0f;
+    }
+  }
+};
+
+struct GgufF16 {
+  enum { kBlock = 1, kBytes = 2 };
+  static void decode16(device const uchar* row, uint chunk, uint k, thread float* v) {
+    device const half* p = (device const half*)row;
+    for (uint e = 0; e < 16; ++e) {
+      uint i = chunk * 16 + e;
+      v[e] = i < k ? float(p[i]) : 0.0f;
+    }
+  }
+};
+
+struct GgufBF16 {
+  enum { kBlock = 1, kBytes = 2 };
+  static void decode16(device const uchar* row, uint chunk, uint k, thread float* v) {
+    device const ushort* p = (device const ushort*)row;
+    for (uint e = 0; e < 16; ++e) {
+      uint i = chunk * 16 + e;
+      v[e] = i < k ? as_type<float>(uint(p[i]) << 16) : 0.0f;
+    }
+  }
+};
+
+// ---- legacy 32-weight blocks: weight j < 16 is the low nibble of qs[j] -------
+
+struct GgufQ4_0 {
+  enum { kBlock = 32, kBytes = 18 };
+  static void decode16(device const uchar* row, uint chunk, uint k, thread float* v) {
+    uint il;
+    device const uchar* b = gguf_block_of<GgufQ4_0>(row, chunk, il);
+    float d = gguf_half(b);
+    for (uint j = 0; j < 16; ++j) {
+      int q = il == 0 ? (b[2 + j] & 0xF) : (b[2 + j] >> 4);
+      v[j] = d * float(q - 8);
+    }
+  }
+};
+
+struct GgufQ4_1 {
+  enum { kBlock = 32, kBytes = 20 };
+  static void decode16(device const uchar* row, uint chunk, uint k, thread float* v) {
+    uint il;
+    device const uchar* b = gguf_block_of<GgufQ4_1>(row, chunk, il);
+    float d = gguf_half(b);
+    float m = gguf_half(b + 2);
+    for (uint j = 0; j < 16; ++j) {
+      int q = il == 0 ? (b[4 + j] & 0xF) : (b[4 + j] >> 4);
+      float t = d * float(q);
+      v[j] = t + m;
+    }
+  }
+};
+
+struct GgufQ5_0 {
+  enum { kBlock = 32, kBytes = 22 };
+  static void decode16(device const uchar* row, uint chunk, uint k, thread float* v) {
+    uint il;
+    device const uchar* b = gguf_block_of<GgufQ5_0>(row, chunk, il);
+    float d = gguf_half(b);
+    uint qh = gguf_u32(b + 2) >> (16 * il);
+    for (uint j = 0; j < 16; ++j) {
+      int lo = il == 0 ? (b[6 + j] & 0xF) : (b[6 + j] >> 4);
+      int q = lo | int(((qh >> j) & 1) << 4);
+      v[j] = d * float(q - 16);
+    }
+  }
+};
+
+struct GgufQ5_1 {
+  enum { kBlock = 32, kBytes = 24 };
+  static void decode16(device const uchar* row, uint chunk, uint k, thread float* v) {
+    uint il;
+    device const uchar* b = gguf_block_of<GgufQ5_1>(row, chunk, il);
+    float d = gguf_half(b);
+    float m = gguf_half(b + 2);
+    uint qh = gguf_u32(b + 4) >> (16 * il);
+    for (uint j = 0; j < 16; ++j) {
+      int lo = il == 0 ? (b[8 + j] & 0xF) : (b[8 + j] >> 4);
+      int q = lo | int(((qh >> j) & 1) << 4);
+      float t = d * float(q);
+      v[j] = t + m;
+    }
+  }
+};
+
+struct GgufQ8_0 {
+  enum { kBlock = 32, kBytes = 34 };
+  static void decode16(device const uchar* row, uint chunk, uint k, thread float* v) {
+    uint il;
+    device const uchar* b = gguf_block_of<GgufQ8_0>(row, chunk, il);
+    float d = gguf_half(b);
+    device const char* qs = (device const char*)(b + 2 + 16 * il);
+    for (uint j = 0; j < 16; ++j) {
+      v[j] = float(qs[j]) * d;
+    }
+  }
+};
+
+struct GgufIQ4_NL {
+  enum { kBlock = 32, kBytes = 18 };
+  static void decode16(device const uchar* row, uint chunk, uint k, thread float* v) {
+    uint il;
+    device const uchar* b = gguf_block_of<GgufIQ4_NL>(row, chunk, il);
+    float d = gguf_half(b);
+    for (uint j = 0; j < 16; ++j) {
+      uint q = il == 0 ? (b[2 + j] & 0xF) : (b[2 + j] >> 4);
+      v[j] = d * float(kGgufIq4nlValues[q]);
+    }
+  }
+};
+
+// ---- K quants: 256-weight super-blocks; chunk il covers weights 16 il + j ----
+
+struct GgufQ2_K {
+  enum { kBlock = 256, kBytes = 84 };
+  static void decode16(device const uchar* row, uint chunk, uint k, thread float* v) {
+    uint il;
+    device const uchar* b = gguf_block_of<GgufQ2_K>(row, chunk, il);
+    float d = gguf_half(b + 80);
+    float dmin = gguf_half(b + 82);
+    uint sc = b[il];
+    float dl = d * float(sc & 0xF);
+    float ml = dmin * float(sc >> 4);
+    for (uint j = 0; j < 16; ++j) {
+      uint i = 16 * il + j;
+      uint q = (b[16 + 32 * (i >> 7) + (i & 31)] >> (2 * ((i >> 5) & 3))) & 3;
+      float t = dl * float(q);
+      v[j] = t - ml;
+    }
+  }
+};
+
+struct GgufQ3_K {
+  enum { kBlock = 256, kBytes = 110 };
+  static void decode16(device const uchar* row, uint chunk, uint k, thread float* v) {
+    uint il;
+    device const uchar* b = gguf_block_of<GgufQ3_K>(row, chunk, il);
+    float d = gguf_half(b + 108);
+    int lo = (il < 8 ? b[96 + il] : (b[96 + il - 8] >> 4)) & 0xF;
+    int hi = (b[104 + (il & 3)] >> (2 * (il >> 2))) & 3;
+    float dl = d * float((lo | (hi << 4)) - 32);
+    for (uint j = 0; j < 16; ++j) {
+      uint i = 16 * il + j;
+      int ql = (b[32 + 32 * (i >> 7) + (i & 31)] >> (2 * ((i >> 5) & 3))) & 3;
+      int hb = (b[i & 31] >> (i >> 5)) & 1;
+      v[j] = dl * float(ql - (hb != 0 ? 0 : 4));
+    }
+  }
+};
+
+// The six-bit (scale, min) pair j of Q4_K / Q5_K.
+inline void gguf_k_scale_min(device const uchar* s, uint j, thread int& sc, thread int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 2) & 0x30);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+  }
+}
+
+struct GgufQ4_K {
+  enum { kBlock = 256, kBytes = 144 };
+  static void decode16(device const uchar* row, uint chunk, uint k, thread float* v) {
+    uint il;
+    device const uchar* b = gguf_block_of<GgufQ4_K>(row, chunk, il);
+    float d = gguf_half(b);
+    float dmin = gguf_half(b + 2);
+    uint sub = il >> 1;  // 32-weight sub-block
+    int sc, mn;
+    gguf_k_scale_min(b + 4, sub, sc, mn);
+    float dj = d * float(sc);
+    float mj = dmin * float(mn);
+    device const uchar* qs = b + 16 + 32 * (sub >> 1) + 16 * (il & 1);
+    uint sh = 4 * (sub & 1);
+    for (uint j = 0; j < 16; ++j) {
+      float t = dj * float((qs[j] >> sh) & 0xF);
+      v[j] = t - mj;
+    }
+  }
+};
+
+struct GgufQ5_K {
+  enum { kBlock = 256, kBytes = 176 };
+  static void decode16(device const uchar* row, uint chunk, uint k, thread float* v) {
+    uint il;
+    device const uchar* b = gguf_block_of<GgufQ5_K>(row, chunk, il);
+    float d = gguf_half(b);
+    float dmin = gguf_half(b + 2);
+    uint sub = il >> 1;
+    int sc, mn;
+    gguf_k_scale_min(b + 4, sub, sc, mn);
+    float dj = d * float(sc);
+    float mj = dmin * float(mn);
+    device const uchar* qh = b + 16 + 16 * (il & 1);
+    device const uchar* qs = b + 48 + 32 * (sub >> 1) + 16 * (il & 1);
+    uint sh = 4 * (sub & 1);
+    for (uint j = 0; j < 16; ++j) {
+      int q = ((qs[j] >> sh) & 0xF) | (((qh[j] >> sub) & 1) << 4);
+      float t = dj * float(q);
+      v[j] = t - mj;
+    }
+  }
+};
+
+struct GgufQ6_K {
+  enum { kBlock = 256, kBytes = 210 };
+  static void decode16(device const uchar* row, uint chunk, uint k, thread float* v) {
+    uint il;
+    device const uchar* b = gguf_block_of<GgufQ6_K>(row, chunk, il);
+    float d = gguf_half(b + 208);
+    float ds = d * float(((device const char*)(b + 192))[il]);
+    for (uint j = 0; j < 16; ++j) {
+      uint i = 16 * il + j;
+      uint h = i >> 7, s = (i >> 5) & 3, l = i & 31;
+      int lo = (b[64 * h + 32 * (s & 1) + l] >> (4 * (s >> 1))) & 0xF;
+      int hi = (b[128 + 32 * h + l] >> (2 * s)) & 3;
+      v[j] = ds * float((lo | (hi << 4)) - 32);
+    }
+  }
+};
+
+// ---- IQ quants -----------------------------------------------------------------
+
+struct GgufIQ4_XS {
+  enum { kBlock = 256, kBytes = 136 };
+  static void decode16(device const uchar* row, uint chunk, uint k, thread float* v) {
+    uint il;
+    device const uchar* b = gguf_block_of<GgufIQ4_XS>(row, chunk, il);
+    float d = gguf_half(b);
+    uint ib = il >> 1;
+    uint sh = uint(b[2]) | (uint(b[3]) << 8);
+    int lo = (b[4 + (ib >> 1)] >> (4 * (ib & 1))) & 0xF;
+    int hi = (sh >> (2 * ib)) & 3;
+    float dl = d * float((lo | (hi << 4)) - 32);
+    device const uchar* qs = b + 8 + 16 * ib;
+    for (uint j = 0; j < 16; ++j) {
+      uint q = (il & 1) == 0 ? (qs[j] & 0xF) : (qs[j] >> 4);
+      v[j] = dl * float(kGgufIq4nlValues[q]);
+    }
+  }
+};
+
+struct GgufIQ3_XXS {
+  enum { kBlock = 256, kBytes = 98 };
+  static void decode16(device const uchar* row, uint chunk, uint k, thread float* v) {
+    uint il;
+    device const uchar* b = gguf_block_of<GgufIQ3_XXS>(row, chunk, il);
+    float d = gguf_half(b);
+    uint ib = il >> 1;
+    uint aux = gguf_u32(b + 66 + 4 * ib);
+    float t = d * (0.5f + float(aux >> 28));
+    float db = t * 0.5f;
+    for (uint j = 0; j < 16; ++j) {
+      uint e = 16 * (il & 1) + j;  // weight inside the 32-weight sub-block
+      uint g = 8 * (e >> 3);       // group of 8 -> 7 sign bits
+      uint s7 = (aux >> (7 * (e >> 3))) & 127;
+      uint signs = s7 | ((popcount(s7) & 1) << 7);
+      uint grid = kGgufIq3xxsGrid[b[2 + 8 * ib + (e >> 2)]];
+      float m = db * float((grid >> (8 * (e & 3))) & 0xFF);
+      v[j] = ((signs >> (e - g)) & 1) != 0 ? -m : m;
+    }
+  }
+};
+
+struct GgufIQ3_S {
+  enum { kBlock = 256, kBytes = 110 };
+  static void decode16(device const uchar* row, uint chunk, uint k, thread float* v) {
+    uint il;
+    device const uchar* b = gguf_block_of<GgufIQ3_S>(row, chunk, il);
+    float d = gguf_half(b);
+    uint ib = il >> 1;
+    int sc = (b[106 + (ib >> 1)] >> (4 * (ib & 1))) & 0xF;
+    float db = d * float(1 + 2 * sc);
+    for (uint j = 0; j < 16; ++j) {
+      uint i = 16 * il + j;
+      uint g = i >> 2;
+      uint idx = uint(b[2 + g]) | (((uint(b[66 + (g >> 3)]) >> (g & 7)) & 1) << 8);
+      float m = db * float((kGgufIq3sGrid[idx] >> (8 * (i & 3))) & 0xFF);
+      v[j] = ((b[74 + (i >> 3)] >> (i & 7)) & 1) != 0 ? -m : m;
+    }
+  }
+};
+
+// Instantiates macro(type_name, Q) for every format.
+#define GGUF_FOR_EACH_FORMAT(macro, ...) \
+  macro(f32, GgufF32, __VA_ARGS__)       \
+  macro(f16, GgufF16, __VA_ARGS__)       \
+  macro(bf16, GgufBF16, __VA_ARGS__)     \
+  macro(q4_0, GgufQ4_0, __VA_ARGS__)     \
+  macro(q4_1, GgufQ4_1, __VA_ARGS__)     \
+  macro(q5_0, GgufQ5_0, __VA_ARGS__)     \
+  macro(q5_1, GgufQ5_1, __VA_ARGS__)     \
+  macro(q8_0, GgufQ8_0, __VA_ARGS__)     \
+  macro(q2_k, GgufQ2_K, __VA_ARGS__)     \
+  macro(q3_k, GgufQ3_K, __VA_ARGS__)     \
+  macro(q4_k, GgufQ4_K, __VA_ARGS__)     \
+  macro(q5_k, GgufQ5_K, __VA_ARGS__)     \
+  macro(q6_k, GgufQ6_K, __VA_ARGS__)     \
+  macro(iq4_nl, GgufIQ4_NL, __VA_ARGS__) \
+  macro(iq4_xs, GgufIQ4_XS, __VA_ARGS__) \
+  macro(iq3_xxs, GgufIQ3_XXS, __VA_ARGS__) \
+  macro(iq3_s, GgufIQ3_S, __VA_ARGS__)

@@ -1,0 +1,143 @@
+// y[m, n] = x[m, k] @ W[n, k]^T with W in GGUF block form.
+//
+// gguf_matvec (decode rows, m <= 8): one simdgroup per weight row; lanes walk
+// the row's 16-weight chunks, decode each once and dot it with every x row;
+// simd_sum reduces. 4 simdgroups (4 weight rows) per threadgroup.
+//
+// gguf_matmul (prefill): 32 x 32 output tile per threadgroup of 4 simdgroups
+// (each a 16 x 16 quarter = 2 x 2 simdgroup 8x8 float matrices). Per 32-wide
+// k step, x and the decoded weights are staged in threadgroup memory as
+// float32; out-of-range rows and columns are zero-filled, stores are guarded.
+#include <metal_stdlib>
+#include "gguf_blocks.h"
+#include "gguf_matmul_args.h"
+
+using namespace metal;
+
+constant constexpr uint kMatvecMaxRows = 8;
+constant constexpr uint kMatvecRowsPerTg = 4;
+constant constexpr uint kTile = 32;
+
+template <typename Q, typename T>
+kernel void gguf_matvec(
+    device const uchar* w [[buffer(0)]],
+    device const T* x [[buffer(1)]],
+    device T* y [[buffer(2)]],
+    constant GgufMatmulArgs& args [[buffer(3)]],
+    uint tg [[threadgroup_position_in_grid]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  uint row = tg * kMatvecRowsPerTg + sg;
+  if (row >= args.n) {
+    return;  // whole simdgroup; no barriers in this kernel
+  }
+  device const uchar* wr = w + ulong(row) * args.w_row_bytes;
+  float acc[kMatvecMaxRows];
+  for (uint i = 0; i < kMatvecMaxRows; ++i) {
+    acc[i] = 0.0f;
+  }
+  for (uint c = lane; c < args.chunks; c += 32) {
+    float v[16];
+    Q::decode16(wr, c, args.k, v);
+    uint n_valid = min(16u, args.k - 16 * c);
+    for (uint i = 0; i < args.m; ++i) {
+      device const T* xr = x + i * args.x_row_stride + 16 * c;
+      float s = 0.0f;
+      for (uint j = 0; j < n_valid; ++j) {
+        s += v[j] * float(xr[j]);
+      }
+      acc[i] += s;
+    }
+  }
+  for (uint i = 0; i < args.m; ++i) {
+    float total = simd_sum(acc[i]);
+    if (lane == 0) {
+      y[i * args.y_row_stride + row] = T(total);
+    }
+  }
+}
+
+template <typename Q, typename T>
+kernel void gguf_matmul(
+    device const uchar* w [[buffer(0)]],
+    device const T* x [[buffer(1)]],
+    device T* y [[buffer(2)]],
+    constant GgufMatmulArgs& args [[buffer(3)]],
+    uint2 tgp [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]]) {
+  threadgroup float xs[kTile * kTile];  // [m][k] of the step
+  threadgroup float ws[kTile * kTile];  // [n][k] of the step
+  threadgroup float ys[kTile * kTile];  // [m][n] result
+  uint m0 = tgp.y * kTile;
+  uint n0 = tgp.x * kTile;
+  uint sm = (sg / 2) * 16;
+  uint sn = (sg % 2) * 16;
+  simdgroup_float8x8 acc[2][2];
+  for (uint i = 0; i < 2; ++i) {
+    for (uint j = 0; j < 2; ++j) {
+      acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    }
+  }
+  for (uint k0 = 0; k0 < args.k; k0 += kTile) {
+    for (uint e = tid; e < kTile * kTile; e += 128) {
+      uint r = e / kTile;
+      uint c = e % kTile;
+      bool inside = m0 + r < args.m && k0 + c < args.k;
+      xs[e] = inside ? float(x[ulong(m0 + r) * args.x_row_stride + k0 + c]) : 0.0f;
+    }
+    if (tid < 2 * kTile) {
+      uint r = tid / 2;
+      uint chunk = k0 / 16 + tid % 2;
+      float v[16];
+      if (n0 + r < args.n && chunk < args.chunks) {
+        Q::decode16(w + ulong(n0 + r) * args.w_row_bytes, chunk, args.k, v);
+      } else {
+        for (uint j = 0; j < 16; ++j) {
+          v[j] = 0.0f;
+        }
+      }
+      for (uint j = 0; j < 16; ++j) {
+        ws[r * kTile + 16 * (tid % 2) + j] = v[j];
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint kk = 0; kk < kTile; kk += 8) {
+      simdgroup_float8x8 a[2];
+      simdgroup_float8x8 b[2];
+      for (uint i = 0; i < 2; ++i) {
+        simdgroup_load(a[i], xs, kTile, ulong2(kk, sm + 8 * i));
+        simdgroup_load(b[i], ws, kTile, ulong2(kk, sn + 8 * i), true);
+      }
+      for (uint i = 0; i < 2; ++i) {
+        for (uint j = 0; j < 2; ++j) {
+          simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
+        }
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  for (uint i = 0; i < 2; ++i) {
+    for (uint j = 0; j < 2; ++j) {
+      simdgroup_store(acc[i][j], ys, kTile, ulong2(sn + 8 * j, sm + 8 * i));
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint e = tid; e < kTile * kTile; e += 128) {
+    uint r = e / kTile;
+    uint c = e % kTile;
+    if (m0 + r < args.m && n0 + c < args.n) {
+      y[ulong(m0 + r) * args.y_row_stride + n0 + c] = T(ys[e]);
+    }
+  }
+}
+
+#define instantiate_gguf_matmul(tname, Q, dname, T)                                          \
+  template [[host_name("gguf_matvec_" #tname "_" #dname)]] kernel decltype(gguf_matvec<Q, T>) \
+      gguf_matvec<Q, T>;                                                                      \
+  template [[host_name("gguf_matmul_" #tname "_" #dname)]] kernel decltype(gguf_matmul<Q, T>) \
+      gguf_matmul<Q, T>;
+
+GGUF_FOR_EACH_FORMAT(instantiate_gguf_matmul, float32, float)
+GGUF_FOR_EACH_FORMAT(instantiate_gguf_matmul, float16, half)
+GGUF_FOR_EACH_FORMAT(instantiate_gguf_matmul, bfloat16, bfloat)

@@ -1,0 +1,25 @@
+// Arguments of the gguf_matvec / gguf_matmul kernels, shared by the host (C++)
+// and the shader. y[m, n] = x[m, k] @ W[n, k]^T with W in GGUF block form.
+#pragma once
+
+#ifdef __METAL_VERSION__
+#include <metal_stdlib>
+#else
+#include <cstdint>
+#endif
+
+struct GgufMatmulArgs {
+  int64_t x_row_stride;  // elements between rows of x
+  int64_t y_row_stride;  // elements between rows of y
+  uint64_t w_row_bytes;  // bytes of one encoded weight row
+  uint32_t m;            // rows of x (at most kGgufMatvecMaxRows on the mat-vec kernel)
+  uint32_t n;            // weight rows = outputs per x row
+  uint32_t k;            // weights per row
+  uint32_t chunks;       // 16-weight chunks per weight row: ceil(k / 16)
+};
+
+#ifndef __METAL_VERSION__
+static_assert(sizeof(GgufMatmulArgs) == 40, "GgufMatmulArgs layout must match the shader");
+static_assert(offsetof(GgufMatmulArgs, m) == 24, "GgufMatmulArgs layout must match the shader");
+static_assert(offsetof(GgufMatmulArgs, chunks) == 36, "GgufMatmulArgs layout must match the shader");
+#endif

@@ -1,0 +1,109 @@
+"""gguf_matmul against dequantize-then-matmul (float64), on both backends.
+
+Shapes cross the kernel thresholds: m = 1 / 4 / 5 (CPU mat-vec limit 4),
+8 / 9 (Metal mat-vec limit 8), 33 (Metal 32 x 32 tile + 1); n = 1, 7, 37
+(threadgroups of 4 rows and 32-column tiles, ragged); k of one and several
+blocks, and odd k for the float types.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from op_harness import DTYPES, to_numpy
+from test_gguf_fixtures import SUPPORTED, T, block_size, random_blocks, reference_dequantize
+from vllm_metal import _core, ops
+
+# Max |y - ref| relative to max |ref| (one rounding of the output, float32 sums).
+TOLERANCE = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+def k_values(t):
+    bs = block_size(t)
+    if bs == 1:
+        return [13, 100]
+    return [bs, 3 * bs] if bs == 32 else [bs, 2 * bs]
+
+
+def check(t, m, n, k, dtype, seed, lead=()):
+    blocks = random_blocks(t, n, k, seed=seed)
+    w = reference_dequantize(blocks, t, (n, k)).astype(np.float64)
+    rng = np.random.default_rng(seed + 1)
+    x = mx.array(rng.standard_normal((*lead, m, k)).astype(np.float32)).astype(DTYPES[dtype])
+    y = ops.gguf_matmul(x, mx.array(blocks), t.name, [n, k])
+    assert y.dtype == x.dtype and tuple(y.shape) == (*lead, m, n)
+    ref = to_numpy(x) @ w.T
+    got = to_numpy(y)
+    assert np.isfinite(got).all(), "non-finite output"
+    err = np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30)
+    case = f"gguf_matmul({t.name},m={m},n={n},k={k},dt={dtype})"
+    assert err <= TOLERANCE[dtype], f"{case}: relative error {err:.3g} > {TOLERANCE[dtype]}"
+
+
+@pytest.mark.parametrize("t", SUPPORTED, ids=[t.name for t in SUPPORTED])
+def test_matmul_every_type(backend, t):
+    for i, (m, n) in enumerate([(1, 7), (4, 37), (5, 1), (9, 37), (33, 7)]):
+        for k in k_values(t):
+            check(t, m, n, k, "float32", seed=100 * i + k)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("t", [T.Q4_0, T.Q4_K, T.Q6_K, T.IQ4_XS, T.F16, T.BF16],
+                         ids=lambda t: t.name)
+def test_matmul_half_activations(backend, t, dtype):
+    k = max(256, block_size(t))
+    for m, n in [(1, 37), (8, 5), (40, 33)]:
+        check(t, m, n, k, dtype, seed=7)
+
+
+def test_matmul_batched_leading_axes(backend):
+    check(T.Q8_0, 3, 9, 64, "float32", seed=3, lead=(2,))
+
+
+def test_matmul_real_decode_shape(backend):
+    # SmolLM2-135M q_proj: 576 x 576 Q4_1 (Metal emulation is slow: one row)
+    check(T.Q4_1, 1, 576 if backend == "native" else 40, 576, "float32", seed=5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("t", [T.Q4_1, T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_matmul_model_shapes_native(t):
+    # prefill and decode at SmolLM2 / Gemma-3 sizes on the CPU kernels
+    d = 576 if block_size(t) == 32 else 512
+    for m, n, k in [(1, 1536, d), (3, 640, 2048), (77, 1536, d), (512, 576, 1536)]:
+        check(t, m, n, k, "float32", seed=m)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: ops.gguf_matmul(mx.zeros((2, 32), mx.int32), mx.zeros((36,), mx.uint8), "Q4_0", [2, 32]),
+         r"\[gguf_matmul\] x must be float32, float16 or bfloat16, got int32"),
+        (lambda: ops.gguf_matmul(mx.zeros((2, 64)), mx.zeros((36,), mx.uint8), "Q4_0", [2, 32]),
+         r"\[gguf_matmul\] x must have K = 32 on its last axis, got shape \[2, 64\]"),
+        (lambda: ops.gguf_matmul(mx.zeros((2, 32)), mx.zeros((36,), mx.uint8), "Q4_0", [2, 1, 32]),
+         r"\[gguf_matmul\] shape must be \[N, K\], got \[2, 1, 32\]"),
+        (lambda: ops.gguf_matmul(mx.zeros((2, 32)), mx.zeros((35,), mx.uint8), "Q4_0", [2, 32]),
+         r"\[gguf_matmul\] blocks must hold 36 bytes for Q4_0 shape \[2, 32\], got 35"),
+        (lambda: ops.gguf_matmul(mx.zeros((2, 256)), mx.zeros((66,), mx.uint8), "IQ2_XXS", [1, 256]),
+         r"\[gguf_matmul\] type IQ2_XXS is not supported"),
+    ],
+)
+def test_bad_input_raises_a_clear_error(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_empty_inputs_give_empty_output():
+    assert ops.gguf_matmul(mx.zeros((0, 32)), mx.zeros((36,), mx.uint8), "Q4_0", [2, 32]).shape == (0, 2)
+
+
+def test_plans_choose_matvec_up_to_8_rows():
+    (l,) = _core.plan_gguf_matmul("Q4_K", "float16", 8, 100, 512)
+    assert l.kernel == "gguf_matvec_q4_k_float16" and list(l.grid) == [25, 1, 1]
+    assert [(b.index, b.array_slot) for b in l.buffers] == [(0, 1), (1, 0), (2, 2)]
+    (l,) = _core.plan_gguf_matmul("Q4_K", "float16", 9, 100, 512)
+    assert l.kernel == "gguf_matmul_q4_k_float16" and list(l.grid) == [4, 1, 1]
+    assert list(l.threadgroup) == [128, 1, 1] and len(l.args) == 40
+    (l,) = _core.plan_gguf_dequantize("IQ3_S", "bfloat16", 3, 512)
+    assert l.kernel == "gguf_dequantize_iq3_s_bfloat16" and l.grid[0] * 256 >= 3 * 32

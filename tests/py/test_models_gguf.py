@@ -1,0 +1,152 @@
+"""GGUF checkpoints: tiny files written with the gguf package the way
+llama.cpp's converter lays them out (llama Q/K rows permuted, gemma norms
+stored as 1 + w, Q8_0 weights) load into models equal to mlx-lm's on the dense
+weights they encode; prepare_gguf_dir makes a directory transformers reads."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+
+from vllm_metal.models import gguf_dir, gguf_loader, load_model, prepare_gguf_dir
+from vllm_metal.models.testing import (SCHEDULES, mlx_lm_reference, reference_logits, run_packed,
+                                       tiny_config, write_dense_checkpoint, write_tiny_gguf)
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _gguf_config(name):
+    cfg = tiny_config(name)
+    if name == "gemma3":
+        # GGUF has no query_pre_attn_scalar: llama.cpp scales by 1/sqrt(head_dim).
+        cfg["query_pre_attn_scalar"] = cfg["head_dim"]
+    return cfg
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_gguf_model_matches_mlx_lm_on_the_dense_weights(tmp_path, name):
+    cfg = _gguf_config(name)
+    path = tmp_path / f"{name}.gguf"
+    dense = write_tiny_gguf(cfg, path, seed=4)
+    ours = load_model(str(path), "float32")
+    ref = mlx_lm_reference(write_dense_checkpoint(cfg, dense, tmp_path / "dense"))
+
+    rng = np.random.default_rng(5)
+    sequences = [rng.integers(3, cfg["vocab_size"], sum(s)).tolist() for s in SCHEDULES]
+    got = run_packed(ours, sequences)
+    for seq, sched, logits in zip(sequences, SCHEDULES, got):
+        want = reference_logits(ref, seq, sched)
+        np.testing.assert_allclose(logits, want, rtol=0, atol=2e-5 * max(np.abs(want).max(), 1.0))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3"])
+def test_config_from_gguf_metadata(tmp_path, name):
+    cfg = _gguf_config(name)
+    write_tiny_gguf(cfg, tmp_path / "m.gguf")
+    ckpt = gguf_loader.GGUFCheckpoint(str(tmp_path / "m.gguf"))
+    got = gguf_loader.hf_config(ckpt)
+    for key in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "vocab_size", "rope_theta",
+                "max_position_embeddings", "bos_token_id", "eos_token_id", "architectures"):
+        assert got[key] == cfg[key], key
+    assert got["rms_norm_eps"] == pytest.approx(cfg["rms_norm_eps"])
+    assert got["head_dim"] == cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    assert got["tie_word_embeddings"] == cfg["tie_word_embeddings"]
+    if name == "gemma3":
+        assert got["sliding_window"] == 5 and got["sliding_window_pattern"] == 2
+        assert got["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+        assert got["query_pre_attn_scalar"] == cfg["head_dim"]
+
+
+def test_numpy_dequantizer_agrees_with_ours(tmp_path, monkeypatch):
+    cfg = _gguf_config("llama")
+    write_tiny_gguf(cfg, tmp_path / "m.gguf", qtype="Q4_1")
+    ours = gguf_loader.GGUFCheckpoint(str(tmp_path / "m.gguf"))
+    monkeypatch.setattr(gguf_loader, "_core_module", lambda: None)
+    numpy_path = gguf_loader.GGUFCheckpoint(str(tmp_path / "m.gguf"))
+    assert numpy_path.metadata["llama.block_count"] == ours.metadata["llama.block_count"]
+    assert ours.tensors == numpy_path.tensors
+    for name in ours.tensors:
+        np.testing.assert_array_equal(np.array(ours.dense(name)), np.array(numpy_path.dense(name)))
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    w = np.arange(6 * 8 * 3, dtype=np.float32).reshape(6 * 8, 3)
+    back = gguf_loader.unpermute_rows(mx.array(gguf_loader.permute_rows(w, 6)), 6)
+    np.testing.assert_array_equal(np.array(back), w)
+    # Head 0 of the GGUF layout interleaves its two halves: rows 0, 4, 1, 5, ...
+    np.testing.assert_array_equal(gguf_loader.permute_rows(w, 6)[:4, 0], w[[0, 4, 1, 5], 0])
+
+
+def test_default_dtypes(tmp_path):
+    write_tiny_gguf(_gguf_config("llama"), tmp_path / "q.gguf", qtype="Q8_0")
+    write_tiny_gguf(_gguf_config("llama"), tmp_path / "f.gguf", qtype="F32")
+    write_tiny_gguf(_gguf_config("gemma3"), tmp_path / "g.gguf", qtype="Q8_0")
+    assert load_model(str(tmp_path / "q.gguf")).spec.dtype == "float16"
+    assert load_model(str(tmp_path / "f.gguf")).spec.dtype == "float32"
+    assert load_model(str(tmp_path / "g.gguf")).spec.dtype == "bfloat16"
+    assert load_model(str(tmp_path / "q.gguf"), "bfloat16").spec.dtype == "bfloat16"
+
+
+def test_prepare_gguf_dir_is_readable_by_transformers(tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    cfg = _gguf_config("llama")
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(cfg, path, chat_template=CHAT_TEMPLATE)
+    out = prepare_gguf_dir(str(path), str(tmp_path / "prepared"))
+    names = {p.name for p in (tmp_path / "prepared").iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "model.gguf"} <= names
+    assert (tmp_path / "prepared" / "model.gguf").resolve() == path.resolve()
+
+    hf_cfg = AutoConfig.from_pretrained(out)
+    assert hf_cfg.model_type == "llama" and hf_cfg.architectures == ["LlamaForCausalLM"]
+    assert hf_cfg.num_key_value_heads == cfg["num_key_value_heads"]
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok("the capital of France").input_ids
+    assert tok.decode(ids) == "the capital of France"
+    assert tok.convert_ids_to_tokens(tok(" Paris").input_ids) == ["ĠParis"]
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                     add_generation_prompt=True)
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert json.loads((tmp_path / "prepared" / "generation_config.json").read_text())["eos_token_id"] == 2
+
+    # The directory loads like the file.
+    a = load_model(out, "float32")
+    b = load_model(str(path), "float32")
+    seq = [[5, 6, 7, 8, 9]]
+    np.testing.assert_array_equal(run_packed(a, seq, [[5]])[0], run_packed(b, seq, [[5]])[0])
+
+
+def test_prepare_gguf_dir_is_cached_and_builds_once_under_concurrency(tmp_path, monkeypatch):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(_gguf_config("qwen3"), path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    builds = []
+    real_write = gguf_dir._write_dir
+
+    def counting_write(src, out):
+        builds.append(src)
+        real_write(src, out)
+
+    monkeypatch.setattr(gguf_dir, "_write_dir", counting_write)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(prepare_gguf_dir(str(path))))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1
+    assert len(set(results)) == 1
+    assert results[0].startswith(str(tmp_path / "cache" / "vllm_metal" / "gguf"))
+    assert prepare_gguf_dir(str(path)) == results[0] and len(builds) == 1
+    leftovers = [p for p in (tmp_path / "cache" / "vllm_metal" / "gguf").iterdir() if ".tmp" in p.name]
+    assert leftovers == []
