@@ -1,5 +1,5 @@
-// Writes new tokens' keys and values into the paged KV cache:
-//   key_cache[slot / B, slot % B, h, d] = key[t, h, d], slot = slot_mapping[t]
+// Writes new tokens' keys (or values) into a paged KV cache, one cache per op:
+//   cache[slot / B, slot % B, h, d] = src[t, h, d], slot = slot_mapping[t]
 // The cache is [num_blocks, block_size, heads, head_size] row-major, so a slot
 // is simply a row of heads * head_size elements. Negative slots are padding
 // and skipped; the host validates the range, the kernel never writes outside.
@@ -9,13 +9,11 @@
 using namespace metal;
 
 template <typename T>
-kernel void reshape_and_cache(
-    device const T* key [[buffer(0)]],
-    device const T* value [[buffer(1)]],
-    device const int64_t* slot_mapping [[buffer(2)]],
-    device T* key_cache [[buffer(3)]],
-    device T* value_cache [[buffer(4)]],
-    constant ReshapeAndCacheArgs& args [[buffer(5)]],
+kernel void cache_write(
+    device const T* src [[buffer(0)]],
+    device const int64_t* slot_mapping [[buffer(1)]],
+    device T* cache [[buffer(2)]],
+    constant CacheWriteArgs& args [[buffer(3)]],
     uint token [[threadgroup_position_in_grid]],
     uint tid [[thread_position_in_threadgroup]],
     uint ntg [[threads_per_threadgroup]]) {
@@ -24,15 +22,12 @@ kernel void reshape_and_cache(
     return;  // uniform across the threadgroup: no barrier follows
   }
   const uint row = args.num_heads * args.head_size;
-  device T* kdst = key_cache + slot * int64_t(row);
-  device T* vdst = value_cache + slot * int64_t(row);
-  device const T* ksrc = key + int64_t(token) * args.key_token_stride;
-  device const T* vsrc = value + int64_t(token) * args.value_token_stride;
+  device T* dst = cache + slot * int64_t(row);
+  device const T* s = src + int64_t(token) * args.src_token_stride;
   for (uint e = tid; e < row; e += ntg) {
     const uint h = e / args.head_size;
     const uint d = e - h * args.head_size;
-    kdst[e] = ksrc[h * args.key_head_stride + d * args.key_dim_stride];
-    vdst[e] = vsrc[h * args.value_head_stride + d * args.value_dim_stride];
+    dst[e] = s[h * args.src_head_stride + d * args.src_dim_stride];
   }
 }
 
@@ -53,8 +48,8 @@ kernel void cache_copy(
 }
 
 #define instantiate_reshape_and_cache(tname, T)                                 \
-  template [[host_name("reshape_and_cache_" #tname)]] kernel decltype(         \
-      reshape_and_cache<T>) reshape_and_cache<T>;                               \
+  template [[host_name("cache_write_" #tname)]] kernel decltype(cache_write<T>) \
+      cache_write<T>;                                                           \
   template [[host_name("cache_copy_" #tname)]] kernel decltype(cache_copy<T>) \
       cache_copy<T>;
 

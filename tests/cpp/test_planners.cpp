@@ -40,29 +40,27 @@ TEST(RmsNormPlanner, OneThreadgroupPerRowWithPackedArgs) {
   EXPECT_FLOAT_EQ(args.eps, 1e-6f);
 }
 
-TEST(ReshapeAndCachePlanner, CopiesFirstOnlyWhenTheCacheIsNotReused) {
+TEST(CacheWritePlanner, CopiesFirstOnlyWhenTheCacheIsNotReused) {
   vm::CacheWriteProblem p;
   p.dtype = mx::float16;
   p.num_tokens = 5;
   p.num_heads = 3;
   p.head_size = 64;
   p.num_slots = 48;
-  auto plan = vm::plan_reshape_and_cache(p);
+  auto plan = vm::plan_cache_write(p);
   ASSERT_EQ(plan.size(), 1u);
-  EXPECT_EQ(plan[0].kernel, "reshape_and_cache_float16");
+  EXPECT_EQ(plan[0].kernel, "cache_write_float16");
   EXPECT_EQ(plan[0].grid[0], 5u);
-  p.copy_key_cache = p.copy_value_cache = true;
-  plan = vm::plan_reshape_and_cache(p);
-  ASSERT_EQ(plan.size(), 3u);
-  for (int i = 0; i < 2; ++i) {
-    EXPECT_EQ(plan[i].kernel, "cache_copy_float16");
-    CacheCopyArgs a;
-    std::memcpy(&a, plan[i].args.data(), sizeof(a));
-    EXPECT_EQ(a.num_elements, 48u * 3 * 64);
-    EXPECT_GE(uint64_t(plan[i].grid[0]) * plan[i].threadgroup[0], a.num_elements);
-  }
-  ReshapeAndCacheArgs a;
-  std::memcpy(&a, plan[2].args.data(), sizeof(a));
+  p.copy_cache = true;
+  plan = vm::plan_cache_write(p);
+  ASSERT_EQ(plan.size(), 2u);
+  EXPECT_EQ(plan[0].kernel, "cache_copy_float16");
+  CacheCopyArgs c;
+  std::memcpy(&c, plan[0].args.data(), sizeof(c));
+  EXPECT_EQ(c.num_elements, 48u * 3 * 64);
+  EXPECT_GE(uint64_t(plan[0].grid[0]) * plan[0].threadgroup[0], c.num_elements);
+  CacheWriteArgs a;
+  std::memcpy(&a, plan[1].args.data(), sizeof(a));
   EXPECT_EQ(a.num_slots, 48);
   EXPECT_EQ(a.num_heads, 3u);
 }

@@ -24,8 +24,7 @@ def planned_kernel_names():
     for dtype, fused in itertools.product(DTYPES, (False, True)):
         names |= {l.kernel for l in _core.plan_rms_norm(dtype, 2, 64, fused_add=fused)}
     for dtype in DTYPES:
-        plan = _core.plan_reshape_and_cache(dtype, 2, 2, 64, 32, [128, 64, 1], [128, 64, 1],
-                                            copy_key_cache=True, copy_value_cache=True)
+        plan = _core.plan_cache_write(dtype, 2, 2, 64, 32, [128, 64, 1], copy_cache=True)
         names |= {l.kernel for l in plan}
     for dtype, d in itertools.product(DTYPES, (64, 80, 96, 128, 256)):
         plan = _core.plan_paged_attention(dtype, 9, 3, 8, 2, d, 16, 100, 64, num_decode_seqs=2,
@@ -76,13 +75,12 @@ def test_rms_norm_plan_geometry():
         assert launch.args_index == 3 and len(launch.args) == 32
 
 
-def test_reshape_and_cache_plan_copies_only_when_asked():
-    plan = _core.plan_reshape_and_cache("float16", 3, 2, 64, 32, [128, 64, 1], [128, 64, 1])
-    assert [l.kernel for l in plan] == ["reshape_and_cache_float16"]
-    plan = _core.plan_reshape_and_cache("float16", 3, 2, 64, 32, [128, 64, 1], [128, 64, 1],
-                                        copy_value_cache=True)
-    assert [l.kernel for l in plan] == ["cache_copy_float16", "reshape_and_cache_float16"]
-    assert [(b.index, b.array_slot) for b in plan[0].buffers] == [(0, 3), (1, 6)]
+def test_cache_write_plan_copies_only_when_asked():
+    plan = _core.plan_cache_write("float16", 3, 2, 64, 32, [128, 64, 1])
+    assert [l.kernel for l in plan] == ["cache_write_float16"]
+    plan = _core.plan_cache_write("float16", 3, 2, 64, 32, [128, 64, 1], copy_cache=True)
+    assert [l.kernel for l in plan] == ["cache_copy_float16", "cache_write_float16"]
+    assert [(b.index, b.array_slot) for b in plan[0].buffers] == [(0, 1), (1, 3)]
     assert plan[0].grid[0] * plan[0].threadgroup[0] >= 32 * 2 * 64
 
 
@@ -124,21 +122,17 @@ def test_rms_norm_launches_on_numpy(rows, hidden, dtype, fused):
         assert_guards_intact(res_backing)
 
 
-def test_reshape_and_cache_launches_never_write_outside_the_cache():
+def test_cache_write_launches_never_write_outside_the_cache():
     t, h, d, slots_n = 6, 2, 64, 32
     rng = np.random.default_rng(5)
     key = rng.standard_normal((t, h, d)).astype(np.float32)
     slots = np.array([0, 31, -1, 32, 1 << 40, 7], dtype=np.int64)  # two out of range
     kc_backing, kc = guarded((slots_n, h, d), np.float32)
-    vc_backing, vc = guarded((slots_n, h, d), np.float32)
     kc[:] = 0
-    vc[:] = 0
-    plan = _core.plan_reshape_and_cache("float32", t, h, d, slots_n, [h * d, d, 1], [h * d, d, 1])
-    emulation.run_plan(plan, [key, key, kc, vc, slots, kc, vc])
+    plan = _core.plan_cache_write("float32", t, h, d, slots_n, [h * d, d, 1])
+    emulation.run_plan(plan, [key, kc, slots, kc])
     expect = np.zeros_like(kc)
     for i in (0, 1, 5):
         expect[slots[i]] = key[i]
     np.testing.assert_array_equal(kc, expect)
-    np.testing.assert_array_equal(vc, expect)
     assert_guards_intact(kc_backing)
-    assert_guards_intact(vc_backing)

@@ -152,3 +152,17 @@ def test_lazy_out_of_range_slot_loses_nothing(backend):
         expect[0, 0] = 2.0
         np.testing.assert_array_equal(to_numpy(kc), expect)
     assert float(mx.sum(cache).item()) == 16 * 2 * 64
+
+
+def _address(a: mx.array) -> int:
+    return np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data
+
+
+def test_an_unshared_cache_is_updated_in_place(backend):
+    # the serving loop rebinds its caches to the results: no copy per step
+    key, value, kc, vc, slots = make_case(4, 2, 64, 16, 8, "float16", seed=51)
+    mx.eval(kc, vc)
+    k_addr, v_addr = _address(kc), _address(vc)
+    kc, vc = ops.reshape_and_cache(key, value, kc, vc, mx.array(slots))
+    mx.eval(kc, vc)
+    assert (_address(kc), _address(vc)) == (k_addr, v_addr)

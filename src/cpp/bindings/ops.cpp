@@ -126,27 +126,23 @@ void bind_planners(nb::module_& m) {
       "has_sinks"_a = false, "partition_size"_a = 512,
       "Kernel launches of paged_attention for a contiguous q (slots: see paged_attention.h).");
   m.def(
-      "plan_reshape_and_cache",
+      "plan_cache_write",
       [](const std::string& dtype, int64_t num_tokens, int64_t num_heads, int64_t head_size,
-         int64_t num_slots, std::array<int64_t, 3> key_strides,
-         std::array<int64_t, 3> value_strides, bool copy_key_cache, bool copy_value_cache) {
+         int64_t num_slots, std::array<int64_t, 3> src_strides, bool copy_cache) {
         vm::CacheWriteProblem p;
         p.dtype = parse_float_dtype(dtype);
         p.num_tokens = num_tokens;
         p.num_heads = num_heads;
         p.head_size = head_size;
         p.num_slots = num_slots;
-        for (int i = 0; i < 3; ++i) {
-          p.key_strides[i] = key_strides[i];
-          p.value_strides[i] = value_strides[i];
-        }
-        p.copy_key_cache = copy_key_cache;
-        p.copy_value_cache = copy_value_cache;
-        return vm::plan_reshape_and_cache(p);
+        for (int i = 0; i < 3; ++i) p.src_strides[i] = src_strides[i];
+        p.copy_cache = copy_cache;
+        return vm::plan_cache_write(p);
       },
-      "dtype"_a, "num_tokens"_a, "num_heads"_a, "head_size"_a, "num_slots"_a, "key_strides"_a,
-      "value_strides"_a, "copy_key_cache"_a = false, "copy_value_cache"_a = false,
-      "Kernel launches of reshape_and_cache (strides in elements).");
+      "dtype"_a, "num_tokens"_a, "num_heads"_a, "head_size"_a, "num_slots"_a, "src_strides"_a,
+      "copy_cache"_a = false,
+      "Kernel launches writing one cache (reshape_and_cache runs one per cache); strides in\n"
+      "elements. Slots: 0 src, 1 cache, 2 slot_mapping, 3 cache_out.");
 
 }
 

@@ -52,8 +52,10 @@ void scatter_into_cache(const CacheScatter& a) {
       if (slot < 0 || slot >= a.num_slots) continue;
       copy_token(key + a.key_strides[0] * a.itemsize * t, a.key_strides, kc + slot * row_bytes,
                  a.num_heads, a.head_size, a.itemsize);
-      copy_token(value + a.value_strides[0] * a.itemsize * t, a.value_strides,
-                 vc + slot * row_bytes, a.num_heads, a.head_size, a.itemsize);
+      if (value) {
+        copy_token(value + a.value_strides[0] * a.itemsize * t, a.value_strides,
+                   vc + slot * row_bytes, a.num_heads, a.head_size, a.itemsize);
+      }
     }
   });
 }

@@ -7,7 +7,7 @@ namespace vllm_metal::cpu {
 
 struct CacheScatter {
   const void* key = nullptr;    // [T, H, D] with the strides below (elements)
-  const void* value = nullptr;  // [T, H, D]
+  const void* value = nullptr;  // [T, H, D]; null: write the key cache only
   const int64_t* slot_mapping = nullptr;  // [T]
   void* key_cache = nullptr;    // [num_slots, H, D] row-major
   void* value_cache = nullptr;

@@ -102,48 +102,49 @@ std::vector<mx::array> reshape_and_cache(const mx::array& key, const mx::array& 
   if (key.shape(0) == 0) {
     return {key_cache, value_cache};
   }
-  auto stream = mx::to_stream(s);
-  return mx::array::make_arrays(
-      {key_cache.shape(), value_cache.shape()}, {key_cache.dtype(), value_cache.dtype()},
-      std::make_shared<ReshapeAndCache>(stream, default_kernel_backend()),
-      {key, value, key_cache, value_cache, mx::contiguous(slot_mapping, false, s)});
+  auto slots = mx::contiguous(slot_mapping, false, s);
+  return {cache_write(key, key_cache, slots, s), cache_write(value, value_cache, slots, s)};
 }
 
-KernelPlan plan_reshape_and_cache(const CacheWriteProblem& p) {
+mx::array cache_write(const mx::array& src, const mx::array& cache,
+                      const mx::array& slot_mapping, mx::StreamOrDevice s) {
+  check_inputs(src, src, cache, cache, slot_mapping);
+  check_slots_if_ready(slot_mapping, num_slots_of(cache));
+  if (src.shape(0) == 0) return cache;
+  return mx::array(cache.shape(), cache.dtype(),
+                   std::make_shared<CacheWrite>(mx::to_stream(s), default_kernel_backend()),
+                   {src, cache, mx::contiguous(slot_mapping, false, s)});
+}
+
+KernelPlan plan_cache_write(const CacheWriteProblem& p) {
   KernelPlan plan;
   const std::string suffix = dtype_name(p.dtype);
-  const uint64_t cache_elements = uint64_t(p.num_slots) * p.num_heads * p.head_size;
-  for (int which = 0; which < 2; ++which) {
-    if (!(which == 0 ? p.copy_key_cache : p.copy_value_cache)) continue;
+  if (p.copy_cache) {
+    const uint64_t cache_elements = uint64_t(p.num_slots) * p.num_heads * p.head_size;
     KernelLaunch copy;
     copy.source = "reshape_and_cache";
     copy.kernel = "cache_copy_" + suffix;
-    copy.bind(0, 2 + which);  // old cache
-    copy.bind(1, 5 + which);  // new cache
+    copy.bind(0, 1);  // old cache
+    copy.bind(1, 3);  // new cache
     copy.set_args(2, CacheCopyArgs{cache_elements});
     copy.threadgroup = {256, 1, 1};
     copy.grid = {ceil_div(cache_elements, 256), 1, 1};
     plan.push_back(copy);
   }
-  ReshapeAndCacheArgs args{};
-  args.key_token_stride = p.key_strides[0];
-  args.key_head_stride = p.key_strides[1];
-  args.key_dim_stride = p.key_strides[2];
-  args.value_token_stride = p.value_strides[0];
-  args.value_head_stride = p.value_strides[1];
-  args.value_dim_stride = p.value_strides[2];
+  CacheWriteArgs args{};
+  args.src_token_stride = p.src_strides[0];
+  args.src_head_stride = p.src_strides[1];
+  args.src_dim_stride = p.src_strides[2];
   args.num_slots = p.num_slots;
   args.num_heads = static_cast<uint32_t>(p.num_heads);
   args.head_size = static_cast<uint32_t>(p.head_size);
   KernelLaunch write;
   write.source = "reshape_and_cache";
-  write.kernel = "reshape_and_cache_" + suffix;
-  write.bind(0, 0);  // key
-  write.bind(1, 1);  // value
-  write.bind(2, 4);  // slot_mapping
-  write.bind(3, 5);  // key_cache_out
-  write.bind(4, 6);  // value_cache_out
-  write.set_args(5, args);
+  write.kernel = "cache_write_" + suffix;
+  write.bind(0, 0);  // src
+  write.bind(1, 2);  // slot_mapping
+  write.bind(2, 3);  // cache_out
+  write.set_args(3, args);
   const uint64_t row = uint64_t(p.num_heads) * p.head_size;
   uint32_t threads = 32;
   while (threads < 256 && threads < row) threads *= 2;
@@ -153,69 +154,58 @@ KernelPlan plan_reshape_and_cache(const CacheWriteProblem& p) {
   return plan;
 }
 
-void ReshapeAndCache::allocate_outputs(const std::vector<mx::array>& inputs,
-                                       std::vector<mx::array>& outputs) {
-  for (int i = 0; i < 2; ++i) {
-    const mx::array& cache = inputs[2 + i];
-    if (!cache.flags().row_contiguous) {
-      fail(std::string(i == 0 ? "key_cache" : "value_cache") + " must be row-contiguous");
-    }
-    if (cache.is_donatable()) {
-      outputs[i].copy_shared_buffer(cache);  // update in place
-    } else {
-      outputs[i].set_data(mx::allocator::malloc(outputs[i].nbytes()));
-    }
+void CacheWrite::allocate_outputs(const std::vector<mx::array>& inputs,
+                                  std::vector<mx::array>& outputs) {
+  const mx::array& cache = inputs[1];
+  if (!cache.flags().row_contiguous) fail("the cache must be row-contiguous");
+  if (cache.is_donatable()) {
+    outputs[0].copy_shared_buffer(cache);  // update in place
+  } else {
+    outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
   }
 }
 
-KernelPlan ReshapeAndCache::plan(const std::vector<mx::array>& inputs,
-                                 const std::vector<mx::array>& outputs) const {
-  const auto& key = inputs[0];
+KernelPlan CacheWrite::plan(const std::vector<mx::array>& inputs,
+                            const std::vector<mx::array>& outputs) const {
+  const auto& src = inputs[0];
   CacheWriteProblem p;
-  p.dtype = key.dtype();
-  p.num_tokens = key.shape(0);
-  p.num_heads = key.shape(1);
-  p.head_size = key.shape(2);
-  p.num_slots = num_slots_of(inputs[2]);
-  copy_strides(key, p.key_strides);
-  copy_strides(inputs[1], p.value_strides);
-  p.copy_key_cache = outputs[0].data<char>() != inputs[2].data<char>();
-  p.copy_value_cache = outputs[1].data<char>() != inputs[3].data<char>();
-  return plan_reshape_and_cache(p);
+  p.dtype = src.dtype();
+  p.num_tokens = src.shape(0);
+  p.num_heads = src.shape(1);
+  p.head_size = src.shape(2);
+  p.num_slots = num_slots_of(inputs[1]);
+  copy_strides(src, p.src_strides);
+  p.copy_cache = outputs[0].data<char>() != inputs[1].data<char>();
+  return plan_cache_write(p);
 }
 
-void ReshapeAndCache::eval_native_cpu(const std::vector<mx::array>& inputs,
-                                      std::vector<mx::array>& outputs) {
-  const auto& key = inputs[0];
+void CacheWrite::eval_native_cpu(const std::vector<mx::array>& inputs,
+                                 std::vector<mx::array>& outputs) {
+  const auto& src = inputs[0];
   cpu::CacheScatter a;
-  a.num_tokens = key.shape(0);
-  a.num_heads = key.shape(1);
-  a.head_size = key.shape(2);
-  a.num_slots = num_slots_of(inputs[2]);
-  a.itemsize = key.itemsize();
-  copy_strides(key, a.key_strides);
-  copy_strides(inputs[1], a.value_strides);
+  a.num_tokens = src.shape(0);
+  a.num_heads = src.shape(1);
+  a.head_size = src.shape(2);
+  a.num_slots = num_slots_of(inputs[1]);
+  a.itemsize = src.itemsize();
+  copy_strides(src, a.key_strides);
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& x : inputs) encoder.set_input_array(x);
   for (auto& x : outputs) encoder.set_output_array(x);
   encoder.dispatch([a, inputs, outputs]() mutable {
-    a.slot_mapping = inputs[4].data<int64_t>();
+    a.slot_mapping = inputs[2].data<int64_t>();
     int64_t bad = cpu::find_out_of_range_slot(a.slot_mapping, a.num_tokens, a.num_slots);
     if (bad >= 0) fail_slot(bad, a.slot_mapping[bad], a.num_slots);
-    for (int i = 0; i < 2; ++i) {
-      if (outputs[i].data<char>() != inputs[2 + i].data<char>()) {
-        std::memcpy(outputs[i].data<char>(), inputs[2 + i].data<char>(), outputs[i].nbytes());
-      }
+    if (outputs[0].data<char>() != inputs[1].data<char>()) {
+      std::memcpy(outputs[0].data<char>(), inputs[1].data<char>(), outputs[0].nbytes());
     }
     a.key = inputs[0].data<void>();
-    a.value = inputs[1].data<void>();
     a.key_cache = outputs[0].data<void>();
-    a.value_cache = outputs[1].data<void>();
-    cpu::scatter_into_cache(a);
+    cpu::scatter_into_cache(a);  // value left null: one cache
   });
 }
 
-bool ReshapeAndCache::is_equivalent(const mx::Primitive& other) const {
+bool CacheWrite::is_equivalent(const mx::Primitive& other) const {
   return backend() == static_cast<const KernelPrimitive&>(other).backend();
 }
 

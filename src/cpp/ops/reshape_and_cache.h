@@ -4,7 +4,7 @@
 //   key/value_cache   [num_blocks, block_size, num_kv_heads, head_size]
 //   slot_mapping      int64 [T]; slot = block * block_size + offset, < 0 skips
 //
-// Returns the updated caches. MLX arrays are immutable, so the update is a
+// Returns the updated caches. MLX arrays are immutable, so each update is a
 // new array that reuses the cache's buffer whenever nothing else holds the old
 // contents (the usual case: the caller rebinds its cache to the result), and
 // copies otherwise. Later reads must use the returned caches, which orders the
@@ -24,12 +24,18 @@
 
 namespace vllm_metal {
 
-// Returns {key_cache, value_cache}.
+// Returns {key_cache, value_cache}: one cache_write per cache.
 std::vector<mx::array> reshape_and_cache(const mx::array& key, const mx::array& value,
                                          const mx::array& key_cache,
                                          const mx::array& value_cache,
                                          const mx::array& slot_mapping,
                                          mx::StreamOrDevice s = {});
+
+// Writes src [T, H, D] into one paged cache; returns the updated cache. One
+// output per primitive, so the old cache's only holder is this op and its
+// buffer is reused in place (MLX's donation rule) unless someone else holds it.
+mx::array cache_write(const mx::array& src, const mx::array& cache,
+                      const mx::array& slot_mapping, mx::StreamOrDevice s = {});
 
 struct CacheWriteProblem {
   mx::Dtype dtype = mx::float16;
@@ -37,24 +43,20 @@ struct CacheWriteProblem {
   int64_t num_heads = 0;
   int64_t head_size = 0;
   int64_t num_slots = 0;  // num_blocks * block_size
-  int64_t key_strides[3] = {0, 0, 0};
-  int64_t value_strides[3] = {0, 0, 0};
-  bool copy_key_cache = false;  // output buffers are fresh: copy the old cache first
-  bool copy_value_cache = false;
+  int64_t src_strides[3] = {0, 0, 0};
+  bool copy_cache = false;  // the output buffer is fresh: copy the old cache first
 };
 
-// Slots: 0 key, 1 value, 2 key_cache, 3 value_cache, 4 slot_mapping,
-// 5 key_cache_out, 6 value_cache_out.
-KernelPlan plan_reshape_and_cache(const CacheWriteProblem& p);
+// Slots: 0 src, 1 cache, 2 slot_mapping, 3 cache_out.
+KernelPlan plan_cache_write(const CacheWriteProblem& p);
 
-class ReshapeAndCache : public KernelPrimitive {
+class CacheWrite : public KernelPrimitive {
  public:
-  ReshapeAndCache(mx::Stream stream, KernelBackend backend)
-      : KernelPrimitive(stream, backend) {}
+  CacheWrite(mx::Stream stream, KernelBackend backend) : KernelPrimitive(stream, backend) {}
 
   KernelPlan plan(const std::vector<mx::array>& inputs,
                   const std::vector<mx::array>& outputs) const override;
-  const char* name() const override { return "ReshapeAndCache"; }
+  const char* name() const override { return "CacheWrite"; }
   bool is_equivalent(const mx::Primitive& other) const override;
 
  protected:
