@@ -54,11 +54,13 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the server")
     args = ap.parse_args()
 
-    from vllm_metal.models import default_model_path
+    from vllm_metal.models.offline import OFFLINE_GGUF
 
-    model = default_model_path("smollm2")
+    gguf = str(OFFLINE_GGUF["smollm2"]())
+    model = "smollm2"
     vllm = Path(sys.executable).with_name("vllm")
-    cmd = [str(vllm), "serve", model, "--host", "127.0.0.1", "--port", str(args.port),
+    cmd = [str(vllm), "serve", gguf, "--served-model-name", model,
+           "--host", "127.0.0.1", "--port", str(args.port),
            "--max-model-len", "2048", "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(256 << 20)]
     print("$", " ".join(cmd), flush=True)
     server = subprocess.Popen(cmd, start_new_session=True)

@@ -1,0 +1,90 @@
+"""A real `vllm serve` process on loopback for the serving tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: str, name: str, extra_args: list[str], env: dict | None = None,
+                 startup_timeout: float = 600.0):
+        self.name = name
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-metal-serve-{self.port}.log"
+        vllm = Path(sys.executable).with_name("vllm")
+        cmd = [str(vllm), "serve", model, "--served-model-name", name, "--host", "127.0.0.1",
+               "--port", str(self.port), *extra_args]
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        self.client = httpx.Client(base_url=self.base, timeout=300.0)
+        self._wait(startup_timeout)
+
+    def _wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}):\n{self.tail()}")
+            try:
+                if self.client.get("/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"vllm serve not healthy after {timeout} s:\n{self.tail()}")
+
+    def tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None and self.client.get("/health").status_code == 200
+
+    def complete(self, prompt, max_tokens=16, **kw) -> dict:
+        r = self.client.post("/v1/completions", json={
+            "model": self.name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw})
+        return {"status": r.status_code, **r.json()}
+
+    def chat(self, content: str, max_tokens=32, **kw) -> dict:
+        r = self.client.post("/v1/chat/completions", json={
+            "model": self.name, "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "temperature": 0, **kw})
+        return {"status": r.status_code, **r.json()}
+
+    def stream(self, prompt, max_tokens=16):
+        """Yields the text pieces of a streamed completion."""
+        with self.client.stream("POST", "/v1/completions", json={
+                "model": self.name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    yield json.loads(line[6:])["choices"][0]["text"]
+
+    def stop(self) -> None:
+        self.client.close()
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
