@@ -22,6 +22,8 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 
 
 def _gguf_config(name):
+    if name == "llama_untied_bias":
+        return tiny_config("llama", tie_word_embeddings=False, attention_bias=True)
     cfg = tiny_config(name)
     if name == "gemma3":
         # GGUF has no query_pre_attn_scalar: llama.cpp scales by 1/sqrt(head_dim).
@@ -29,7 +31,7 @@ def _gguf_config(name):
     return cfg
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", "llama_untied_bias", "qwen2", "qwen3", "gemma3"])
 def test_gguf_model_matches_mlx_lm_on_the_dense_weights(tmp_path, name):
     cfg = _gguf_config(name)
     path = tmp_path / f"{name}.gguf"
@@ -68,12 +70,26 @@ def test_numpy_dequantizer_agrees_with_ours(tmp_path, monkeypatch):
     cfg = _gguf_config("llama")
     write_tiny_gguf(cfg, tmp_path / "m.gguf", qtype="Q4_1")
     ours = gguf_loader.GGUFCheckpoint(str(tmp_path / "m.gguf"))
+    core = gguf_loader._core_module()
+
+    class CoreWithoutKernels:  # our reader, but no type our kernels decode
+        def __getattr__(self, name):
+            return getattr(core, name)
+
+        def gguf_type_info(self, type_id):
+            return (*core.gguf_type_info(type_id)[:3], False)
+
+    monkeypatch.setattr(gguf_loader, "_core_module", CoreWithoutKernels)
+    numpy_dequant = gguf_loader.GGUFCheckpoint(str(tmp_path / "m.gguf"))
     monkeypatch.setattr(gguf_loader, "_core_module", lambda: None)
-    numpy_path = gguf_loader.GGUFCheckpoint(str(tmp_path / "m.gguf"))
-    assert numpy_path.metadata["llama.block_count"] == ours.metadata["llama.block_count"]
-    assert ours.tensors == numpy_path.tensors
+    gguf_package = gguf_loader.GGUFCheckpoint(str(tmp_path / "m.gguf"))  # gguf's reader too
+    assert gguf_package.metadata["llama.block_count"] == ours.metadata["llama.block_count"]
+    assert gguf_package.metadata["tokenizer.ggml.merges"] == ours.metadata["tokenizer.ggml.merges"]
+    assert ours.tensors == gguf_package.tensors
     for name in ours.tensors:
-        np.testing.assert_array_equal(np.array(ours.dense(name)), np.array(numpy_path.dense(name)))
+        want = np.array(ours.dense(name))
+        np.testing.assert_array_equal(np.array(numpy_dequant.dense(name)), want)
+        np.testing.assert_array_equal(np.array(gguf_package.dense(name)), want)
 
 
 def test_unpermute_inverts_llama_cpp_permutation():
@@ -150,3 +166,15 @@ def test_prepare_gguf_dir_is_cached_and_builds_once_under_concurrency(tmp_path, 
     assert prepare_gguf_dir(str(path)) == results[0] and len(builds) == 1
     leftovers = [p for p in (tmp_path / "cache" / "vllm_metal" / "gguf").iterdir() if ".tmp" in p.name]
     assert leftovers == []
+
+
+def test_gemma_fallback_chat_template():
+    import jinja2
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Capital?"}]
+    text = jinja2.Environment().from_string(gguf_dir.GEMMA_CHAT_TEMPLATE).render(
+        bos_token="<bos>", messages=messages, add_generation_prompt=True)
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+                    "<start_of_turn>model\nHello!<end_of_turn>\n"
+                    "<start_of_turn>user\nCapital?<end_of_turn>\n<start_of_turn>model\n")

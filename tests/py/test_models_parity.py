@@ -104,3 +104,28 @@ def test_stored_dtype_is_kept_and_never_upcast(tmp_path):
         got = run_packed(loaded, sequences, [[4, 1, 1, 1]])[0]
         assert np.isfinite(got).all()
         np.testing.assert_allclose(got, want, rtol=0, atol=tol * np.abs(want).max())
+
+
+def test_mlx_quantized_checkpoint_matches_mlx_lm(tmp_path):
+    """MLX-quantized safetensors (config "quantization") load through mlx-lm's
+    loader; our attention keeps its QuantizedLinear projections."""
+    import json
+
+    import mlx.nn as nn
+
+    cfg = tiny_config("qwen3")
+    src = write_random_checkpoint(cfg, tmp_path / "dense", seed=8)
+    model = mlx_lm_reference(src)
+    nn.quantize(model, group_size=32, bits=4)
+    out = tmp_path / "q4"
+    out.mkdir()
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(dict(cfg, quantization={"group_size": 32, "bits": 4})))
+
+    ours = load_model(str(out))
+    assert ours.spec.dtype == "float32"
+    assert isinstance(ours.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    sequences = [[5, 9, 12, 40, 7, 3, 8]]
+    got = run_packed(ours, sequences, [[4, 1, 1, 1]])[0]
+    want = reference_logits(mlx_lm_reference(out), sequences[0], [4, 1, 1, 1])
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())

@@ -52,6 +52,6 @@ def test_greedy_chat_answer_names_paris(prepared):
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                      add_generation_prompt=True, tokenize=True,
                                      return_dict=True)["input_ids"]
-    out = greedy_generate(loaded, [list(prompt)], 12, prefill_chunk=16)
+    out = greedy_generate(loaded, [list(prompt)], 8, prefill_chunk=16)
     text = tok.decode(out[0], skip_special_tokens=True)
     assert "Paris" in text, text

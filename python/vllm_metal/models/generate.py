@@ -131,7 +131,7 @@ def greedy_generate(loaded, prompts: list[list[int]], max_tokens: int, *, block_
         mx.eval(next_ids, step.ctx.kv_caches)
         pool.kv_caches = step.ctx.kv_caches
         next_ids = next_ids.tolist()
-        for (i, toks, _), c in zip(order, chunks):
+        for i, toks, _ in order:
             computed[i] += len(toks)
         for (ci, _), tok in zip(step.row_of_logit, next_ids):
             i = order[ci][0]

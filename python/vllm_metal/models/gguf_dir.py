@@ -26,9 +26,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vllm_metal.models.loader import GGUF_FILE_IN_DIR
+from vllm_metal.models.gguf_loader import GGUF_FILE_IN_DIR
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 5
 _DONE_MARKER = ".vllm_metal_prepared"
 
 # Used when a Gemma 3 GGUF carries no chat template (HF's Gemma turn format:
@@ -38,15 +38,14 @@ GEMMA_CHAT_TEMPLATE = (
     "{%- set ns = namespace(system='') -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}"
-    "{%- set ns.system = message['content'] ~ '\n\n' -%}"
+    "{%- set ns.system = message['content'] ~ '\\n\\n' -%}"
     "{%- else -%}"
     "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
-    "<start_of_turn>{{ role }}\n"
-    "{{ (ns.system ~ message['content']) | trim }}<end_of_turn>\n"
+    "{{ '<start_of_turn>' ~ role ~ '\\n' ~ (ns.system ~ message['content']) | trim ~ '<end_of_turn>\\n' }}"
     "{%- set ns.system = '' -%}"
     "{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<start_of_turn>model\n{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
 )
 
 
@@ -119,6 +118,11 @@ def _write_dir(src: Path, out: Path) -> None:
     os.symlink(src, out / GGUF_FILE_IN_DIR)
     # Tokenizer first: transformers picks the tokenizer class from the GGUF alone.
     _write_tokenizer(out, ckpt, config)
+    import transformers
+
+    # transformers_version as save_pretrained writes it: without it transformers >= 5
+    # suspects an old Mistral tokenizer config and warns about its regex.
+    config = dict(config, transformers_version=transformers.__version__)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"eos_token_id": eos[0] if len(eos) == 1 else eos}
     for key in ("bos_token_id", "pad_token_id"):

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
-
 import mlx.core as mx
 import numpy as np
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+GGUF_FILE_IN_DIR = "model.gguf"  # in a prepared directory: a symlink to the file
 
 
 @dataclass(frozen=True)
@@ -194,7 +193,7 @@ def hf_config(ckpt: GGUFCheckpoint) -> dict:
         "max_position_embeddings": int(get("context_length", 4096)),
         "vocab_size": vocab,
         "tie_word_embeddings": "output.weight" not in ckpt.tensors,
-        "torch_dtype": native_dtype(ckpt),
+        "dtype": native_dtype(ckpt),
     }
     for key in ("bos", "eos", "padding"):
         value = meta.get(f"tokenizer.ggml.{key}_token_id")

@@ -21,10 +21,10 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from vllm_metal.models.architectures import architecture_of, layer_sliding_windows, mlx_lm_classes, mlx_lm_config
+from vllm_metal.models.gguf_loader import GGUF_FILE_IN_DIR
 from vllm_metal.models.paged_model import PagedCausalLM
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-GGUF_FILE_IN_DIR = "model.gguf"
 
 
 def _dtype(name: str) -> mx.Dtype:

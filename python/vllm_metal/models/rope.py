@@ -46,7 +46,9 @@ def rope_config(module: nn.Module, base: float, scaling: dict | None) -> RopeCon
         linear = None if module.scale == 1.0 else {"rope_type": "linear", "factor": 1.0 / module.scale}
         return RopeConfig(module.dims, not module.traditional, float(module.base), linear)
     rope_type = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
-    dims = getattr(module, "dims", None)
+    if rope_type == "dynamic":  # its frequencies depend on the whole sequence's length
+        raise ValueError("[vllm-metal] rope type 'dynamic' is not supported for packed batches")
+    dims = getattr(module, "dims", None) or getattr(module, "dim", None)
     if rope_type in ("llama3", "yarn") and dims is not None and _ops_rope() is not None:
         keys = _OPS_SCALING_KEYS[rope_type]
         filtered = {"rope_type": rope_type}

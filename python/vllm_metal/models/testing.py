@@ -55,9 +55,7 @@ def tiny_config(name: str, **overrides) -> dict:
     cfg = dict(_COMMON)
     cfg.update(copy.deepcopy(TINY_CONFIGS[name]))
     cfg.update(overrides)
-    if cfg.get("head_dim") is None:
-        cfg.pop("head_dim", None)
-    if cfg["model_type"] == "qwen2":
+    if cfg.get("head_dim") is None:  # qwen2 derives it from hidden_size
         cfg.pop("head_dim", None)
     return cfg
 
@@ -76,9 +74,7 @@ def random_weights(config: dict, seed: int = 0, scale: float = 0.25) -> dict[str
         w = rng.standard_normal(p.shape).astype(np.float32)
         if name.endswith("norm.weight"):
             w = (0.0 if gemma else 1.0) + 0.1 * w
-        elif name.endswith("embed_tokens.weight"):
-            w = w * 1.0
-        else:
+        elif not name.endswith("embed_tokens.weight"):
             w = w * scale / np.sqrt(max(1, p.shape[-1]) / 16)
         out[name] = w
     return out
@@ -100,9 +96,8 @@ def write_random_checkpoint(config: dict, out_dir, *, seed: int = 0, dtype: str 
 
 def mlx_lm_reference(checkpoint_dir):
     """mlx-lm's own model of a checkpoint directory (its loader, its config handling)."""
-    from mlx_lm.utils import load_config, load_model
+    from mlx_lm.utils import load_model
 
-    config = load_config(Path(checkpoint_dir))
     model, _ = load_model(Path(checkpoint_dir), get_model_classes=lambda config: mlx_lm_classes(
         architecture_of(config)))
     return model
