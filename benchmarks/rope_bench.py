@@ -17,6 +17,7 @@ paths pay the same Python and graph overhead. GB/s counts the bytes rope must
 move: read x, write out, read positions.
 
     .venv/bin/python benchmarks/rope_bench.py [--quick] [--json PATH] [--threads N]
+                                              [--reps N] [--mlx-cache-limit MB]
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def load_average() -> str:
         return "n/a"
 
 
-def measure(fn, reps: int, rep_seconds: float) -> dict:
-    """Median seconds per call over `reps` repetitions of about rep_seconds each."""
+def calibrate(fn, rep_seconds: float) -> int:
+    """Calls per repetition of about rep_seconds (after a warm-up call)."""
     fn()  # warm-up: first-call allocations, table cache
     n, t0 = 0, time.perf_counter()
     while True:
@@ -78,15 +79,22 @@ def measure(fn, reps: int, rep_seconds: float) -> dict:
         elapsed = time.perf_counter() - t0
         if elapsed >= rep_seconds / 4 or n >= 100000:
             break
-    iters = max(1, int(rep_seconds / (elapsed / n)))
-    per_call = []
+    return max(1, int(rep_seconds / (elapsed / n)))
+
+
+def measure(fns: dict, reps: int, rep_seconds: float) -> dict:
+    """Median seconds per call of each function; the repetitions of all functions are
+    interleaved (round robin), so a shared machine's load hits every path alike."""
+    iters = {name: calibrate(fn, rep_seconds) for name, fn in fns.items()}
+    per_call = {name: [] for name in fns}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        per_call.append((time.perf_counter() - t0) / iters)
-    return {"median_s": statistics.median(per_call), "min_s": min(per_call), "iters": iters,
-            "reps": reps}
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(iters[name]):
+                fn()
+            per_call[name].append((time.perf_counter() - t0) / iters[name])
+    return {name: {"median_s": statistics.median(v), "min_s": min(v), "iters": iters[name],
+                   "reps": reps} for name, v in per_call.items()}
 
 
 def copy_bandwidth(nbytes: int, threads: int, reps: int) -> float:
@@ -106,7 +114,7 @@ def copy_bandwidth(nbytes: int, threads: int, reps: int) -> float:
         for w in workers:
             w.join()
 
-    t = measure(copy, reps, 0.3)
+    t = measure({"copy": copy}, reps, 0.3)["copy"]
     return 2 * nbytes / t["median_s"] / 1e9
 
 
@@ -127,7 +135,11 @@ def main() -> int:
     ap.add_argument("--json", help="also write the whole run as one JSON document")
     ap.add_argument("--threads", type=int, default=0, help="kernel threads (0 = all cores)")
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 7, quick 3)")
+    ap.add_argument("--mlx-cache-limit", type=int, default=2048,
+                    help="MLX buffer cache in MB (default 2048, so the 4096-token outputs are "
+                         "recycled instead of freshly page-faulted on every call)")
     args = ap.parse_args()
+    mx.set_cache_limit(args.mlx_cache_limit << 20)
     reps = args.reps or (3 if args.quick else 7)
     rep_seconds = 0.01 if args.quick else 0.03
     tokens = [t for t in TOKENS if not args.quick or t <= 512]
@@ -136,7 +148,8 @@ def main() -> int:
 
     run = {"cpu": cpu_model(), "cores": cores, "mlx": mx.__version__,
            "load_before": load_average(), "threads": args.threads,
-           "kernel_threads": _core.num_threads(), "avx2_fma": _core.has_avx2_fma()}
+           "kernel_threads": _core.num_threads(), "avx2_fma": _core.has_avx2_fma(),
+           "mlx_cache_limit_mb": args.mlx_cache_limit}
     copy_gb_s = copy_bandwidth(256 << 20, cores, reps)
     copy1_gb_s = copy_bandwidth(256 << 20, 1, reps)
     run["copy_gb_s"] = copy_gb_s
@@ -184,13 +197,14 @@ def main() -> int:
                 def gather():
                     mx.eval(gather_rope(x, positions, cos_cache, sin_cache))
 
+                def ours1t():
+                    _core.set_num_threads(1)
+                    ours()
+                    _core.set_num_threads(args.threads)
+
                 periods = mx.array(1.0 / np.array(inv), dtype=mx.float32)
-                timings = {"ours": measure(ours, reps, rep_seconds)}
-                _core.set_num_threads(1)
-                timings["ours1t"] = measure(ours, reps, rep_seconds)
-                _core.set_num_threads(args.threads)
-                timings["mlx"] = measure(mlx_rope, reps, rep_seconds)
-                timings["gather"] = measure(gather, reps, rep_seconds)
+                timings = measure({"ours": ours, "ours1t": ours1t, "mlx": mlx_rope,
+                                   "gather": gather}, reps, rep_seconds)
                 # sanity: ours against the gather path (same definition, float32 caches)
                 y = ops.rope(x, positions, base=base, scaling=scaling).astype(mx.float32)
                 g = gather_rope(x, positions, cos_cache, sin_cache).astype(mx.float32)
@@ -208,6 +222,10 @@ def main() -> int:
                                     "gb_s": gb, "ratio_to_copy": gb / copy_gb_s,
                                     "max_abs_diff_vs_gather": diff})
                 print(line, flush=True)
+    copy_end_gb_s = copy_bandwidth(256 << 20, cores, reps)
+    run["copy_end_gb_s"] = copy_end_gb_s
+    print(f"\n# copy 256 MB at the end: {copy_end_gb_s:.2f} GB/s ({cores} threads); xcopy used "
+          f"{copy_gb_s:.2f} (the start)")
     run["load_after"] = load_average()
     run["results"] = results
     print(f"\n# load average after: {run['load_after']}")

@@ -96,7 +96,7 @@ def test_split_block_ids_matches_numpy(shape, k, data):
     ids = np.array(data.draw(st.lists(st.integers(-1, 5000), min_size=n, max_size=n)), dtype=np.int32).reshape(shape)
     out = split_block_ids(ids, k)
     # The straightforward construction: each id b becomes b*k + [0, k), padding stays.
-    expect = np.where(ids[..., None] < 0, ids[..., None], ids[..., None] * k + np.arange(k)).reshape(*shape[:-1], -1)
+    expect = np.where(ids[..., None] < 0, ids[..., None], ids[..., None] * k + np.arange(k)).reshape(*shape[:-1], shape[-1] * k)
     assert out.dtype == np.int32 and out.shape == expect.shape
     np.testing.assert_array_equal(out, expect)
 

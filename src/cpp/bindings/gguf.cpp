@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "bindings/bindings.h"
+#include "bindings/common.h"
 #include "mlx/array.h"
 #include "mlx/utils.h"
 #include "ops/gguf_ops.h"
@@ -20,18 +21,15 @@ namespace nb = nanobind;
 using namespace nb::literals;
 namespace mx = mlx::core;
 namespace vm = vllm_metal;
+using vllm_metal::bindings::parse_float_dtype;
+using vllm_metal::bindings::StreamArg;
+using vllm_metal::bindings::to_stream_or_device;
 namespace gg = vllm_metal::gguf;
 
 namespace {
 
-using StreamArg = std::variant<std::monostate, mx::Stream, mx::Device>;
 using TypeArg = std::variant<int, std::string>;
 
-mx::StreamOrDevice to_stream_or_device(const StreamArg& s) {
-  if (std::holds_alternative<mx::Stream>(s)) return std::get<mx::Stream>(s);
-  if (std::holds_alternative<mx::Device>(s)) return std::get<mx::Device>(s);
-  return {};
-}
 
 gg::GGMLType to_type(const TypeArg& t) {
   if (std::holds_alternative<int>(t)) {
@@ -48,13 +46,6 @@ gg::GGMLType to_type(const TypeArg& t) {
   return out;
 }
 
-mx::Dtype parse_float_dtype(const std::string& name) {
-  if (name == "float32") return mx::float32;
-  if (name == "float16") return mx::float16;
-  if (name == "bfloat16") return mx::bfloat16;
-  throw std::invalid_argument("dtype must be 'float32', 'float16' or 'bfloat16', got '" + name +
-                              "'");
-}
 
 mx::Shape to_shape(const std::vector<int64_t>& v) {
   mx::Shape s;

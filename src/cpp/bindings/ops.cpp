@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "bindings/bindings.h"
+#include "bindings/common.h"
 #include "cpu/parallel.h"
 #include "cpu/vec.h"
 #include "mlx/array.h"
@@ -25,25 +26,14 @@ namespace nb = nanobind;
 using namespace nb::literals;
 namespace mx = mlx::core;
 namespace vm = vllm_metal;
+using vllm_metal::bindings::parse_float_dtype;
+using vllm_metal::bindings::StreamArg;
+using vllm_metal::bindings::to_stream_or_device;
 
 namespace {
 
-// Same conversion MLX's own bindings use for `stream=` arguments.
-using StreamArg = std::variant<std::monostate, mx::Stream, mx::Device>;
 
-mx::StreamOrDevice to_stream_or_device(const StreamArg& s) {
-  if (std::holds_alternative<mx::Stream>(s)) return std::get<mx::Stream>(s);
-  if (std::holds_alternative<mx::Device>(s)) return std::get<mx::Device>(s);
-  return {};
-}
 
-mx::Dtype parse_float_dtype(const std::string& name) {
-  if (name == "float32") return mx::float32;
-  if (name == "float16") return mx::float16;
-  if (name == "bfloat16") return mx::bfloat16;
-  throw std::invalid_argument("dtype must be 'float32', 'float16' or 'bfloat16', got '" + name +
-                              "'");
-}
 
 void bind_launches(nb::module_& m) {
   nb::class_<vm::FunctionConstant>(m, "FunctionConstant")

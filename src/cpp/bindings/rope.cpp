@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "bindings/bindings.h"
+#include "bindings/common.h"
 #include "mlx/array.h"
 #include "mlx/utils.h"
 #include "ops/rope.h"
@@ -20,17 +21,13 @@ namespace nb = nanobind;
 using namespace nb::literals;
 namespace mx = mlx::core;
 namespace vm = vllm_metal;
+using vllm_metal::bindings::parse_float_dtype;
+using vllm_metal::bindings::StreamArg;
+using vllm_metal::bindings::to_stream_or_device;
 
 namespace {
 
-// Same conversion MLX's own bindings use for `stream=` arguments.
-using StreamArg = std::variant<std::monostate, mx::Stream, mx::Device>;
 
-mx::StreamOrDevice to_stream_or_device(const StreamArg& s) {
-  if (std::holds_alternative<mx::Stream>(s)) return std::get<mx::Stream>(s);
-  if (std::holds_alternative<mx::Device>(s)) return std::get<mx::Device>(s);
-  return {};
-}
 
 mx::Dtype parse_dtype(const std::string& name) {
   if (name == "float32") return mx::float32;

@@ -196,7 +196,10 @@ void update_requests(rt::BatchPacker& p, nb::handle req_ids, nb::handle num_comp
     outputs = seq(num_output_tokens, "num_output_tokens");
   }
   const bool any_resumed = !resumed_req_ids.is_none() && nb::len(resumed_req_ids) > 0;
-  const bool any_tokens = !all_token_ids.is_none() && nb::len(all_token_ids) > 0;
+  if (!all_token_ids.is_none() && !PyDict_Check(all_token_ids.ptr())) {
+    throw nb::type_error("[BatchPacker] all_token_ids must be a dict {req_id: [int]}");
+  }
+  const bool any_tokens = !all_token_ids.is_none() && PyDict_GET_SIZE(all_token_ids.ptr()) > 0;
   const int32_t groups = p.requests().num_groups();
 
   s.updates.resize(n);
@@ -221,9 +224,7 @@ void update_requests(rt::BatchPacker& p, nb::handle req_ids, nb::handle num_comp
     }
     if (outputs) u.num_output_tokens = to_int32(outputs[i]);
     if (any_tokens) {
-      PyObject* t = PyDict_Check(all_token_ids.ptr())
-                        ? PyDict_GetItemWithError(all_token_ids.ptr(), ids[i])
-                        : nullptr;
+      PyObject* t = PyDict_GetItemWithError(all_token_ids.ptr(), ids[i]);
       if (!t && PyErr_Occurred()) throw nb::python_error();
       if (t) {
         s.update_token_bounds[2 * i] = s.tokens.size();
@@ -485,6 +486,11 @@ void bind_runtime_packer(nb::module_& m) {
         for (int32_t g = 0; g < p.num_groups(); ++g) w.push_back(p.block_table_width(g));
         return w;
       })
+      .def_prop_ro("block_table_used_widths", [](const rt::BatchPacker& p) {
+        std::vector<int32_t> w;
+        for (int32_t g = 0; g < p.num_groups(); ++g) w.push_back(p.block_table_used_width(g));
+        return w;
+      }, "columns of each block table that hold an id in some row (the rest is padding)")
       .def_prop_ro("num_seqs", [](const rt::BatchPacker& p) { return p.batch().num_seqs; })
       .def_prop_ro("num_tokens", [](const rt::BatchPacker& p) { return p.batch().num_tokens; })
       .def_prop_ro("num_tokens_padded",

@@ -66,6 +66,9 @@ void bind_hash_chain(nb::module_& m) {
           [](rt::BlockHashChain& c, Tokens1D tokens) { return c.append(tokens.data(), tokens.size()); },
           "tokens"_a, "Appends tokens (int32 array); returns the number of new full-block hashes.")
       .def(
+          "append", [](rt::BlockHashChain& c, int32_t token) { return c.append(&token, 1); }, "token"_a,
+          "Appends one token; returns the number of new full-block hashes (0 or 1).")
+      .def(
           "append", [](rt::BlockHashChain& c, const Ids& tokens) { return c.append(tokens.data(), tokens.size()); },
           "tokens"_a, "Appends tokens (a list of int); returns the number of new full-block hashes.")
       .def_prop_ro("block_size", &rt::BlockHashChain::block_size)
