@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,9 @@ def register() -> str | None:
     if importlib.util.find_spec("mlx") is None:
         logger.info("vllm-metal is inactive: MLX is not installed")
         return None
+    # Without Triton vLLM falls back to the V1 runner contract unless asked;
+    # our runner needs no Triton, so V2 is the default (=0 still selects V1).
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     return PLATFORM
 
 
