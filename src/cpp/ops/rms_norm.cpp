@@ -134,10 +134,6 @@ bool RmsNorm::is_equivalent(const mx::Primitive& other) const {
   return eps_ == o.eps_ && fused_add_ == o.fused_add_ && backend() == o.backend();
 }
 
-}  // namespace vllm_metal
-
-namespace vllm_metal {
-
 // ---- native CPU path --------------------------------------------------------
 
 void RmsNorm::eval_native_cpu(const std::vector<mx::array>& inputs,
