@@ -9,7 +9,9 @@
 //        raw    the CPU kernel on plain buffers, all kernel threads
 //        raw1t  the CPU kernel on plain buffers, one thread
 //      reported as the median time per call, the GB/s of the bytes the op must
-//      move at least, and that rate over the threaded copy bandwidth.
+//      move at least, and that rate over the threaded copy bandwidth. The
+//      repetitions of the three paths are interleaved, so load from elsewhere
+//      on a shared machine lands on all of them alike.
 //
 // Prints tables, then one JSON object per line; --json PATH also writes the
 // whole run as one JSON document. See benchmarks/README.md.
@@ -73,49 +75,62 @@ struct Timing {
   int reps = 0;
 };
 
-// Warms up (first-call allocations, page faults), sizes a repetition to about
-// cfg.rep_seconds, then times cfg.reps repetitions.
-Timing measure(const std::function<void()>& fn, const Config& cfg) {
-  auto t0 = Clock::now();
-  fn();
-  double estimate = seconds_since(t0);
-  if (estimate < cfg.rep_seconds) {
-    // the first call may carry one-time costs: estimate again, warm
-    int n = 0;
-    double elapsed = 0;
-    t0 = Clock::now();
-    do {
-      fn();
-      ++n;
-      elapsed = seconds_since(t0);
-    } while (elapsed < cfg.rep_seconds / 4 && n < 100000);
-    estimate = elapsed / n;
+// One way of running an op; `threads` is the kernel thread setting during its
+// calls (set_num_threads), so paths with different settings can interleave.
+struct Candidate {
+  std::function<void()> fn;
+  int threads = 0;
+};
+
+// Warms every candidate up (first-call allocations, page faults) and sizes its
+// repetition to about cfg.rep_seconds, then times cfg.reps rounds; each round
+// runs one repetition of every candidate in turn, so load from elsewhere on a
+// shared machine lands on all of them alike and their ratios stay meaningful.
+std::vector<Timing> measure_group(const std::vector<Candidate>& cs, const Config& cfg) {
+  std::vector<Timing> ts(cs.size());
+  std::vector<std::vector<double>> per_call(cs.size());
+  for (size_t c = 0; c < cs.size(); ++c) {
+    cpu::set_num_threads(cs[c].threads);
+    auto t0 = Clock::now();
+    cs[c].fn();
+    double estimate = seconds_since(t0);
+    if (estimate < cfg.rep_seconds) {
+      // the first call may carry one-time costs: estimate again, warm
+      int n = 0;
+      double elapsed = 0;
+      t0 = Clock::now();
+      do {
+        cs[c].fn();
+        ++n;
+        elapsed = seconds_since(t0);
+      } while (elapsed < cfg.rep_seconds / 4 && n < 100000);
+      estimate = elapsed / n;
+    }
+    ts[c].iters = std::max(1, static_cast<int>(cfg.rep_seconds / estimate));
+    ts[c].reps = cfg.reps;
   }
-  Timing t;
-  t.iters = std::max(1, static_cast<int>(cfg.rep_seconds / estimate));
-  t.reps = cfg.reps;
-  std::vector<double> per_call;
   for (int r = 0; r < cfg.reps; ++r) {
-    t0 = Clock::now();
-    for (int i = 0; i < t.iters; ++i) fn();
-    per_call.push_back(seconds_since(t0) / t.iters);
+    for (size_t c = 0; c < cs.size(); ++c) {
+      cpu::set_num_threads(cs[c].threads);
+      auto t0 = Clock::now();
+      for (int i = 0; i < ts[c].iters; ++i) cs[c].fn();
+      per_call[c].push_back(seconds_since(t0) / ts[c].iters);
+    }
   }
-  std::sort(per_call.begin(), per_call.end());
-  const size_t m = per_call.size();
-  t.median_s = m % 2 ? per_call[m / 2] : 0.5 * (per_call[m / 2 - 1] + per_call[m / 2]);
-  t.min_s = per_call.front();
-  return t;
+  cpu::set_num_threads(cfg.threads);
+  for (size_t c = 0; c < cs.size(); ++c) {
+    auto& v = per_call[c];
+    std::sort(v.begin(), v.end());
+    const size_t m = v.size();
+    ts[c].median_s = m % 2 ? v[m / 2] : 0.5 * (v[m / 2 - 1] + v[m / 2]);
+    ts[c].min_s = v.front();
+  }
+  return ts;
 }
 
-// Kernel threads for the duration of a scope.
-class ThreadsScope {
- public:
-  ThreadsScope(int n, int restore) : restore_(restore) { cpu::set_num_threads(n); }
-  ~ThreadsScope() { cpu::set_num_threads(restore_); }
-
- private:
-  int restore_;
-};
+Timing measure(const std::function<void()>& fn, int threads, const Config& cfg) {
+  return measure_group({{fn, threads}}, cfg)[0];
+}
 
 // ---- buffers and data -----------------------------------------------------------
 
@@ -224,7 +239,6 @@ Bandwidth copy_bandwidth(size_t bytes, int threads, const Config& cfg) {
   Buffer src(bytes), dst(bytes);
   std::memset(src.data(), 0x5a, bytes);
   const int64_t blocks = static_cast<int64_t>(bytes / kBlock);
-  ThreadsScope scope(threads, cfg.threads);
   auto fn = [&] {
     // grain 16 blocks = 1 MB; parallel_for hands each thread a few big chunks
     cpu::parallel_for(blocks, 16, [&](int64_t b, int64_t e) {
@@ -235,7 +249,7 @@ Bandwidth copy_bandwidth(size_t bytes, int threads, const Config& cfg) {
   r.kind = "copy";
   r.bytes = blocks * kBlock;
   r.threads = threads;
-  r.t = measure(fn, cfg);
+  r.t = measure(fn, threads, cfg);
   r.gb_s = 2.0 * r.bytes / r.t.median_s / 1e9;  // read + write
   return r;
 }
@@ -261,7 +275,6 @@ Bandwidth read_bandwidth(size_t bytes, int threads, const Config& cfg) {
   const int64_t blocks = static_cast<int64_t>(bytes / kBlock);
   const auto* words = reinterpret_cast<const uint64_t*>(src.data());
   constexpr int64_t kWordsPerBlock = kBlock / 8;
-  ThreadsScope scope(threads, cfg.threads);
   auto fn = [&] {
     cpu::parallel_for(blocks, 16, [&](int64_t b, int64_t e) {
       g_sink.fetch_add(sum_words(words + b * kWordsPerBlock, (e - b) * kWordsPerBlock),
@@ -272,7 +285,7 @@ Bandwidth read_bandwidth(size_t bytes, int threads, const Config& cfg) {
   r.kind = "read";
   r.bytes = blocks * kBlock;
   r.threads = threads;
-  r.t = measure(fn, cfg);
+  r.t = measure(fn, threads, cfg);
   r.gb_s = double(r.bytes) / r.t.median_s / 1e9;
   return r;
 }
@@ -287,7 +300,6 @@ struct Dispatch {
 
 // A parallel_for with no work: what a kernel pays to fan out and join.
 Dispatch dispatch_overhead(int setting, const Config& cfg) {
-  ThreadsScope scope(setting, cfg.threads);
   std::atomic<int64_t> items{0};
   auto fn = [&] {
     cpu::parallel_for(64, 1, [&](int64_t b, int64_t e) {
@@ -296,8 +308,9 @@ Dispatch dispatch_overhead(int setting, const Config& cfg) {
   };
   Dispatch d;
   d.threads_setting = setting;
+  cpu::set_num_threads(setting);
   d.threads = cpu::num_threads();
-  d.t = measure(fn, cfg);
+  d.t = measure(fn, setting, cfg);
   return d;
 }
 
@@ -409,16 +422,13 @@ void bench_norm(const Model& m, int64_t rows, mx::Dtype dtype, bool fused, const
   mx::array r = make_array(d.residual, shape, dtype);
   mx::array w = make_array(d.weight, {static_cast<int>(m.hidden)}, dtype);
 
-  Timing t_mlx = measure(
-      [&] {
-        if (fused) {
-          mx::eval(vm::add_rms_norm(x, r, w, kEps));
-        } else {
-          mx::eval(vm::rms_norm(x, w, kEps));
-        }
-      },
-      cfg);
-  out.push_back(make_result(op, m, rows, dtype, "mlx", threads, bytes, t_mlx, copy_gb_s));
+  auto mlx_call = [&] {
+    if (fused) {
+      mx::eval(vm::add_rms_norm(x, r, w, kEps));
+    } else {
+      mx::eval(vm::rms_norm(x, w, kEps));
+    }
+  };
 
   Buffer bx = buffer_of(x), br = buffer_of(r), bw = buffer_of(w);
   Buffer by(elems * isz), bh(fused ? elems * isz : 0);
@@ -435,13 +445,10 @@ void bench_norm(const Model& m, int64_t rows, mx::Dtype dtype, bool fused, const
   a.residual_row_stride = m.hidden;
   a.eps = kEps;
   auto raw = [&] { cpu::rms_norm_rows(a); };
-  Timing t_raw = measure(raw, cfg);
-  out.push_back(make_result(op, m, rows, dtype, "raw", threads, bytes, t_raw, copy_gb_s));
-  {
-    ThreadsScope one(1, cfg.threads);
-    Timing t1 = measure(raw, cfg);
-    out.push_back(make_result(op, m, rows, dtype, "raw1t", 1, bytes, t1, copy_gb_s));
-  }
+  auto ts = measure_group({{mlx_call, cfg.threads}, {raw, cfg.threads}, {raw, 1}}, cfg);
+  out.push_back(make_result(op, m, rows, dtype, "mlx", threads, bytes, ts[0], copy_gb_s));
+  out.push_back(make_result(op, m, rows, dtype, "raw", threads, bytes, ts[1], copy_gb_s));
+  out.push_back(make_result(op, m, rows, dtype, "raw1t", 1, bytes, ts[2], copy_gb_s));
 }
 
 void bench_cache(const Model& m, int64_t tokens, mx::Dtype dtype, const CaseData& d,
@@ -465,23 +472,18 @@ void bench_cache(const Model& m, int64_t tokens, mx::Dtype dtype, const CaseData
   // buffers have no other owner and the op updates them in place.
   int copies = 0;
   const char* kc_ptr = kc.data<char>();
-  Timing t_mlx = measure(
-      [&] {
-        {
-          auto o = vm::reshape_and_cache(k, v, kc, vc, slots);
-          kc = o[0];
-          vc = o[1];
-        }
-        mx::eval({kc, vc});
-        if (kc.data<char>() != kc_ptr) {
-          ++copies;
-          kc_ptr = kc.data<char>();
-        }
-      },
-      cfg);
-  Result rm = make_result(op, m, tokens, dtype, "mlx", threads, bytes, t_mlx, copy_gb_s);
-  rm.cache_copies = copies;
-  out.push_back(rm);
+  auto mlx_call = [&] {
+    {
+      auto o = vm::reshape_and_cache(k, v, kc, vc, slots);
+      kc = o[0];
+      vc = o[1];
+    }
+    mx::eval({kc, vc});
+    if (kc.data<char>() != kc_ptr) {
+      ++copies;
+      kc_ptr = kc.data<char>();
+    }
+  };
 
   Buffer bk = buffer_of(k), bv = buffer_of(v);
   const size_t cache_bytes = size_t(d.num_blocks) * m.block_size * row * isz;
@@ -501,13 +503,12 @@ void bench_cache(const Model& m, int64_t tokens, mx::Dtype dtype, const CaseData
   a.num_slots = d.num_blocks * m.block_size;
   a.itemsize = isz;
   auto raw = [&] { cpu::scatter_into_cache(a); };
-  Timing t_raw = measure(raw, cfg);
-  out.push_back(make_result(op, m, tokens, dtype, "raw", threads, bytes, t_raw, copy_gb_s));
-  {
-    ThreadsScope one(1, cfg.threads);
-    Timing t1 = measure(raw, cfg);
-    out.push_back(make_result(op, m, tokens, dtype, "raw1t", 1, bytes, t1, copy_gb_s));
-  }
+  auto ts = measure_group({{mlx_call, cfg.threads}, {raw, cfg.threads}, {raw, 1}}, cfg);
+  Result rm = make_result(op, m, tokens, dtype, "mlx", threads, bytes, ts[0], copy_gb_s);
+  rm.cache_copies = copies;
+  out.push_back(rm);
+  out.push_back(make_result(op, m, tokens, dtype, "raw", threads, bytes, ts[1], copy_gb_s));
+  out.push_back(make_result(op, m, tokens, dtype, "raw1t", 1, bytes, ts[2], copy_gb_s));
 }
 
 // ---- output ----------------------------------------------------------------------

@@ -8,7 +8,7 @@
 Same arrays, same shapes (SmolLM2-135M hidden 576, Llama-3-8B hidden 4096;
 1/16/512/4096 rows), float32/float16/bfloat16, default (CPU) stream. Each call
 is built and mx.eval'ed from Python, so both sides pay the same Python and
-graph overhead. Reports the median time per call, GB/s of the minimal bytes
+graph overhead; repetitions of the two sides are interleaved. Reports the median time per call, GB/s of the minimal bytes
 the op moves and ratio = mlx time / our time (> 1: ours is faster).
 
     .venv/bin/python benchmarks/ops_vs_mlx.py [--quick] [--json PATH] [--threads N]
@@ -52,29 +52,35 @@ def load_average() -> str:
         return "n/a"
 
 
-def measure(fn, reps: int, rep_seconds: float) -> dict:
-    """Median seconds per call over `reps` repetitions of about rep_seconds each."""
-    t0 = time.perf_counter()
-    fn()  # warm-up: first-call allocations
-    estimate = time.perf_counter() - t0
-    if estimate < rep_seconds:
-        n = 0
+def measure_group(fns, reps: int, rep_seconds: float) -> list[dict]:
+    """Median seconds per call of each fn. Every fn is warmed up and its repetition sized
+    to about rep_seconds; then `reps` rounds run one repetition of each fn in turn, so
+    load from elsewhere on a shared machine lands on all of them alike."""
+    iters = []
+    for fn in fns:
         t0 = time.perf_counter()
-        while True:
-            fn()
-            n += 1
-            elapsed = time.perf_counter() - t0
-            if elapsed >= rep_seconds / 4 or n >= 100000:
-                break
-        estimate = elapsed / n
-    iters = max(1, int(rep_seconds / estimate))
-    per_call = []
+        fn()  # warm-up: first-call allocations
+        estimate = time.perf_counter() - t0
+        if estimate < rep_seconds:
+            n = 0
+            t0 = time.perf_counter()
+            while True:
+                fn()
+                n += 1
+                elapsed = time.perf_counter() - t0
+                if elapsed >= rep_seconds / 4 or n >= 100000:
+                    break
+            estimate = elapsed / n
+        iters.append(max(1, int(rep_seconds / estimate)))
+    per_call = [[] for _ in fns]
     for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        per_call.append((time.perf_counter() - t0) / iters)
-    return {"median_s": statistics.median(per_call), "min_s": min(per_call), "iters": iters, "reps": reps}
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            for _ in range(iters[i]):
+                fn()
+            per_call[i].append((time.perf_counter() - t0) / iters[i])
+    return [{"median_s": statistics.median(v), "min_s": min(v), "iters": n, "reps": reps}
+            for v, n in zip(per_call, iters)]
 
 
 def max_rel_diff(a: mx.array, b: mx.array) -> float:
@@ -119,11 +125,7 @@ def bench_case(model: str, hidden: int, rows: int, dt, fused: bool, args) -> dic
         diff = max_rel_diff(ops.rms_norm(x, w, EPS), mx.fast.rms_norm(x, w, EPS))
         nbytes = 2 * rows * hidden * isz + hidden * isz
 
-    # alternate which side runs first so neither always gets the warmer caches
-    first, second = (ours, theirs) if rows % 2 == 0 else (theirs, ours)
-    t_first = measure(first, args.reps, args.rep_seconds)
-    t_second = measure(second, args.reps, args.rep_seconds)
-    t_ours, t_mlx = (t_first, t_second) if first is ours else (t_second, t_first)
+    t_ours, t_mlx = measure_group([ours, theirs], args.reps, args.rep_seconds)
     mx.clear_cache()
     return {
         "bench": "ops_vs_mlx",
@@ -140,6 +142,8 @@ def bench_case(model: str, hidden: int, rows: int, dt, fused: bool, args) -> dic
         "ratio_mlx_over_ours": t_mlx["median_s"] / t_ours["median_s"],
         "max_rel_diff": diff,
         "reps": args.reps,
+        "ours_us_min": t_ours["min_s"] * 1e6,
+        "mlx_us_min": t_mlx["min_s"] * 1e6,
         "ours_iters": t_ours["iters"],
         "mlx_iters": t_mlx["iters"],
     }

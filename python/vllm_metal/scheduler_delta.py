@@ -90,7 +90,9 @@ class SchedulerDelta:
 def mlx_inputs(packer) -> dict:
     """The packed step as ``mx.array``s. MLX's CPU allocator cannot adopt
     foreign memory, so each array is one copy of the packer's (zero-copy)
-    NumPy view; the copies stay valid after the next pack()."""
+    NumPy view; the copies stay valid after the next pack(). Block tables are
+    cut to the columns in use (``block_table_used_widths``): the kernels read
+    ``seq_lens`` worth of entries, the rest is padding."""
     import mlx.core as mx
 
     out = {
@@ -105,5 +107,7 @@ def mlx_inputs(packer) -> dict:
             "cu_num_logits",
         )
     }
-    out["block_tables"] = tuple(mx.array(t) for t in packer.block_tables)
+    out["block_tables"] = tuple(
+        mx.array(t[:, :w]) for t, w in zip(packer.block_tables, packer.block_table_used_widths)
+    )
     return out

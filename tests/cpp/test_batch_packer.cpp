@@ -212,11 +212,35 @@ TEST(BatchPacker, DecodeRowsFirstThenPrefillChunks) {
   EXPECT_EQ(o.rows, (Ints{rd, rp}));
   EXPECT_EQ(p.block_table_width(0), 16);
   EXPECT_EQ(o.tables[0], concat(padded({5, 9}, 16), padded({7, 3}, 16)));
+  EXPECT_EQ(p.block_table_used_width(0), 2);
   EXPECT_EQ(o.discard, (std::vector<uint8_t>{0, 0}));
   // 5 tokens of decode context < 512: everything to the varlen kernel
   EXPECT_EQ(b.split.num_decodes, 0);
   EXPECT_EQ(b.split.num_prefills, 2);
   EXPECT_EQ(b.split.num_prefill_tokens, 7);
+}
+
+TEST(BatchPacker, ScheduleManyIsScheduleForEach) {
+  rt::BatchPacker p(config());
+  add(p, "p", range(10, 6), 0, {{7, 3}});
+  add(p, "d", range(20, 7), 4, {{5, 9}});
+  p.begin_step();
+  p.schedule("p", 6);
+  const Ints drafts{1, 2};
+  p.schedule("d", 3, rt::Int32Span(drafts));
+  p.pack();
+  const Outputs one_by_one = outputs(p);
+  const std::string_view ids[2] = {"p", "d"};
+  const int32_t counts[2] = {6, 3};
+  const rt::Int32Span spans[2] = {rt::Int32Span(), rt::Int32Span(drafts)};
+  p.begin_step();
+  p.schedule_many(ids, counts, spans, 2);
+  p.pack();
+  EXPECT_TRUE(outputs(p) == one_by_one);
+  const std::string_view bad[2] = {"p", "nope"};
+  expect_error([&] { p.begin_step(); p.schedule_many(bad, counts, nullptr, 2); p.pack(); },
+               "unknown request id 'nope' scheduled");
+  EXPECT_TRUE(outputs(p) == one_by_one);
 }
 
 TEST(BatchPacker, ChunkedPrefillAndSpeculativeRows) {
@@ -309,7 +333,9 @@ TEST(BatchPacker, BadStepsLeaveOutputsAndTableUnchanged) {
   p.schedule("b", 1);
   p.pack();
   const Outputs before = outputs(p);
-  const auto rows_a = p.requests().row(p.requests().row_of("a"));
+  const int32_t row_a = p.requests().row_of("a");
+  const auto computed_a = p.requests().state(row_a).num_computed_tokens;
+  const auto blocks_a = p.requests().block_id_lists(row_a);
 
   const auto step = [&](std::function<void()> schedule) {
     p.begin_step();
@@ -340,9 +366,8 @@ TEST(BatchPacker, BadStepsLeaveOutputsAndTableUnchanged) {
                "left the table before pack()");
   // after an error the staged requests are gone: an empty pack is an empty step
   EXPECT_TRUE(outputs(p) == before);
-  const auto& after_a = p.requests().row(p.requests().row_of("a"));
-  EXPECT_EQ(after_a.num_computed_tokens, rows_a.num_computed_tokens);
-  EXPECT_EQ(after_a.block_ids, rows_a.block_ids);
+  EXPECT_EQ(p.requests().state(row_a).num_computed_tokens, computed_a);
+  EXPECT_EQ(p.requests().block_id_lists(row_a), blocks_a);
 }
 
 TEST(BatchPacker, AppendSampledSkipsPartialChunksAndStopsAtMinusOne) {
@@ -378,6 +403,22 @@ TEST(BatchPacker, AppendSampledSkipsPartialChunksAndStopsAtMinusOne) {
   expect_error([&] { p.append_sampled(sampled.data(), 2, 3); }, "expected token_ids [1, k >= 1]");
   p.requests().remove("d");
   expect_error([&] { p.append_sampled(sampled.data(), 1, 3); }, "left the table after pack()");
+}
+
+TEST(BatchPacker, RowsOfTheLastStepAreReusedOnlyAfterTheNextPack) {
+  rt::BatchPacker p(config());
+  const int32_t ra = add(p, "a", range(0, 4), 0, {{1}});
+  p.begin_step();
+  p.schedule("a", 4);
+  p.pack();
+  p.requests().remove("a");
+  const int32_t rb = add(p, "b", range(0, 4), 0, {{2}});
+  EXPECT_NE(rb, ra);  // "a"'s row still names the packed step's request
+  EXPECT_EQ(p.requests().row(p.req_rows()[0]).req_id, "a");
+  p.begin_step();
+  p.schedule("b", 4);
+  p.pack();
+  EXPECT_EQ(add(p, "c", range(0, 4), 0, {{3}}), ra);  // now it is free
 }
 
 TEST(BatchPacker, PackDoesNotAllocate) {

@@ -5,10 +5,13 @@
 
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "cpu/gguf_kernels.h"
 #include "cpu/gguf_matmul.h"
 #include "cpu/gguf_quants.h"
 #include "cpu/parallel.h"
@@ -183,24 +186,49 @@ TEST(GgufCpu, KnownQ4_0AndQ8_0Values) {
   for (int j = 0; j < 32; ++j) EXPECT_EQ(y[j], 0.5f * (j * 8 - 128));
 }
 
-void check_matmul(g::GGMLType t, int64_t m, int64_t n, int64_t k, c::Elt elt) {
-  auto w = random_weights(t, n, k, static_cast<uint32_t>(m * 31 + n));
-  std::vector<float> wf(n * k);
-  c::gguf_decode_row(t, w.data(), n * k, wf.data());
-  std::mt19937 rng(7);
-  std::normal_distribution<float> nd;
-  std::vector<float> x(m * k);
-  std::vector<uint16_t> xh(m * k);
-  for (int64_t i = 0; i < m * k; ++i) {
-    x[i] = nd(rng);
-    if (elt == c::Elt::kF16) {
-      xh[i] = c::float_to_f16(x[i]);
-      x[i] = c::f16_to_float(xh[i]);
-    } else if (elt == c::Elt::kBF16) {
-      xh[i] = c::float_to_bf16(x[i]);
-      x[i] = c::bf16_to_float(xh[i]);
-    }
+// ---- matmul against x @ decode(W)^T in double -------------------------------------------------
+
+// Types whose decode rows (m <= kGgufMatvecMaxRows) take the 8-bit activation path.
+const g::GGMLType kInt8Types[] = {g::GGMLType::kQ4_0, g::GGMLType::kQ4_1, g::GGMLType::kQ5_0,
+                                  g::GGMLType::kQ5_1, g::GGMLType::kQ8_0, g::GGMLType::kQ4_K,
+                                  g::GGMLType::kQ5_K, g::GGMLType::kQ6_K};
+
+bool int8_path(g::GGMLType t, int64_t m) {
+  if (m > c::kGgufMatvecMaxRows) return false;
+  for (auto u : kInt8Types) {
+    if (u == t) return true;
   }
+  return false;
+}
+
+// The one tolerance table of these tests.
+// Float paths (prefill, float weights, types without an integer kernel) sum exact
+// weights times x in float32: max |y - ref| / max |ref| <= kFloatTol[elt] (one
+// rounding of the output in elt).
+// The int8 path rounds x to 8 bits per value (a float scale d = max|x| / 127 per 32,
+// llama.cpp's scheme), an error of about |w| d / sqrt(12) per output. Measured as
+// rms(y - ref) / rms(|x_i| |w_j| / sqrt(k)): the error against the size an output of
+// those rows typically has, which no accidental cancellation in ref can shrink. Expected
+// about 0.0052 for Gaussian x; the bounds are 1.5x the largest of 900 random cases here
+// and 750 in tests/py/test_gguf_matmul.py (same table there), + kFloatTol[elt].
+const std::map<c::Elt, double> kFloatTol = {
+    {c::Elt::kF32, 2e-5}, {c::Elt::kF16, 2e-3}, {c::Elt::kBF16, 1.6e-2}};
+const std::map<g::GGMLType, double> kInt8Tol = {
+    {g::GGMLType::kQ4_0, 0.015}, {g::GGMLType::kQ4_1, 0.018}, {g::GGMLType::kQ5_0, 0.015},
+    {g::GGMLType::kQ5_1, 0.021}, {g::GGMLType::kQ8_0, 0.015}, {g::GGMLType::kQ4_K, 0.023},
+    {g::GGMLType::kQ5_K, 0.021}, {g::GGMLType::kQ6_K, 0.018}};
+
+std::string case_name(g::GGMLType t, int64_t m, int64_t n, int64_t k, c::Elt elt) {
+  const char* dt = elt == c::Elt::kF32 ? "f32" : elt == c::Elt::kF16 ? "f16" : "bf16";
+  return "gguf_matmul(" + g::type_name(uint32_t(t)) + ",m=" + std::to_string(m) +
+         ",n=" + std::to_string(n) + ",k=" + std::to_string(k) + ",dt=" + dt +
+         ",isa=" + c::gguf_matmul_isa() + ")";
+}
+
+// Runs gguf_matmul; returns y as float.
+std::vector<float> run_matmul(g::GGMLType t, const std::vector<uint8_t>& w, int64_t n, int64_t k,
+                              const std::vector<float>& x, const std::vector<uint16_t>& xh,
+                              int64_t m, c::Elt elt, bool exact = false) {
   std::vector<float> y(m * n);
   std::vector<uint16_t> yh(m * n);
   c::GgufMatmul a;
@@ -212,40 +240,236 @@ void check_matmul(g::GGMLType t, int64_t m, int64_t n, int64_t k, c::Elt elt) {
   a.x = elt == c::Elt::kF32 ? static_cast<const void*>(x.data()) : xh.data();
   a.m = m;
   a.y = elt == c::Elt::kF32 ? static_cast<void*>(y.data()) : yh.data();
+  a.exact = exact;
   c::gguf_matmul(a);
-  double scale = 0, worst = 0;
-  for (int64_t i = 0; i < m; ++i) {
-    for (int64_t j = 0; j < n; ++j) {
-      double ref = 0;
-      for (int64_t p = 0; p < k; ++p) ref += double(x[i * k + p]) * wf[j * k + p];
-      float got = elt == c::Elt::kF32 ? y[i * n + j]
-                  : elt == c::Elt::kF16 ? c::f16_to_float(yh[i * n + j])
-                                        : c::bf16_to_float(yh[i * n + j]);
-      scale = std::max(scale, std::fabs(ref));
-      worst = std::max(worst, std::fabs(got - ref));
+  if (elt == c::Elt::kF16) {
+    for (int64_t i = 0; i < m * n; ++i) y[i] = c::f16_to_float(yh[i]);
+  } else if (elt == c::Elt::kBF16) {
+    for (int64_t i = 0; i < m * n; ++i) y[i] = c::bf16_to_float(yh[i]);
+  }
+  return y;
+}
+
+// x [m, k] ~ N(0, 1), rounded to elt; xh holds the elt bits.
+std::vector<float> random_x(int64_t m, int64_t k, c::Elt elt, uint32_t seed,
+                            std::vector<uint16_t>* xh) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(m * k);
+  xh->assign(m * k, 0);
+  for (int64_t i = 0; i < m * k; ++i) {
+    x[i] = nd(rng);
+    if (elt == c::Elt::kF16) {
+      (*xh)[i] = c::float_to_f16(x[i]);
+      x[i] = c::f16_to_float((*xh)[i]);
+    } else if (elt == c::Elt::kBF16) {
+      (*xh)[i] = c::float_to_bf16(x[i]);
+      x[i] = c::bf16_to_float((*xh)[i]);
     }
   }
-  double tol = elt == c::Elt::kF32 ? 2e-5 : elt == c::Elt::kF16 ? 2e-3 : 1.6e-2;
-  EXPECT_LE(worst / scale, tol) << g::type_name(uint32_t(t)) << " m=" << m << " n=" << n
-                                << " k=" << k;
+  return x;
+}
+
+void check_matmul(g::GGMLType t, int64_t m, int64_t n, int64_t k, c::Elt elt, bool exact = false) {
+  auto w = random_weights(t, n, k, static_cast<uint32_t>(m * 31 + n));
+  std::vector<float> wf(n * k);
+  c::gguf_decode_row(t, w.data(), n * k, wf.data());
+  std::vector<uint16_t> xh;
+  std::vector<float> x = random_x(m, k, elt, 7, &xh);
+  std::vector<float> y = run_matmul(t, w, n, k, x, xh, m, elt, exact);
+  double scale = 0, worst = 0, se = 0, typical = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      double ref = 0, xx = 0, ww = 0;
+      for (int64_t p = 0; p < k; ++p) {
+        ref += double(x[i * k + p]) * wf[j * k + p];
+        xx += double(x[i * k + p]) * x[i * k + p];
+        ww += double(wf[j * k + p]) * wf[j * k + p];
+      }
+      const double got = y[i * n + j];
+      ASSERT_TRUE(std::isfinite(got)) << case_name(t, m, n, k, elt);
+      scale = std::max(scale, std::fabs(ref));
+      worst = std::max(worst, std::fabs(got - ref));
+      se += (got - ref) * (got - ref);
+      typical += xx * ww / k;
+    }
+  }
+  if (int8_path(t, m) && !exact) {
+    const double tol = kInt8Tol.at(t) + kFloatTol.at(elt);
+    EXPECT_LE(std::sqrt(se / typical), tol) << case_name(t, m, n, k, elt) << " (int8 rms error)";
+  } else {
+    EXPECT_LE(worst / scale, kFloatTol.at(elt)) << case_name(t, m, n, k, elt);
+  }
+}
+
+// Runs fn once per kernel variant this CPU has (AVX-512 / AVX2 / NEON dotprod / NEON / scalar).
+template <class F>
+void for_each_isa(F fn) {
+  for (const std::string& isa : c::gguf_matmul_isas()) {
+    c::gguf_matmul_set_isa(isa);
+    fn();
+  }
+  c::gguf_matmul_set_isa("");
 }
 
 TEST(GgufCpu, MatmulEveryTypeAgainstDecodedWeights) {
-  for (auto t : kTypes) {
-    int64_t bs = g::type_info(t).block_size;
-    int64_t k = bs == 1 ? 37 : (bs == 32 ? 96 : 512);
-    for (int64_t m : {1, 3, 4, 5, 9}) check_matmul(t, m, 19, k, c::Elt::kF32);
-  }
+  for_each_isa([] {
+    for (auto t : kTypes) {
+      int64_t bs = g::type_info(t).block_size;
+      int64_t k = bs == 1 ? 37 : (bs == 32 ? 96 : 512);
+      for (int64_t m : {1, 2, 3, 4, 5, 7, 8, 9, 17}) check_matmul(t, m, 19, k, c::Elt::kF32);
+    }
+  });
+}
+
+TEST(GgufCpu, ExactMatmulKeepsFloatSumsForDecodeRows) {
+  for_each_isa([] {
+    for (auto t : kInt8Types) {
+      const int64_t k = g::type_info(t).block_size == 32 ? 96 : 512;
+      for (int64_t m : {1, 8}) check_matmul(t, m, 19, k, c::Elt::kF32, /*exact=*/true);
+    }
+  });
 }
 
 TEST(GgufCpu, MatmulHalfActivationsAndThreads) {
   for (int threads : {1, 2, 3}) {
     c::set_num_threads(threads);
-    check_matmul(g::GGMLType::kQ4_K, 1, 70, 512, c::Elt::kF16);
-    check_matmul(g::GGMLType::kQ6_K, 17, 33, 256, c::Elt::kBF16);
-    check_matmul(g::GGMLType::kQ4_1, 6, 40, 576, c::Elt::kF16);
+    for_each_isa([] {
+      check_matmul(g::GGMLType::kQ4_K, 1, 70, 512, c::Elt::kF16);
+      check_matmul(g::GGMLType::kQ6_K, 17, 33, 256, c::Elt::kBF16);
+      check_matmul(g::GGMLType::kQ4_1, 6, 40, 576, c::Elt::kF16);
+      check_matmul(g::GGMLType::kQ8_0, 8, 300, 96, c::Elt::kBF16);  // several tasks
+      check_matmul(g::GGMLType::kBF16, 3, 301, 40, c::Elt::kF16);
+      check_matmul(g::GGMLType::kQ3_K, 2, 45, 256, c::Elt::kBF16);  // decoded to float
+    });
   }
   c::set_num_threads(0);
+}
+
+// The integer form of every chunk (w = a * q + c per 16-weight half) is the float
+// decoder's value, bit for bit.
+TEST(GgufCpu, Q8ChunksMatchTheFloatDecoder) {
+  for (auto t : kInt8Types) {
+    const g::TypeInfo ti = g::type_info(t);
+    auto w = random_weights(t, 1, 4 * ti.block_size, 11);
+    std::vector<float> ref(4 * ti.block_size);
+    c::gguf_decode_row(t, w.data(), 4 * ti.block_size, ref.data());
+    for (int blk = 0; blk < 4; ++blk) {
+      for (int j = 0; j < static_cast<int>(ti.block_size / 32); ++j) {
+        c::GgufQ8Chunk ch;
+        ASSERT_TRUE(c::gguf_q8_chunk(t, w.data() + blk * ti.type_size, j, &ch));
+        for (int l = 0; l < 32; ++l) {
+          const float v = ch.a[l / 16] * static_cast<float>(ch.q[l]) + ch.c[l / 16];
+          ASSERT_EQ(v, ref[blk * ti.block_size + 32 * j + l])
+              << g::type_name(uint32_t(t)) << " block " << blk << " chunk " << j << " weight " << l;
+        }
+      }
+    }
+  }
+  c::GgufQ8Chunk ch;
+  uint8_t block[256] = {};
+  EXPECT_FALSE(c::gguf_q8_chunk(g::GGMLType::kIQ4_XS, block, 0, &ch));
+}
+
+// Every variant quantizes exactly like the scalar reference: q = round-half-even(x * 127 /
+// max|x|), |x - d q| <= d / 2, zero blocks give d = 0.
+TEST(GgufCpu, QuantizeActivationsRoundToNearestOnEveryIsa) {
+  const int64_t m = 3, k = 256, nb = m * k / 32;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(m * k);
+  for (auto& v : x) v = nd(rng) * 3.0f;
+  for (int l = 0; l < 32; ++l) x[32 + l] = 0.0f;                       // an all-zero block
+  for (int l = 0; l < 32; ++l) x[64 + l] = static_cast<float>(l) - 0.5f;  // ties: max 30.5
+  x[96] = 127.0f;  // scale 1: exact halves round to even
+  for (int l = 1; l < 32; ++l) x[96 + l] = static_cast<float>(l) * 0.5f - 8.0f;
+  auto quantize = [&](const c::GgufKernels& kern, std::vector<int8_t>* q, std::vector<float>* d,
+                      std::vector<int16_t>* s16) {
+    q->assign(m * k, 0);
+    d->assign(2 * nb, 0.0f);
+    s16->assign(2 * nb, 0);
+    kern.quantize_q8(x.data(), m, k, q->data(), d->data(), d->data() + nb, s16->data());
+  };
+  std::vector<int8_t> q_ref, q;
+  std::vector<float> d_ref, d;
+  std::vector<int16_t> s_ref, s;
+  quantize(c::gguf_kernels_scalar(), &q_ref, &d_ref, &s_ref);
+  for (int64_t b = 0; b < nb; ++b) {
+    const float db = d_ref[b];
+    int sums[2] = {0, 0};
+    for (int l = 0; l < 32; ++l) {
+      const float xv = x[32 * b + l];
+      const int qv = q_ref[32 * b + l];
+      ASSERT_LE(std::abs(qv), 127);
+      ASSERT_LE(std::fabs(xv - db * qv), db * 0.5f * (1 + 1e-5f)) << "block " << b << " value " << l;
+      sums[l / 16] += qv;
+    }
+    EXPECT_EQ(s_ref[2 * b], sums[0]);
+    EXPECT_EQ(s_ref[2 * b + 1], sums[1]);
+    EXPECT_EQ(d_ref[nb + b], db * static_cast<float>(sums[0] + sums[1]));
+  }
+  EXPECT_EQ(d_ref[1], 0.0f);
+  EXPECT_EQ(q_ref[96 + 16], 0);   // 0.0 stays 0
+  EXPECT_EQ(q_ref[96 + 15], 0);   // -0.5 -> -0 (even)
+  EXPECT_EQ(q_ref[96 + 14], -1);  // -1.0
+  EXPECT_EQ(q_ref[96 + 13], -2);  // -1.5 -> -2 (even)
+  EXPECT_EQ(q_ref[96 + 18], 1);   // 1.0
+  EXPECT_EQ(q_ref[96 + 17], 0);   // 0.5 -> 0 (even)
+  EXPECT_EQ(q_ref[96 + 19], 2);   // 1.5 -> 2 (even)
+  for_each_isa([&] {
+    // the table in use: take it from a matmul's point of view via the public name
+    const std::string isa = c::gguf_matmul_isa();
+    const c::GgufKernels* kern = &c::gguf_kernels_scalar();
+#if defined(__x86_64__)
+    if (isa == "avx2") kern = &c::gguf_kernels_avx2();
+    if (isa == "avx512") kern = &c::gguf_kernels_avx512();
+#elif defined(__aarch64__)
+    if (isa == "neon") kern = &c::gguf_kernels_neon();
+    if (isa == "neon_dot") kern = &c::gguf_kernels_neon_dot();
+#endif
+    quantize(*kern, &q, &d, &s);
+    EXPECT_EQ(q, q_ref) << isa;
+    EXPECT_EQ(d, d_ref) << isa;
+    EXPECT_EQ(s, s_ref) << isa;
+  });
+}
+
+// The SIMD variants compute the scalar reference's integer sums; only the order of
+// the float scaling differs.
+TEST(GgufCpu, EveryIsaMatchesTheScalarIntegerPath) {
+  for (auto t : kInt8Types) {
+    const int64_t bs = g::type_info(t).block_size, k = bs == 32 ? 576 : 768, n = 45;
+    auto w = random_weights(t, n, k, 3);
+    for (int64_t m : {1, 2, 5, 8}) {
+      std::vector<uint16_t> xh;
+      std::vector<float> x = random_x(m, k, c::Elt::kF32, 9, &xh);
+      c::gguf_matmul_set_isa("scalar");
+      std::vector<float> ref = run_matmul(t, w, n, k, x, xh, m, c::Elt::kF32);
+      double scale = 0;
+      for (float v : ref) scale = std::max(scale, double(std::fabs(v)));
+      for_each_isa([&] {
+        std::vector<float> y = run_matmul(t, w, n, k, x, xh, m, c::Elt::kF32);
+        double worst = 0;
+        for (int64_t i = 0; i < m * n; ++i) worst = std::max(worst, double(std::fabs(y[i] - ref[i])));
+        EXPECT_LE(worst / scale, kFloatTol.at(c::Elt::kF32)) << case_name(t, m, n, k, c::Elt::kF32);
+      });
+    }
+  }
+}
+
+TEST(GgufCpu, IsaSelection) {
+  auto isas = c::gguf_matmul_isas();
+  ASSERT_FALSE(isas.empty());
+  EXPECT_EQ(isas.back(), "scalar");
+  EXPECT_EQ(c::gguf_matmul_isa(), isas.front());
+  EXPECT_THROW(c::gguf_matmul_set_isa("sse9"), std::invalid_argument);
+  c::gguf_matmul_set_isa("scalar");
+  EXPECT_EQ(c::gguf_matmul_isa(), "scalar");
+  EXPECT_TRUE(c::gguf_matmul_int8_decode(g::GGMLType::kQ6_K));
+  EXPECT_FALSE(c::gguf_matmul_int8_decode(g::GGMLType::kIQ4_XS));
+  EXPECT_FALSE(c::gguf_matmul_int8_decode(g::GGMLType::kF16));
+  c::gguf_matmul_set_isa("");
+  EXPECT_EQ(c::gguf_matmul_isa(), isas.front());
 }
 
 }  // namespace

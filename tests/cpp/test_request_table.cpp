@@ -6,6 +6,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "runtime/request_table.h"
@@ -67,8 +68,14 @@ struct Snapshot {
 };
 
 Snapshot snap(const rt::RequestTable& t, const std::string& id) {
-  const rt::RequestRow& r = t.row(t.row_of(id));
-  return {r.token_ids, r.block_ids, r.num_computed_tokens, r.prompt_len, r.generation};
+  const int32_t row = t.row_of(id);
+  const rt::RequestRow& r = t.row(row);
+  const rt::RowState& st = t.state(row);
+  EXPECT_EQ(st.num_tokens, static_cast<int32_t>(r.token_ids.size()));
+  if (!r.token_ids.empty()) {
+    EXPECT_EQ(st.last_token, r.token_ids.back());
+  }
+  return {r.token_ids, t.block_id_lists(row), st.num_computed_tokens, st.prompt_len, st.generation};
 }
 
 void expect_error(const std::function<void()>& f, const std::string& part) {
@@ -96,16 +103,16 @@ TEST(RequestTable, AddFindRemoveAndRowReuse) {
   EXPECT_EQ(t.find("c"), -1);
   EXPECT_EQ(t.num_requests(), 2);
   EXPECT_EQ(t.row(ra).token_ids, a.tokens);
-  EXPECT_EQ(t.row(ra).prompt_len, 5);
-  EXPECT_EQ(t.row(ra).block_ids[0], (std::vector<int32_t>{1, 2}));
-  const uint32_t gen = t.row(ra).generation;
+  EXPECT_EQ(t.state(ra).prompt_len, 5);
+  EXPECT_EQ(t.block_id_lists(ra)[0], (std::vector<int32_t>{1, 2}));
+  const uint32_t gen = t.state(ra).generation;
   EXPECT_TRUE(t.remove("a"));
   EXPECT_FALSE(t.remove("a"));  // vLLM sends ids the worker never saw
   EXPECT_EQ(t.find("a"), -1);
   EXPECT_EQ(t.num_requests(), 1);
   auto c = make("c", 2, {});
   EXPECT_EQ(t.add(c.get()), ra);  // the freed row is reused ...
-  EXPECT_NE(t.row(ra).generation, gen);  // ... under a new generation
+  EXPECT_NE(t.state(ra).generation, gen);  // ... under a new generation
   EXPECT_EQ(t.request_ids(), (std::vector<std::string>{"c", "b"}));
 }
 
@@ -113,8 +120,14 @@ TEST(RequestTable, IndexSurvivesManyInsertsAndRemoves) {
   rt::RequestTable t(config(8));
   std::map<std::string, int32_t> model;
   std::mt19937 rng(7);
+  // short ids, ids that just fit the inline key (63 bytes), and longer ones
+  const auto make_id = [](uint32_t k) {
+    const std::string base = "cmpl-" + std::to_string(k) + "-";
+    const size_t len = k % 3 == 0 ? base.size() : k % 3 == 1 ? 63 : 90;
+    return base + std::string(len - base.size(), 'x');
+  };
   for (int step = 0; step < 20000; ++step) {
-    const std::string id = "cmpl-" + std::to_string(rng() % 700) + "-0";
+    const std::string id = make_id(rng() % 700);
     if (model.count(id) && rng() % 2) {
       EXPECT_TRUE(t.remove(id));
       model.erase(id);
@@ -129,6 +142,15 @@ TEST(RequestTable, IndexSurvivesManyInsertsAndRemoves) {
   EXPECT_EQ(t.num_requests(), static_cast<int32_t>(model.size()));
   for (const auto& [k, row] : model) EXPECT_EQ(t.find(k), row);
   EXPECT_LE(t.num_rows(), 700);
+  // find_many agrees with find, unknown ids included
+  std::vector<std::string> ids;
+  for (uint32_t k = 0; k < 800; ++k) ids.push_back(make_id(k));
+  std::vector<std::string_view> views(ids.begin(), ids.end());
+  std::vector<int32_t> rows(ids.size());
+  t.find_many(views.data(), views.size(), rows.data());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_EQ(rows[i], model.count(ids[i]) ? model[ids[i]] : -1) << ids[i];
+  }
 }
 
 TEST(RequestTable, DuplicateIdNeedsReplace) {
@@ -142,7 +164,7 @@ TEST(RequestTable, DuplicateIdNeedsReplace) {
   t.add(a2.get(), /*replace=*/true);
   EXPECT_EQ(t.num_requests(), 1);
   EXPECT_EQ(t.row(t.row_of("a")).token_ids, a2.tokens);
-  EXPECT_EQ(t.row(t.row_of("a")).block_ids[0], (std::vector<int32_t>{7}));
+  EXPECT_EQ(t.block_id_lists(t.row_of("a"))[0], (std::vector<int32_t>{7}));
 }
 
 TEST(RequestTable, BadAddsChangeNothing) {
@@ -200,18 +222,15 @@ TEST(RequestTable, UpdatesAppendReplaceAndRollBack) {
   u[1].num_computed_tokens = 0;
   u[1].new_block_ids = resume_b;
   u[1].replace_block_ids = true;
-  const uint32_t version = t.row(t.row_of("b")).block_ids_version;
+  const uint32_t version = t.state(t.row_of("b")).block_ids_version;
   t.update(u, 2);
 
-  const rt::RequestRow& ra = t.row(t.row_of("a"));
-  EXPECT_EQ(ra.num_computed_tokens, 6);
-  EXPECT_EQ(ra.token_ids, (std::vector<int32_t>{100, 101, 102, 103, 104, 105, 7}));
-  EXPECT_EQ(ra.block_ids[0], (std::vector<int32_t>{1, 2, 5}));
-  EXPECT_EQ(ra.block_ids[1], (std::vector<int32_t>{9}));
-  const rt::RequestRow& rb = t.row(t.row_of("b"));
-  EXPECT_EQ(rb.block_ids[0], (std::vector<int32_t>{11, 12}));
-  EXPECT_EQ(rb.block_ids[1], (std::vector<int32_t>{13}));
-  EXPECT_NE(rb.block_ids_version, version);
+  const Snapshot sa = snap(t, "a");
+  EXPECT_EQ(sa.computed, 6);
+  EXPECT_EQ(sa.tokens, (std::vector<int32_t>{100, 101, 102, 103, 104, 105, 7}));
+  EXPECT_EQ(sa.blocks, (std::vector<std::vector<int32_t>>{{1, 2, 5}, {9}}));
+  EXPECT_EQ(snap(t, "b").blocks, (std::vector<std::vector<int32_t>>{{11, 12}, {13}}));
+  EXPECT_NE(t.state(t.row_of("b")).block_ids_version, version);
 
   // all of a request's tokens (V1's all_token_ids)
   std::vector<int32_t> all{100, 101, 102, 103, 50, 51};
@@ -221,7 +240,7 @@ TEST(RequestTable, UpdatesAppendReplaceAndRollBack) {
   v.num_computed_tokens = 4;
   v.token_ids = &all_span;
   t.update(&v, 1);
-  EXPECT_EQ(t.row(t.row_of("b")).token_ids, all);
+  EXPECT_EQ(snap(t, "b").tokens, all);
 }
 
 TEST(RequestTable, BadUpdatesChangeNothing) {

@@ -90,6 +90,7 @@ def outputs(packer) -> dict:
     out = {name: np.array(getattr(packer, name)) for name in OUTPUT_NAMES}
     out["block_tables"] = [np.array(t) for t in packer.block_tables]
     out["req_ids"] = list(packer.req_ids)
+    out["block_table_used_widths"] = list(packer.block_table_used_widths)
     out.update({name: getattr(packer, name) for name in COUNT_NAMES})
     return out
 
@@ -114,6 +115,7 @@ def reference_pack(
     widths = [-(-max_model_len // g.block_size) * (g.block_size // g.kernel) for g in groups]
     tables = [np.zeros((len(order), w), np.int32) for w in widths]
     seq_lens, cu_q, logits, cu_logits, discard = [], [0], [], [0], []
+    used = [0] * len(groups)
     for b, (rid, q, drafts) in enumerate(order):
         r = reqs[rid]
         c, nd = r.computed, len(drafts)
@@ -139,6 +141,7 @@ def reference_pack(
                 need = len(held) * k
             e = np.arange(need)
             tables[g][b, :need] = held[e // k] * k + e % k
+            used[g] = max(used[g], need)
         seq_lens.append(c + q)
         cu_q.append(start + q)
         logits.extend(start + known - 1 + j for j in range(nd + 1))
@@ -159,6 +162,7 @@ def reference_pack(
         "discard_sampled": np.array(discard, bool),
         "block_tables": tables,
         "req_ids": [s[0] for s in order],
+        "block_table_used_widths": used,
         "num_seqs": len(order),
         "num_tokens": T,
         "num_tokens_padded": Tp,
@@ -315,7 +319,10 @@ def test_mlx_inputs_are_copies_of_the_views():
     arrays = mlx_inputs(p)
     assert arrays["input_ids"].dtype == mx.int32 and arrays["slot_mappings"].dtype == mx.int64
     np.testing.assert_array_equal(np.array(arrays["slot_mappings"]), p.slot_mappings)
-    np.testing.assert_array_equal(np.array(arrays["block_tables"][1]), p.block_tables[1])
+    (w0, w1) = p.block_table_used_widths
+    assert (w0, w1) == (3, 3)  # 9 tokens: 3 blocks of 4, 3 kernel blocks of 4
+    np.testing.assert_array_equal(np.array(arrays["block_tables"][1]), p.block_tables[1][:, :w1])
+    assert not p.block_tables[1][:, w1:].any()
     before = np.array(arrays["input_ids"])
     p.append_sampled(np.array([[5]], np.int32))
     p.update_requests(["a"], [9])
@@ -391,7 +398,10 @@ def test_remove_ignores_unknown_ids_and_rows_are_reused():
     assert p.remove_requests({"a", "never-seen"}) == 1
     assert "a" not in p and len(p) == 0
     p.add_request("b", [1, 2], block_ids=([1],))
-    assert p.row_of("b") == row
+    assert p.row_of("b") != row  # the row is reused only after the next pack() ...
+    p.pack({"b": 2})
+    p.add_request("c", [1, 2], block_ids=([1],))
+    assert p.row_of("c") == row  # ... so a packed step's rows keep their ids
 
 
 def test_append_sampled_follows_batch_order_and_skips_partial_chunks():

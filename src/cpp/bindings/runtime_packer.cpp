@@ -105,6 +105,10 @@ struct Scratch {
   std::vector<size_t> update_token_bounds;  // update i -> [begin, end) in tokens, or npos
   std::vector<rt::Int32Span> update_tokens;
   std::vector<int32_t> drafts;
+  std::vector<std::string_view> ids;
+  std::vector<int32_t> counts;
+  std::vector<size_t> draft_bounds;  // [2 * n]
+  std::vector<rt::Int32Span> draft_spans;
 };
 
 Scratch& scratch() {
@@ -257,24 +261,34 @@ void pack(rt::BatchPacker& p, nb::handle num_scheduled_tokens, nb::handle spec_d
   }
   if (spec && PyDict_GET_SIZE(spec) == 0) spec = nullptr;
   Scratch& s = scratch();
-  p.begin_step();
+  s.ids.clear();
+  s.counts.clear();
+  s.drafts.clear();
+  s.draft_bounds.clear();
   Py_ssize_t pos = 0;
   PyObject *key = nullptr, *value = nullptr;
   while (PyDict_Next(num_scheduled_tokens.ptr(), &pos, &key, &value)) {
-    const std::string_view id = str_view(key);
-    const int32_t n = to_int32(value);
-    rt::Int32Span drafts;
+    s.ids.push_back(str_view(key));
+    s.counts.push_back(to_int32(value));
     if (spec) {
       PyObject* d = PyDict_GetItemWithError(spec, key);
       if (!d && PyErr_Occurred()) throw nb::python_error();
-      if (d) {
-        s.drafts.clear();
-        read_int32s(d, s.drafts);
-        drafts = rt::Int32Span(s.drafts);
-      }
+      s.draft_bounds.push_back(s.drafts.size());
+      if (d) read_int32s(d, s.drafts);
+      s.draft_bounds.push_back(s.drafts.size());
     }
-    p.schedule(id, n, drafts);  // copies the drafts
   }
+  const rt::Int32Span* drafts = nullptr;
+  if (spec) {
+    s.draft_spans.resize(s.ids.size());
+    for (size_t i = 0; i < s.ids.size(); ++i) {
+      s.draft_spans[i] = rt::Int32Span(s.drafts.data() + s.draft_bounds[2 * i],
+                                       s.draft_bounds[2 * i + 1] - s.draft_bounds[2 * i]);
+    }
+    drafts = s.draft_spans.data();
+  }
+  p.begin_step();
+  p.schedule_many(s.ids.data(), s.counts.data(), drafts, s.ids.size());  // copies the drafts
   p.pack(pad_tokens_to);
 }
 
@@ -299,8 +313,8 @@ void append_sampled(rt::BatchPacker& p, nb::handle token_ids) {
   p.append_sampled(a.data(), rows, stride);
 }
 
-const rt::RequestRow& row_of(const rt::BatchPacker& p, nb::handle req_id) {
-  return p.requests().row(p.requests().row_of(str_view(req_id)));
+int32_t row_of(const rt::BatchPacker& p, nb::handle req_id) {
+  return p.requests().row_of(str_view(req_id));
 }
 
 }  // namespace
@@ -407,16 +421,16 @@ void bind_runtime_packer(nb::module_& m) {
         return p.requests().row_of(str_view(id));
       }, "req_id"_a)
       .def("token_ids", [](const rt::BatchPacker& p, nb::handle id) {
-        return row_of(p, id).token_ids;
+        return p.requests().row(row_of(p, id)).token_ids;
       }, "req_id"_a, "A copy of the request's tokens (prompt + output).")
       .def("block_ids", [](const rt::BatchPacker& p, nb::handle id) {
-        return row_of(p, id).block_ids;
+        return p.requests().block_id_lists(row_of(p, id));
       }, "req_id"_a, "Copies of the request's block ids, one list per KV-cache group.")
       .def("num_computed_tokens", [](const rt::BatchPacker& p, nb::handle id) {
-        return row_of(p, id).num_computed_tokens;
+        return p.requests().state(row_of(p, id)).num_computed_tokens;
       }, "req_id"_a)
       .def("prompt_len", [](const rt::BatchPacker& p, nb::handle id) {
-        return row_of(p, id).prompt_len;
+        return p.requests().state(row_of(p, id)).prompt_len;
       }, "req_id"_a)
       // ---- one step
       .def("pack", &pack, "num_scheduled_tokens"_a, "spec_decode_tokens"_a = nb::none(),

@@ -1,10 +1,58 @@
 #include "cpu/gguf_matmul.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <stdexcept>
+#include <utility>
 #include <vector>
 
+#include "cpu/gguf_kernels.h"
+#include "cpu/gguf_pool.h"
 #include "cpu/gguf_quants.h"
 #include "cpu/parallel.h"
+
+#if defined(__aarch64__) && defined(__linux__)
+#include <asm/hwcap.h>
+#include <sys/auxv.h>
+#endif
+
+// ---- the NEON tables: gguf_dot_neon.h twice, without and with dotprod ---------------------
+#if defined(__aarch64__)
+namespace vllm_metal::cpu::neon_plain {
+#define GGUF_NEON_DOT 0
+#include "cpu/gguf_dot_neon.h"
+#undef GGUF_NEON_DOT
+}  // namespace vllm_metal::cpu::neon_plain
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("dotprod"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("arch=armv8.2-a+dotprod")
+#endif
+namespace vllm_metal::cpu::neon_dot {
+#define GGUF_NEON_DOT 1
+#include "cpu/gguf_dot_neon.h"
+#undef GGUF_NEON_DOT
+}  // namespace vllm_metal::cpu::neon_dot
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+namespace vllm_metal::cpu {
+const GgufKernels& gguf_kernels_neon() {
+  static const GgufKernels t = neon_plain::make_neon_kernels("neon");
+  return t;
+}
+const GgufKernels& gguf_kernels_neon_dot() {
+  static const GgufKernels t = neon_dot::make_neon_kernels("neon_dot");
+  return t;
+}
+}  // namespace vllm_metal::cpu
+#endif  // __aarch64__
 
 namespace vllm_metal::cpu {
 
@@ -12,118 +60,62 @@ namespace {
 
 using gguf::GGMLType;
 
-constexpr int64_t kTileRows = 16;  // weight rows decoded together on the tiled path
+// ---- which kernels ------------------------------------------------------------------------
 
-// ---- dot products over float32 rows -----------------------------------------
+struct Isa {
+  const char* name;
+  const GgufKernels& (*table)();
+  bool (*supported)();
+};
 
-float dot_scalar(const float* a, const float* b, int64_t k) {
-  float acc = 0.0f;
-  for (int64_t i = 0; i < k; ++i) acc += a[i] * b[i];
-  return acc;
-}
-
-// out[i * ldo + j] = dot(x[i], w[j]) for i < mr, j < nr.
-void tile_scalar(const float* const* x, int mr, const float* const* w, int nr, int64_t k,
-                 float* out, int64_t ldo) {
-  for (int i = 0; i < mr; ++i) {
-    for (int j = 0; j < nr; ++j) out[i * ldo + j] = dot_scalar(x[i], w[j], k);
-  }
-}
-
+bool always() { return true; }
 #if defined(__x86_64__)
-// MR x NR register block: MR*NR accumulators + MR + NR loads stay in 16 ymm.
-template <int MR, int NR>
-VLLM_METAL_AVX2 void block_avx2(const float* const* x, const float* const* w, int64_t k,
-                                float* out, int64_t ldo) {
-  __m256 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
-  int64_t p = 0;
-  for (; p + 8 <= k; p += 8) {
-    __m256 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w[j] + p);
-    for (int i = 0; i < MR; ++i) {
-      __m256 xv = _mm256_loadu_ps(x[i] + p);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
-    }
-  }
-  for (int i = 0; i < MR; ++i) {
-    for (int j = 0; j < NR; ++j) {
-      float s = hsum8(acc[i][j]);
-      for (int64_t q = p; q < k; ++q) s += x[i][q] * w[j][q];
-      out[i * ldo + j] = s;
-    }
-  }
+bool has_avx512_vnni() {
+  static const bool ok = has_avx2_fma() && __builtin_cpu_supports("avx512f") &&
+                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+  return ok;
 }
-
-VLLM_METAL_AVX2 void tile_avx2(const float* const* x, int mr, const float* const* w, int nr,
-                               int64_t k, float* out, int64_t ldo) {
-  int i = 0;
-  for (; i + 4 <= mr; i += 4) {
-    int j = 0;
-    for (; j + 2 <= nr; j += 2) block_avx2<4, 2>(x + i, w + j, k, out + i * ldo + j, ldo);
-    for (; j < nr; ++j) block_avx2<4, 1>(x + i, w + j, k, out + i * ldo + j, ldo);
-  }
-  for (; i < mr; ++i) {
-    int j = 0;
-    for (; j + 4 <= nr; j += 4) block_avx2<1, 4>(x + i, w + j, k, out + i * ldo + j, ldo);
-    for (; j < nr; ++j) block_avx2<1, 1>(x + i, w + j, k, out + i * ldo + j, ldo);
-  }
-}
-#endif
-
-#if defined(__aarch64__)
-template <int MR, int NR>
-void block_neon(const float* const* x, const float* const* w, int64_t k, float* out,
-                int64_t ldo) {
-  float32x4_t acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = vdupq_n_f32(0.0f);
-  int64_t p = 0;
-  for (; p + 4 <= k; p += 4) {
-    float32x4_t wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = vld1q_f32(w[j] + p);
-    for (int i = 0; i < MR; ++i) {
-      float32x4_t xv = vld1q_f32(x[i] + p);
-      for (int j = 0; j < NR; ++j) acc[i][j] = vfmaq_f32(acc[i][j], xv, wv[j]);
-    }
-  }
-  for (int i = 0; i < MR; ++i) {
-    for (int j = 0; j < NR; ++j) {
-      float s = vaddvq_f32(acc[i][j]);
-      for (int64_t q = p; q < k; ++q) s += x[i][q] * w[j][q];
-      out[i * ldo + j] = s;
-    }
-  }
-}
-
-void tile_neon(const float* const* x, int mr, const float* const* w, int nr, int64_t k,
-               float* out, int64_t ldo) {
-  int i = 0;
-  for (; i + 4 <= mr; i += 4) {
-    int j = 0;
-    for (; j + 4 <= nr; j += 4) block_neon<4, 4>(x + i, w + j, k, out + i * ldo + j, ldo);
-    for (; j < nr; ++j) block_neon<4, 1>(x + i, w + j, k, out + i * ldo + j, ldo);
-  }
-  for (; i < mr; ++i) {
-    int j = 0;
-    for (; j + 4 <= nr; j += 4) block_neon<1, 4>(x + i, w + j, k, out + i * ldo + j, ldo);
-    for (; j < nr; ++j) block_neon<1, 1>(x + i, w + j, k, out + i * ldo + j, ldo);
-  }
-}
-#endif
-
-using TileFn = void (*)(const float* const*, int, const float* const*, int, int64_t, float*,
-                        int64_t);
-
-TileFn pick_tile() {
-#if defined(__x86_64__)
-  if (has_avx2_fma()) return tile_avx2;
+const Isa kIsas[] = {{"avx512", gguf_kernels_avx512, has_avx512_vnni},
+                     {"avx2", gguf_kernels_avx2, has_avx2_fma},
+                     {"scalar", gguf_kernels_scalar, always}};
 #elif defined(__aarch64__)
-  return tile_neon;
+bool has_dotprod() {
+#if defined(__APPLE__)
+  return true;  // every Apple Silicon core has FEAT_DotProd
+#elif defined(__linux__) && defined(HWCAP_ASIMDDP)
+  static const bool ok = (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+  return ok;
+#else
+  return false;
 #endif
-  return tile_scalar;
 }
+const Isa kIsas[] = {{"neon_dot", gguf_kernels_neon_dot, has_dotprod},
+                     {"neon", gguf_kernels_neon, always},
+                     {"scalar", gguf_kernels_scalar, always}};
+#else
+const Isa kIsas[] = {{"scalar", gguf_kernels_scalar, always}};
+#endif
+
+std::atomic<const GgufKernels*> g_selected{nullptr};
+
+const GgufKernels& best_kernels() {
+  for (const Isa& isa : kIsas) {
+    if (isa.supported()) return isa.table();
+  }
+  return gguf_kernels_scalar();
+}
+
+const GgufKernels& kernels() {
+  const GgufKernels* k = g_selected.load(std::memory_order_acquire);
+  if (k == nullptr) {
+    k = &best_kernels();
+    g_selected.store(k, std::memory_order_release);
+  }
+  return *k;
+}
+
+// ---- element conversions --------------------------------------------------------------------
 
 template <Elt E>
 void to_float(const void* src, int64_t n, float* dst) {
@@ -139,62 +131,201 @@ void load_rows(Elt elt, const void* src, int64_t n, float* dst) {
   }
 }
 
-void store_value(Elt elt, void* y, int64_t i, float v) {
-  switch (elt) {
-    case Elt::kF32: static_cast<float*>(y)[i] = v; return;
-    case Elt::kF16: static_cast<uint16_t*>(y)[i] = float_to_f16(v); return;
-    case Elt::kBF16: static_cast<uint16_t*>(y)[i] = float_to_bf16(v); return;
+// y[i, c0 .. c0 + nc) = src[i * lds + (0 .. nc)] for i < m, y [m, n] in elt.
+void store_block(Elt elt, const float* src, int64_t lds, int64_t m, int64_t nc, void* y,
+                 int64_t n, int64_t c0) {
+  for (int64_t i = 0; i < m; ++i) {
+    const float* s = src + i * lds;
+    switch (elt) {
+      case Elt::kF32:
+        std::memcpy(static_cast<float*>(y) + i * n + c0, s, nc * sizeof(float));
+        break;
+      case Elt::kF16: {
+        uint16_t* o = static_cast<uint16_t*>(y) + i * n + c0;
+        for (int64_t j = 0; j < nc; ++j) o[j] = float_to_f16(s[j]);
+        break;
+      }
+      case Elt::kBF16: {
+        uint16_t* o = static_cast<uint16_t*>(y) + i * n + c0;
+        for (int64_t j = 0; j < nc; ++j) o[j] = float_to_bf16(s[j]);
+        break;
+      }
+    }
   }
+}
+
+// Per-thread scratch, kept across calls (no allocation per call in steady state).
+float* scratch_floats(std::vector<float>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+// ---- decode rows: m <= kGgufMatvecMaxRows -----------------------------------------------------
+
+// Weight bytes one task should read at least, so that a hand-off to the pool
+// (a few microseconds) stays small against the work it carries.
+constexpr int64_t kMinTaskBytes = 48 << 10;
+constexpr int64_t kDecodeRows = 16;  // rows decoded to float together (types without int path)
+
+void matvec(const GgufKernels& kern, const GgufMatmul& a, const float* xf) {
+  const int64_t m = a.m, n = a.n, k = a.k;
+  const int64_t rb = gguf::row_bytes(a.type, k);
+  const auto* w = static_cast<const uint8_t*>(a.w);
+  const int tid = static_cast<int>(a.type);
+  const GgufFloatDotFn fdot = kern.float_dot[tid];
+  const GgufQ8DotFn qdot = fdot || a.exact ? nullptr : kern.q8_dot[tid];
+
+  GgufQ8Rows xq;
+  static thread_local std::vector<int8_t> q_buf;
+  static thread_local std::vector<float> d_buf;
+  static thread_local std::vector<int16_t> s16_buf;
+  if (qdot) {
+    const int64_t nb = m * k / 32;
+    if (static_cast<int64_t>(q_buf.size()) < m * k) q_buf.resize(m * k);
+    if (static_cast<int64_t>(d_buf.size()) < 2 * nb) d_buf.resize(2 * nb);
+    if (static_cast<int64_t>(s16_buf.size()) < 2 * nb) s16_buf.resize(2 * nb);
+    kern.quantize_q8(xf, m, k, q_buf.data(), d_buf.data(), d_buf.data() + nb, s16_buf.data());
+    xq = {m, k, q_buf.data(), d_buf.data(), d_buf.data() + nb, s16_buf.data()};
+  }
+
+  const bool direct = a.elt == Elt::kF32;  // results straight into y
+  const int64_t grain = std::max<int64_t>(1, kMinTaskBytes / std::max<int64_t>(1, rb));
+  gguf_parallel_for(n, grain, [&](int64_t begin, int64_t end) {
+    static thread_local std::vector<float> ybuf, wbuf;
+    for (int64_t r0 = begin; r0 < end;) {
+      // float results go straight into y; the rest through a buffer of 16 rows,
+      // as do the weights of types decoded to float first
+      const bool whole = direct && (fdot || qdot);
+      const int64_t nr = whole ? end - r0 : std::min(kDecodeRows, end - r0);
+      float* y = direct ? static_cast<float*>(a.y) + r0 : scratch_floats(ybuf, m * nr);
+      const int64_t ldy = direct ? n : nr;
+      const uint8_t* wr = w + r0 * rb;
+      if (fdot) {
+        fdot(wr, rb, nr, xf, m, k, y, ldy);
+      } else if (qdot) {
+        qdot(wr, rb, nr, xq, y, ldy);
+      } else {
+        float* wf = scratch_floats(wbuf, nr * k);
+        gguf_decode_row(a.type, wr, nr * k, wf);
+        kern.float_dot[static_cast<int>(GGMLType::kF32)](reinterpret_cast<const uint8_t*>(wf),
+                                                         4 * k, nr, xf, m, k, y, ldy);
+      }
+      if (!direct) store_block(a.elt, y, ldy, m, nr, a.y, n, r0);
+      r0 += nr;
+    }
+  });
+}
+
+// ---- prefill: m > kGgufMatvecMaxRows ----------------------------------------------------------
+
+// Blocking: a task owns up to kTaskRows weight rows; per chunk of kChunkK input features
+// it decodes that chunk of its rows to float once (<= 96 KB, L2) and multiplies it with
+// every x panel, whose chunk (16 x 256 floats, 16 KB) stays in L1 across the task's
+// strips of panel_rows weight rows. Sums accumulate in the task's [m, rows] tile.
+constexpr int64_t kTaskRows = 96;
+constexpr int64_t kChunkK = 256;  // a multiple of every block size
+
+void prefill(const GgufKernels& kern, const GgufMatmul& a, const float* xf) {
+  const int64_t m = a.m, n = a.n, k = a.k;
+  constexpr int64_t W = kGgufPanelWidth;
+  // x as panels of 16 rows, [panel][k][16], zero rows at the end
+  const int64_t panels = (m + W - 1) / W;
+  std::vector<float> xp(panels * k * W, 0.0f);
+  for (int64_t i = 0; i < m; ++i) {
+    float* dst = xp.data() + (i / W) * k * W + (i % W);
+    const float* src = xf + i * k;
+    for (int64_t p = 0; p < k; ++p) dst[p * W] = src[p];
+  }
+  const gguf::TypeInfo ti = gguf::type_info(a.type);
+  const int64_t rb = gguf::row_bytes(a.type, k);
+  const auto* w = static_cast<const uint8_t*>(a.w);
+  const bool w_is_f32 = a.type == GGMLType::kF32;
+  const int64_t pr = kern.panel_rows;
+  // rows per task: at most kTaskRows, and about two tasks per thread
+  const int64_t per_thread = (n + 2 * num_threads() - 1) / (2 * num_threads());
+  const int64_t group = std::min(kTaskRows, std::max(pr, (per_thread + pr - 1) / pr * pr));
+  const int64_t tasks = (n + group - 1) / group;
+  gguf_parallel_for(tasks, 1, [&](int64_t begin, int64_t end) {
+    static thread_local std::vector<float> wbuf, acc_buf;
+    float* acc = scratch_floats(acc_buf, panels * W * group);  // [panels * 16, group]
+    float* wc = w_is_f32 ? nullptr : scratch_floats(wbuf, group * kChunkK);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r0 = t * group, nr = std::min(group, n - r0);
+      for (int64_t c0 = 0; c0 < k; c0 += kChunkK) {
+        const int64_t kc = std::min(kChunkK, k - c0);
+        const float* wf;  // this chunk of the task's rows
+        int64_t ldw;
+        if (w_is_f32) {
+          wf = reinterpret_cast<const float*>(w + r0 * rb) + c0;
+          ldw = k;
+        } else {
+          const int64_t off = c0 / ti.block_size * ti.type_size;
+          for (int64_t j = 0; j < nr; ++j) gguf_decode_row(a.type, w + (r0 + j) * rb + off, kc, wc + j * kc);
+          wf = wc;
+          ldw = kc;
+        }
+        for (int64_t g = 0; g < panels; ++g) {
+          for (int64_t j = 0; j < nr; j += pr) {
+            kern.panel(xp.data() + (g * k + c0) * W, wf + j * ldw, ldw,
+                       static_cast<int>(std::min(pr, nr - j)), kc, acc + g * W * group + j, group,
+                       c0 > 0);
+          }
+        }
+      }
+      store_block(a.elt, acc, group, m, nr, a.y, n, r0);
+    }
+  });
 }
 
 }  // namespace
 
 void gguf_matmul(const GgufMatmul& a) {
-  const int64_t m = a.m, n = a.n, k = a.k;
-  if (m == 0 || n == 0) return;
-  // x as float32 rows
+  if (a.m == 0 || a.n == 0) return;
+  const GgufKernels& kern = kernels();
   std::vector<float> xbuf;
   const float* xf;
   if (a.elt == Elt::kF32) {
     xf = static_cast<const float*>(a.x);
   } else {
-    xbuf.resize(m * k);
-    load_rows(a.elt, a.x, m * k, xbuf.data());
+    xbuf.resize(a.m * a.k);
+    load_rows(a.elt, a.x, a.m * a.k, xbuf.data());
     xf = xbuf.data();
   }
-  std::vector<const float*> xrows(m);
-  for (int64_t i = 0; i < m; ++i) xrows[i] = xf + i * k;
-
-  const TileFn tile = pick_tile();
-  const int64_t rb = gguf::row_bytes(a.type, k);
-  const auto* w = static_cast<const uint8_t*>(a.w);
-  const bool w_is_f32 = a.type == GGMLType::kF32;
-  // Rows per task: about 64k weights keeps the hand-off cheap.
-  const int64_t tile_rows = m <= kGgufMatvecMaxRows ? 4 : kTileRows;
-  const int64_t tiles = (n + tile_rows - 1) / tile_rows;
-  const int64_t grain = std::max<int64_t>(1, 65536 / (k * tile_rows));
-  parallel_for(tiles, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> wbuf(w_is_f32 ? 0 : tile_rows * k);
-    std::vector<float> out(m * tile_rows);
-    const float* wrows[kTileRows];
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t r0 = t * tile_rows;
-      const int nr = static_cast<int>(std::min(tile_rows, n - r0));
-      for (int j = 0; j < nr; ++j) {
-        const uint8_t* src = w + (r0 + j) * rb;
-        if (w_is_f32) {
-          wrows[j] = reinterpret_cast<const float*>(src);
-        } else {
-          gguf_decode_row(a.type, src, k, wbuf.data() + j * k);
-          wrows[j] = wbuf.data() + j * k;
-        }
-      }
-      tile(xrows.data(), static_cast<int>(m), wrows, nr, k, out.data(), tile_rows);
-      for (int64_t i = 0; i < m; ++i) {
-        for (int j = 0; j < nr; ++j) store_value(a.elt, a.y, i * n + r0 + j, out[i * tile_rows + j]);
-      }
-    }
-  });
+  if (a.m <= kGgufMatvecMaxRows) {
+    matvec(kern, a, xf);
+  } else {
+    prefill(kern, a, xf);
+  }
 }
+
+bool gguf_matmul_int8_decode(GGMLType type) {
+  const int tid = static_cast<int>(type);
+  return tid < kGgufNumTypeIds && kernels().q8_dot[tid] != nullptr;
+}
+
+std::vector<std::string> gguf_matmul_isas() {
+  std::vector<std::string> out;
+  for (const Isa& isa : kIsas) {
+    if (isa.supported()) out.emplace_back(isa.name);
+  }
+  return out;
+}
+
+void gguf_matmul_set_isa(const std::string& name) {
+  if (name.empty()) {
+    g_selected.store(&best_kernels(), std::memory_order_release);
+    return;
+  }
+  for (const Isa& isa : kIsas) {
+    if (name == isa.name && isa.supported()) {
+      g_selected.store(&isa.table(), std::memory_order_release);
+      return;
+    }
+  }
+  throw std::invalid_argument("[gguf_matmul] kernel variant '" + name +
+                              "' is unknown or not supported by this CPU");
+}
+
+std::string gguf_matmul_isa() { return kernels().name; }
 
 }  // namespace vllm_metal::cpu

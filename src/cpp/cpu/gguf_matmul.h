@@ -1,20 +1,27 @@
 // y = x @ W^T with W in GGUF block form, on the CPU (no MLX).
 //
-// Decode rows (m <= kGgufMatvecMaxRows) take the matrix-vector path: each
-// weight row is decoded once, in cache, and dotted with every x row. Larger m
-// takes the tiled path: a tile of weight rows is decoded to float32 once and
-// multiplied with all x rows by a register-blocked micro-kernel. Threaded over
-// weight rows; AVX2/FMA or NEON, scalar fallback.
+// Decode rows (m <= kGgufMatvecMaxRows): x is quantized once to 8-bit blocks of
+// 32 and every weight block is dotted with it in integers, straight from its
+// packed bytes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; llama.cpp's
+// scheme: results differ from float32 by the activation rounding, see
+// docs/gguf.md). F32 / F16 / BF16 weights are dotted with float x directly;
+// the other types are decoded to float32 in cache first. Larger m: a panel of
+// weight rows is decoded to float32 once and multiplied with all x rows by a
+// register-blocked kernel (float32 sums). Threaded over weight rows; kernels
+// for AVX-512 VNNI, AVX2, NEON (with and without dotprod) and scalar, picked
+// at run time (gguf_kernels.h).
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "cpu/vec.h"
 #include "runtime/gguf_types.h"
 
 namespace vllm_metal::cpu {
 
-constexpr int64_t kGgufMatvecMaxRows = 4;
+constexpr int64_t kGgufMatvecMaxRows = 8;
 
 struct GgufMatmul {
   gguf::GGMLType type = gguf::GGMLType::kF32;
@@ -25,8 +32,24 @@ struct GgufMatmul {
   const void* x = nullptr;  // [m, k]
   int64_t m = 0;
   void* y = nullptr;        // [m, n]
+  // true: float32 sums of the exact weights on every path (no 8-bit activations);
+  // for parity tests against dense references, at the float path's speed.
+  bool exact = false;
 };
 
 void gguf_matmul(const GgufMatmul& a);
+
+// True when gguf_matmul computes this type's decode rows (m <= kGgufMatvecMaxRows)
+// with 8-bit activations (unless `exact`).
+bool gguf_matmul_int8_decode(gguf::GGMLType type);
+
+// The kernel variants this CPU runs, best first: "avx512", "avx2", "scalar" on
+// x86-64; "neon_dot", "neon", "scalar" on arm64. gguf_matmul uses the first;
+// tests and benchmarks select others (process-wide, not thread-safe against
+// running matmuls); "" selects the best again. Unknown or unsupported names
+// throw std::invalid_argument.
+std::vector<std::string> gguf_matmul_isas();
+void gguf_matmul_set_isa(const std::string& name);
+std::string gguf_matmul_isa();
 
 }  // namespace vllm_metal::cpu

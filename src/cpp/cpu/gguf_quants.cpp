@@ -1,9 +1,11 @@
 #include "cpu/gguf_quants.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
+#include "cpu/gguf_kernels.h"
 #include "cpu/parallel.h"
 #include "gguf_tables.h"
 
@@ -274,7 +276,6 @@ void decode_iq3_s(const uint8_t* b, float* y) {
 #if defined(__x86_64__)
 #define GGUF_AVX2 __attribute__((target("avx2,f16c")))
 
-GGUF_AVX2 inline __m256 u8x8_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
 GGUF_AVX2 inline __m256i u8x8_i32(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
@@ -495,6 +496,208 @@ void gguf_dequantize_rows(const GgufDequantizeRows& a) {
       if (a.out_elt == Elt::kBF16) store_row<Elt::kBF16>(y, a.cols, dst);
     }
   });
+}
+
+}  // namespace vllm_metal::cpu
+
+// ---- the integer path, scalar: chunk decoders and the reference kernels ------------------
+
+namespace vllm_metal::cpu {
+
+namespace {
+
+// a / c of both halves, and the chunk's 32 integer weights.
+inline void chunk_scales(GgufQ8Chunk* o, float a, float c) {
+  o->a[0] = o->a[1] = a;
+  o->c[0] = o->c[1] = c;
+}
+
+template <GGMLType T>
+inline bool q8_chunk(const uint8_t* b, int j, GgufQ8Chunk* o) {
+  int8_t* q = o->q;
+  if constexpr (T == GGMLType::kQ4_0 || T == GGMLType::kQ4_1) {
+    const bool has_min = T == GGMLType::kQ4_1;
+    const uint8_t* qs = b + (has_min ? 4 : 2);
+    for (int l = 0; l < 16; ++l) {
+      int lo = qs[l] & 0xF, hi = qs[l] >> 4;
+      if constexpr (T == GGMLType::kQ4_0) {
+        lo -= 8;
+        hi -= 8;
+      }
+      q[l] = static_cast<int8_t>(lo);
+      q[l + 16] = static_cast<int8_t>(hi);
+    }
+    chunk_scales(o, half_at(b), has_min ? half_at(b + 2) : 0.0f);
+  } else if constexpr (T == GGMLType::kQ5_0 || T == GGMLType::kQ5_1) {
+    const bool has_min = T == GGMLType::kQ5_1;
+    const uint32_t qh = u32_at(b + (has_min ? 4 : 2));
+    const uint8_t* qs = b + (has_min ? 8 : 6);
+    const int off = has_min ? 0 : 16;
+    for (int l = 0; l < 16; ++l) {
+      q[l] = static_cast<int8_t>(((qs[l] & 0xF) | (((qh >> l) & 1) << 4)) - off);
+      q[l + 16] = static_cast<int8_t>(((qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) - off);
+    }
+    chunk_scales(o, half_at(b), has_min ? half_at(b + 2) : 0.0f);
+  } else if constexpr (T == GGMLType::kQ8_0) {
+    std::memcpy(q, b + 2, 32);
+    chunk_scales(o, half_at(b), 0.0f);
+  } else if constexpr (T == GGMLType::kQ4_K || T == GGMLType::kQ5_K) {
+    int sc, mn;
+    k_scale_min(b + 4, j, &sc, &mn);
+    const uint8_t* qs = b + (T == GGMLType::kQ4_K ? 16 : 48) + 32 * (j >> 1);
+    for (int l = 0; l < 32; ++l) {
+      int v = (qs[l] >> (4 * (j & 1))) & 0xF;
+      if constexpr (T == GGMLType::kQ5_K) v |= ((b[16 + l] >> j) & 1) << 4;
+      q[l] = static_cast<int8_t>(v);
+    }
+    chunk_scales(o, half_at(b) * static_cast<float>(sc), -(half_at(b + 2) * static_cast<float>(mn)));
+  } else if constexpr (T == GGMLType::kQ6_K) {
+    const int h = j >> 2, s = j & 3;
+    const uint8_t* ql = b + 64 * h + 32 * (s & 1);
+    const uint8_t* qh = b + 128 + 32 * h;
+    for (int l = 0; l < 32; ++l) {
+      int lo = (ql[l] >> (4 * (s >> 1))) & 0xF, hi = (qh[l] >> (2 * s)) & 3;
+      q[l] = static_cast<int8_t>((lo | (hi << 4)) - 32);
+    }
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half_at(b + 208);
+    for (int hh = 0; hh < 2; ++hh) {
+      o->a[hh] = d * static_cast<float>(sc[2 * j + hh]);
+      o->c[hh] = 0.0f;
+    }
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// y = sum over chunks of d_x * (a0 * (q . qx)[0:16] + a1 * (q . qx)[16:32] + c0 * s0 + c1 * s1).
+template <GGMLType T>
+void q8_dot_scalar(const uint8_t* w, int64_t rb, int64_t rows, const GgufQ8Rows& x, float* y,
+                   int64_t ldy) {
+  const gguf::TypeInfo ti = gguf::type_info(T);
+  const int64_t nblocks = x.k / ti.block_size, nb32 = x.k / 32;
+  const int chunks = static_cast<int>(ti.block_size / 32);
+  GgufQ8Chunk ch;
+  for (int64_t r = 0; r < rows; ++r) {
+    float acc[8] = {};
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      for (int j = 0; j < chunks; ++j) {
+        q8_chunk<T>(w + r * rb + blk * ti.type_size, j, &ch);
+        const int64_t b = blk * chunks + j;
+        for (int64_t i = 0; i < x.m; ++i) {
+          const int8_t* xq = x.q + i * x.k + 32 * b;
+          int32_t s0 = 0, s1 = 0;
+          for (int l = 0; l < 16; ++l) s0 += ch.q[l] * xq[l];
+          for (int l = 16; l < 32; ++l) s1 += ch.q[l] * xq[l];
+          const int16_t* s16 = x.sum16 + i * 2 * nb32 + 2 * b;
+          float t = ch.a[0] * static_cast<float>(s0) + ch.a[1] * static_cast<float>(s1) +
+                    ch.c[0] * static_cast<float>(s16[0]) + ch.c[1] * static_cast<float>(s16[1]);
+          acc[i] += x.d[i * nb32 + b] * t;
+        }
+      }
+    }
+    for (int64_t i = 0; i < x.m; ++i) y[i * ldy + r] = acc[i];
+  }
+}
+
+void quantize_q8_scalar(const float* x, int64_t m, int64_t k, int8_t* q, float* d, float* dsum,
+                        int16_t* sum16) {
+  for (int64_t b = 0; b < m * k / 32; ++b) {
+    const float* v = x + 32 * b;
+    float amax = 0.0f;
+    for (int l = 0; l < 32; ++l) amax = std::max(amax, std::fabs(v[l]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int sums[2] = {0, 0};
+    for (int l = 0; l < 32; ++l) {
+      float t = v[l] * inv;
+      int qi = std::isfinite(t) ? static_cast<int>(std::nearbyint(t)) : 0;
+      q[32 * b + l] = static_cast<int8_t>(qi);
+      sums[l >> 4] += qi;
+    }
+    d[b] = amax / 127.0f;
+    dsum[b] = d[b] * static_cast<float>(sums[0] + sums[1]);
+    sum16[2 * b] = static_cast<int16_t>(sums[0]);
+    sum16[2 * b + 1] = static_cast<int16_t>(sums[1]);
+  }
+}
+
+template <GGMLType T>
+void float_dot_scalar(const uint8_t* w, int64_t rb, int64_t rows, const float* x, int64_t m,
+                      int64_t k, float* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* src = w + r * rb;
+    float acc[8] = {};
+    for (int64_t p = 0; p < k; ++p) {
+      float wv;
+      if constexpr (T == GGMLType::kF32) {
+        std::memcpy(&wv, src + 4 * p, 4);
+      } else {
+        uint16_t h;
+        std::memcpy(&h, src + 2 * p, 2);
+        wv = T == GGMLType::kF16 ? f16_to_float(h) : bf16_to_float(h);
+      }
+      for (int64_t i = 0; i < m; ++i) acc[i] += wv * x[i * k + p];
+    }
+    for (int64_t i = 0; i < m; ++i) y[i * ldy + r] = acc[i];
+  }
+}
+
+void panel_scalar(const float* xp, const float* w, int64_t ldw, int nr, int64_t k, float* out,
+                  int64_t ldo, bool accumulate) {
+  for (int j = 0; j < nr; ++j) {
+    float acc[kGgufPanelWidth] = {};
+    for (int64_t p = 0; p < k; ++p) {
+      for (int i = 0; i < kGgufPanelWidth; ++i) acc[i] += xp[p * kGgufPanelWidth + i] * w[j * ldw + p];
+    }
+    for (int i = 0; i < kGgufPanelWidth; ++i) out[i * ldo + j] = accumulate ? out[i * ldo + j] + acc[i] : acc[i];
+  }
+}
+
+GgufKernels make_scalar_kernels() {
+  GgufKernels t;
+  t.name = "scalar";
+  t.quantize_q8 = quantize_q8_scalar;
+#define GGUF_SCALAR_Q8(T) t.q8_dot[static_cast<int>(GGMLType::T)] = q8_dot_scalar<GGMLType::T>
+  GGUF_SCALAR_Q8(kQ4_0);
+  GGUF_SCALAR_Q8(kQ4_1);
+  GGUF_SCALAR_Q8(kQ5_0);
+  GGUF_SCALAR_Q8(kQ5_1);
+  GGUF_SCALAR_Q8(kQ8_0);
+  GGUF_SCALAR_Q8(kQ4_K);
+  GGUF_SCALAR_Q8(kQ5_K);
+  GGUF_SCALAR_Q8(kQ6_K);
+#undef GGUF_SCALAR_Q8
+  t.float_dot[static_cast<int>(GGMLType::kF32)] = float_dot_scalar<GGMLType::kF32>;
+  t.float_dot[static_cast<int>(GGMLType::kF16)] = float_dot_scalar<GGMLType::kF16>;
+  t.float_dot[static_cast<int>(GGMLType::kBF16)] = float_dot_scalar<GGMLType::kBF16>;
+  t.panel = panel_scalar;
+  t.panel_rows = 4;
+  return t;
+}
+
+}  // namespace
+
+bool gguf_q8_chunk(GGMLType type, const uint8_t* block, int j, GgufQ8Chunk* out) {
+  switch (type) {
+#define GGUF_CHUNK_CASE(T) \
+  case GGMLType::T: return q8_chunk<GGMLType::T>(block, j, out);
+    GGUF_CHUNK_CASE(kQ4_0)
+    GGUF_CHUNK_CASE(kQ4_1)
+    GGUF_CHUNK_CASE(kQ5_0)
+    GGUF_CHUNK_CASE(kQ5_1)
+    GGUF_CHUNK_CASE(kQ8_0)
+    GGUF_CHUNK_CASE(kQ4_K)
+    GGUF_CHUNK_CASE(kQ5_K)
+    GGUF_CHUNK_CASE(kQ6_K)
+#undef GGUF_CHUNK_CASE
+    default: return false;
+  }
+}
+
+const GgufKernels& gguf_kernels_scalar() {
+  static const GgufKernels t = make_scalar_kernels();
+  return t;
 }
 
 }  // namespace vllm_metal::cpu

@@ -17,11 +17,24 @@ std::string quoted(std::string_view id) { return "'" + std::string(id) + "'"; }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Rows live at scattered heap addresses; a step walks hundreds of them, so
+// their cache lines are requested a few rows ahead.
+inline void prefetch(const void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p);
+#else
+  (void)p;
+#endif
+}
+constexpr size_t kPrefetchAhead = 6;
+
 RequestTableConfig table_config(const BatchPackerConfig& c) {
   RequestTableConfig t;
   t.max_model_len = c.max_model_len;
   t.kv_groups = c.kv_groups;
   t.mrope_num_dims = c.mrope_num_dims;
+  t.defer_row_reuse = true;  // the last packed step's rows keep their ids
+  t.initial_rows = 2 * c.max_num_reqs;
   return t;
 }
 
@@ -56,9 +69,10 @@ BatchPacker::BatchPacker(BatchPackerConfig config)
   const auto T = static_cast<size_t>(config_.max_num_batched_tokens);
   const auto G = static_cast<size_t>(table_.num_groups());
   staged_.reserve(R);
-  row_stamp_.reserve(2 * R);  // grows with the table only
+  row_stamp_.reserve(2 * R);  // grows with the table only (initial_rows = 2 * R)
   staged_drafts_.resize(T);
   order_.resize(R);
+  many_rows_.resize(R);
   batch_generations_.resize(R);
   input_ids_.assign(T, 0);
   positions_.assign(static_cast<size_t>(position_dims()) * T, 0);
@@ -67,6 +81,7 @@ BatchPacker::BatchPacker(BatchPackerConfig config)
     const KvGroupSpec& spec = table_.group(g);
     const int32_t width = table_.max_blocks(g) * (spec.block_size / spec.kernel_block_size);
     widths_.push_back(width);
+    used_widths_.push_back(0);
     block_tables_.emplace_back(R * static_cast<size_t>(width), 0);
   }
   entries_written_.assign(G * R, 0);
@@ -96,22 +111,40 @@ void BatchPacker::schedule(std::string_view req_id, int32_t num_tokens, Int32Spa
   schedule_row(row, num_tokens, draft_tokens);
 }
 
+void BatchPacker::schedule_many(const std::string_view* req_ids, const int32_t* num_tokens,
+                                const Int32Span* draft_tokens, size_t n) {
+  if (staged_.size() + n > static_cast<size_t>(config_.max_num_reqs)) {
+    begin_step();
+    fail("more than max_num_reqs = " + std::to_string(config_.max_num_reqs) +
+         " requests scheduled in one step (" + std::to_string(n) + ")");
+  }
+  table_.find_many(req_ids, n, many_rows_.data());
+  for (size_t i = 0; i < n; ++i) {
+    if (many_rows_[i] < 0) {
+      begin_step();
+      fail("unknown request id " + quoted(req_ids[i]) + " scheduled");
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    schedule_row(many_rows_[i], num_tokens[i], draft_tokens ? draft_tokens[i] : Int32Span());
+  }
+}
+
 void BatchPacker::schedule_row(int32_t row, int32_t num_tokens, Int32Span draft_tokens) {
   const auto abandon = [this](const std::string& what) {
     begin_step();
     fail(what);
   };
-  if (row < 0 || row >= table_.num_rows() || !table_.row(row).live) {
-    abandon("row " + std::to_string(row) + " holds no request");
-  }
-  const std::string& id = table_.row(row).req_id;
+  if (!table_.is_live(row)) abandon("row " + std::to_string(row) + " holds no request");
+  // the id (cold storage) is read for error messages only
+  const auto id = [&] { return quoted(table_.row(row).req_id); };
   if (static_cast<int32_t>(staged_.size()) >= config_.max_num_reqs) {
     abandon("more than max_num_reqs = " + std::to_string(config_.max_num_reqs) +
-            " requests scheduled in one step (at " + quoted(id) + ")");
+            " requests scheduled in one step (at " + id() + ")");
   }
   const auto num_drafts = static_cast<int64_t>(draft_tokens.size);
   if (num_tokens < 1 || num_drafts > num_tokens - 1) {
-    abandon("request " + quoted(id) + ": expected 1 + drafts <= num_tokens, got num_tokens " +
+    abandon("request " + id() + ": expected 1 + drafts <= num_tokens, got num_tokens " +
             std::to_string(num_tokens) + " with " + std::to_string(num_drafts) + " drafts");
   }
   if (staged_num_drafts_ + num_drafts > config_.max_num_batched_tokens) {
@@ -120,7 +153,7 @@ void BatchPacker::schedule_row(int32_t row, int32_t num_tokens, Int32Span draft_
   }
   std::copy(draft_tokens.begin(), draft_tokens.end(),
             staged_drafts_.begin() + staged_num_drafts_);
-  staged_.push_back(Staged{row, table_.row(row).generation, num_tokens, staged_num_drafts_,
+  staged_.push_back(Staged{row, table_.state(row).generation, num_tokens, staged_num_drafts_,
                            static_cast<int32_t>(num_drafts)});
   staged_num_drafts_ += static_cast<int32_t>(num_drafts);
 }
@@ -134,37 +167,37 @@ void BatchPacker::validate_staged(int32_t pad_tokens_to) {
   stamp_ += 1;
   int64_t total = 0;
   for (const Staged& s : staged_) {
-    if (s.row >= table_.num_rows() || !table_.row(s.row).live ||
-        table_.row(s.row).generation != s.generation) {
+    if (!table_.is_live(s.row) || table_.state(s.row).generation != s.generation) {
       fail("a request scheduled in this step left the table before pack()");
     }
-    const RequestRow& row = table_.row(s.row);
+    const RowState& st = table_.state(s.row);
+    const auto id = [&] { return quoted(table_.row(s.row).req_id); };
     if (row_stamp_[static_cast<size_t>(s.row)] == stamp_) {
-      fail("request " + quoted(row.req_id) + " scheduled twice in one step");
+      fail("request " + id() + " scheduled twice in one step");
     }
     row_stamp_[static_cast<size_t>(s.row)] = stamp_;
-    const int64_t c = row.num_computed_tokens;
+    const int64_t c = st.num_computed_tokens;
     const int64_t end = c + s.num_tokens;  // seq_len
-    if (end - s.num_drafts > row.num_tokens()) {
-      fail("request " + quoted(row.req_id) + ": " + std::to_string(s.num_tokens - s.num_drafts) +
+    if (end - s.num_drafts > st.num_tokens) {
+      fail("request " + id() + ": " + std::to_string(s.num_tokens - s.num_drafts) +
            " tokens scheduled after " + std::to_string(c) + " computed need " +
            std::to_string(end - s.num_drafts) + " known tokens, the request has " +
-           std::to_string(row.num_tokens()) + " (append the sampled tokens first)");
+           std::to_string(st.num_tokens) + " (append the sampled tokens first)");
     }
     if (end > table_.max_model_len()) {
-      fail("request " + quoted(row.req_id) + ": seq_len " + std::to_string(end) +
-           " exceeds max_model_len " + std::to_string(table_.max_model_len()));
+      fail("request " + id() + ": seq_len " + std::to_string(end) + " exceeds max_model_len " +
+           std::to_string(table_.max_model_len()));
     }
     for (int32_t g = 0; g < table_.num_groups(); ++g) {
       const KvGroupSpec& spec = table_.group(g);
       if (!spec.paged) continue;
       const int64_t need = ceil_div(end, spec.block_size);
-      const auto held = static_cast<int64_t>(row.block_ids[static_cast<size_t>(g)].size());
+      const int64_t held = table_.num_blocks(s.row, g);
       if (need > held) {
-        fail("request " + quoted(row.req_id) + ": " + std::to_string(end) +
-             " tokens need " + std::to_string(need) + " blocks of " +
-             std::to_string(spec.block_size) + " in KV group " + std::to_string(g) +
-             ", the block table holds " + std::to_string(held));
+        fail("request " + id() + ": " + std::to_string(end) + " tokens need " +
+             std::to_string(need) + " blocks of " + std::to_string(spec.block_size) +
+             " in KV group " + std::to_string(g) + ", the block table holds " +
+             std::to_string(held));
       }
     }
     total += s.num_tokens;
@@ -184,17 +217,13 @@ const PackedBatch& BatchPacker::pack(int32_t pad_tokens_to) {
   const auto n = static_cast<int32_t>(staged_.size());
   int32_t num_decode_like = 0;
   for (int32_t i = 0; i < n; ++i) {
-    if (is_decode_row(staged_[static_cast<size_t>(i)].num_tokens,
-                      staged_[static_cast<size_t>(i)].num_drafts)) {
-      order_[static_cast<size_t>(num_decode_like++)] = i;
-    }
+    const Staged& s = staged_[static_cast<size_t>(i)];
+    if (is_decode_row(s.num_tokens, s.num_drafts)) order_[static_cast<size_t>(num_decode_like++)] = i;
   }
   int32_t k = num_decode_like;
   for (int32_t i = 0; i < n; ++i) {
-    if (!is_decode_row(staged_[static_cast<size_t>(i)].num_tokens,
-                       staged_[static_cast<size_t>(i)].num_drafts)) {
-      order_[static_cast<size_t>(k++)] = i;
-    }
+    const Staged& s = staged_[static_cast<size_t>(i)];
+    if (!is_decode_row(s.num_tokens, s.num_drafts)) order_[static_cast<size_t>(k++)] = i;
   }
 
   PackedBatch& out = batch_;
@@ -206,11 +235,15 @@ const PackedBatch& BatchPacker::pack(int32_t pad_tokens_to) {
   out.num_tokens = total;
   out.num_tokens_padded = std::max(total, pad_tokens_to);
 
+  std::fill(used_widths_.begin(), used_widths_.end(), 0);
   int32_t query_start = 0;
   int32_t logits_start = 0;
   cu_seqlens_q_[0] = 0;
   cu_num_logits_[0] = 0;
   for (int32_t b = 0; b < n; ++b) {
+    if (static_cast<size_t>(b) + kPrefetchAhead < static_cast<size_t>(n)) {
+      prefetch_request(staged_[static_cast<size_t>(order_[static_cast<size_t>(b) + kPrefetchAhead])]);
+    }
     const Staged& s = staged_[static_cast<size_t>(order_[static_cast<size_t>(b)])];
     write_request(b, s, query_start, logits_start);
     query_start += s.num_tokens;
@@ -244,25 +277,45 @@ const PackedBatch& BatchPacker::pack(int32_t pad_tokens_to) {
   out.split = split_decode_prefill(query_lens_.data(), seq_lens_.data(), num_decode_like, n,
                                    config_.decode_min_total_context);
   sampled_appended_ = false;
+  table_.release_retired_rows();  // rows removed before this step are no longer referenced
   staged_.clear();
   staged_num_drafts_ = 0;
   return out;
 }
 
+// Requests the cache lines write_request() reads for a row that is not a plain
+// decode (those read the dense per-row state only); state is warm from validation.
+void BatchPacker::prefetch_request(const Staged& s) const {
+  const RowState& st = table_.state(s.row);
+  const int32_t c = st.num_computed_tokens;
+  if (is_decode_row(s.num_tokens, s.num_drafts) && c + 1 == st.num_tokens) return;
+  const std::vector<int32_t>& tokens = table_.row(s.row).token_ids;
+  if (static_cast<size_t>(c) < tokens.size()) prefetch(tokens.data() + c);
+  for (int32_t g = 0; g < table_.num_groups(); ++g) {
+    const int32_t blk = c / table_.group(g).block_size;
+    if (blk < table_.num_blocks(s.row, g)) prefetch(table_.block_ids(s.row, g) + blk);
+  }
+}
+
 // Writes batch row b (request s) into every output. Never throws.
 void BatchPacker::write_request(int32_t b, const Staged& s, int32_t query_start,
                                 int32_t logits_start) {
-  const RequestRow& row = table_.row(s.row);
+  const RowState& st = table_.state(s.row);
   const size_t bi = static_cast<size_t>(b);
-  const int32_t c = row.num_computed_tokens;
+  const int32_t c = st.num_computed_tokens;
   const int32_t q = s.num_tokens;
   const int32_t known = q - s.num_drafts;  // tokens from the table; the drafts follow
   const int32_t seq_len = c + q;
   const int32_t Tp = batch_.num_tokens_padded;
 
-  // input_ids
+  // input_ids (a decode of the last token reads it from the row state)
   int32_t* ids = input_ids_.data() + query_start;
-  std::memcpy(ids, row.token_ids.data() + c, sizeof(int32_t) * static_cast<size_t>(known));
+  if (known == 1 && c + 1 == st.num_tokens) {
+    ids[0] = st.last_token;
+  } else {
+    std::memcpy(ids, table_.row(s.row).token_ids.data() + c,
+                sizeof(int32_t) * static_cast<size_t>(known));
+  }
   std::memcpy(ids + known, staged_drafts_.data() + s.draft_offset,
               sizeof(int32_t) * static_cast<size_t>(s.num_drafts));
 
@@ -271,6 +324,7 @@ void BatchPacker::write_request(int32_t b, const Staged& s, int32_t query_start,
     int32_t* pos = positions_.data() + query_start;
     for (int32_t t = 0; t < q; ++t) pos[t] = c + t;
   } else {
+    const RequestRow& row = table_.row(s.row);
     const int32_t L = row.mrope_len;
     for (int32_t d = 0; d < config_.mrope_num_dims; ++d) {
       int32_t* pos = positions_.data() + static_cast<size_t>(d) * Tp + query_start;
@@ -282,9 +336,12 @@ void BatchPacker::write_request(int32_t b, const Staged& s, int32_t query_start,
     }
   }
 
+  const SlotCache& cached = slot_cache_[bi];
+  const bool same = cached.row == s.row && cached.generation == st.generation &&
+                    cached.block_ids_version == st.block_ids_version;
   for (int32_t g = 0; g < table_.num_groups(); ++g) {
     const KvGroupSpec& spec = table_.group(g);
-    const std::vector<int32_t>& held = row.block_ids[static_cast<size_t>(g)];
+    const int32_t* held = table_.block_ids(s.row, g);  // read only for blocks before the last
     // slot_mapping, one block-sized run at a time
     if (spec.paged) {
       int64_t* slots = slot_mapping_.data() + static_cast<size_t>(g) * Tp + query_start;
@@ -294,32 +351,31 @@ void BatchPacker::write_request(int32_t b, const Staged& s, int32_t query_start,
         const int32_t p = c + t;
         const int32_t off = p % B;
         const int32_t run = std::min(B - off, q - t);
-        const int64_t base = static_cast<int64_t>(held[static_cast<size_t>(p / B)]) * B + off;
+        const int64_t base = static_cast<int64_t>(table_.block_id(s.row, g, p / B)) * B + off;
         for (int32_t j = 0; j < run; ++j) slots[t + j] = base + j;
         t += run;
       }
     }
     // block table row in kernel blocks: entry e = held[e / k] * k + e % k
     const int32_t kb = spec.block_size / spec.kernel_block_size;
-    const int32_t need =
-        spec.paged ? static_cast<int32_t>(ceil_div(seq_len, spec.kernel_block_size))
-                   : static_cast<int32_t>(held.size()) * kb;
-    int32_t* table = block_tables_[static_cast<size_t>(g)].data() + bi * widths_[static_cast<size_t>(g)];
+    const int32_t need = spec.paged
+                             ? static_cast<int32_t>(ceil_div(seq_len, spec.kernel_block_size))
+                             : table_.num_blocks(s.row, g) * kb;
+    int32_t* table = block_tables_[static_cast<size_t>(g)].data() +
+                     bi * static_cast<size_t>(widths_[static_cast<size_t>(g)]);
     int32_t& written = entries_written_[static_cast<size_t>(g) * config_.max_num_reqs + bi];
-    const SlotCache& cached = slot_cache_[bi];
-    const bool same = cached.row == s.row && cached.generation == row.generation &&
-                      cached.block_ids_version == row.block_ids_version;
     // entries [0, min(written, need)) already hold this request's ids when `same`
     const int32_t from = same ? std::min(written, need) : 0;
-    if (kb == 1) {
-      std::memcpy(table + from, held.data() + from, sizeof(int32_t) * static_cast<size_t>(need - from));
+    if (kb == 1 && need - from > 1) {
+      std::memcpy(table + from, held + from, sizeof(int32_t) * static_cast<size_t>(need - from));
     } else {
-      for (int32_t e = from; e < need; ++e) table[e] = held[static_cast<size_t>(e / kb)] * kb + e % kb;
+      for (int32_t e = from; e < need; ++e) table[e] = table_.block_id(s.row, g, e / kb) * kb + e % kb;
     }
     if (written > need) std::fill(table + need, table + written, 0);
     written = need;
+    used_widths_[static_cast<size_t>(g)] = std::max(used_widths_[static_cast<size_t>(g)], need);
   }
-  slot_cache_[bi] = SlotCache{s.row, row.generation, row.block_ids_version};
+  slot_cache_[bi] = SlotCache{s.row, st.generation, st.block_ids_version};
 
   seq_lens_[bi] = seq_len;
   query_lens_[bi] = q;
@@ -327,8 +383,8 @@ void BatchPacker::write_request(int32_t b, const Staged& s, int32_t query_start,
   const int32_t first = query_start + known - 1;
   for (int32_t j = 0; j <= s.num_drafts; ++j) logits[j] = first + j;
   req_rows_[bi] = s.row;
-  batch_generations_[bi] = row.generation;
-  discard_sampled_[bi] = c + known < row.num_tokens() ? 1 : 0;
+  batch_generations_[bi] = st.generation;
+  discard_sampled_[bi] = c + known < st.num_tokens ? 1 : 0;
 }
 
 // ---- after sampling ---------------------------------------------------------------
@@ -352,18 +408,22 @@ void BatchPacker::append_sampled(const int32_t* token_ids, int32_t num_seqs, int
     const size_t bi = static_cast<size_t>(b);
     if (discard_sampled_[bi]) continue;
     const int32_t r = req_rows_[bi];
-    if (!table_.row(r).live || table_.row(r).generation != batch_generations_[bi]) {
+    if (!table_.is_live(r) || table_.state(r).generation != batch_generations_[bi]) {
       fail("append_sampled: the request of batch row " + std::to_string(b) +
            " left the table after pack()");
     }
-    const RequestRow& row = table_.row(r);
-    if (row.num_tokens() + count_of(b) > table_.max_model_len()) {
-      fail("append_sampled: request " + quoted(row.req_id) + " would exceed max_model_len " +
-           std::to_string(table_.max_model_len()));
+    if (table_.state(r).num_tokens + count_of(b) > table_.max_model_len()) {
+      fail("append_sampled: request " + quoted(table_.row(r).req_id) +
+           " would exceed max_model_len " + std::to_string(table_.max_model_len()));
     }
+    prefetch(&table_.row(r));  // the token list's header, read by the second pass
   }
   for (int32_t b = 0; b < num_seqs; ++b) {
     const size_t bi = static_cast<size_t>(b);
+    if (bi + kPrefetchAhead < static_cast<size_t>(num_seqs)) {
+      const std::vector<int32_t>& ahead = table_.row(req_rows_[bi + kPrefetchAhead]).token_ids;
+      if (!ahead.empty()) prefetch(ahead.data() + ahead.size() - 1);  // where tokens go
+    }
     if (discard_sampled_[bi]) continue;
     table_.append_tokens_to_row(req_rows_[bi],
                                 Int32Span(token_ids + bi * static_cast<size_t>(stride),

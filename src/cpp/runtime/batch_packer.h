@@ -94,6 +94,10 @@ class BatchPacker {
   void begin_step();
   void schedule(std::string_view req_id, int32_t num_tokens, Int32Span draft_tokens = {});
   void schedule_row(int32_t row, int32_t num_tokens, Int32Span draft_tokens = {});
+  // schedule() for n requests, the ids looked up together (faster on a cold
+  // table); draft_tokens may be nullptr (no drafts).
+  void schedule_many(const std::string_view* req_ids, const int32_t* num_tokens,
+                     const Int32Span* draft_tokens, size_t n);
   // Packs the staged requests; pad_tokens_to > T pads the token arrays to that
   // length (input_ids 0, positions 0, slot -1) for fixed-shape graphs.
   const PackedBatch& pack(int32_t pad_tokens_to = 0);
@@ -113,6 +117,9 @@ class BatchPacker {
   }
   const int32_t* block_table(int32_t g) const { return block_tables_[static_cast<size_t>(g)].data(); }
   int32_t block_table_width(int32_t g) const { return widths_[static_cast<size_t>(g)]; }
+  // Columns of group g's block table that hold an id in some row of the last
+  // step (the rest is padding): a consumer that copies may take only these.
+  int32_t block_table_used_width(int32_t g) const { return used_widths_[static_cast<size_t>(g)]; }
   const int32_t* seq_lens() const { return seq_lens_.data(); }
   const int32_t* cu_seqlens_q() const { return cu_seqlens_q_.data(); }
   const int32_t* logits_indices() const { return logits_indices_.data(); }
@@ -138,6 +145,7 @@ class BatchPacker {
   };
 
   void validate_staged(int32_t pad_tokens_to);
+  void prefetch_request(const Staged& s) const;
   void write_request(int32_t b, const Staged& s, int32_t query_start, int32_t logits_start);
 
   BatchPackerConfig config_;
@@ -150,6 +158,7 @@ class BatchPacker {
   std::vector<uint32_t> row_stamp_;  // duplicate detection, per table row
   uint32_t stamp_ = 0;
   std::vector<int32_t> order_;  // batch index -> staged index
+  std::vector<int32_t> many_rows_;  // schedule_many's lookups
 
   // outputs
   PackedBatch batch_;
@@ -160,6 +169,7 @@ class BatchPacker {
   std::vector<int64_t> slot_mapping_;        // [G * max_num_batched_tokens]
   std::vector<std::vector<int32_t>> block_tables_;  // G x [max_num_reqs * width_g]
   std::vector<int32_t> widths_;                     // [G]
+  std::vector<int32_t> used_widths_;                // [G] of the last step
   std::vector<int32_t> entries_written_;            // [G * max_num_reqs]
   std::vector<SlotCache> slot_cache_;               // [max_num_reqs]
   std::vector<int32_t> seq_lens_;        // [max_num_reqs]

@@ -1,0 +1,610 @@
+// x86-64 kernels of the GGUF matmul, written once for two instruction sets.
+//
+// Included only by gguf_dot_avx2.cpp and gguf_dot_avx512.cpp, after each has
+// set its target with a pragma and defined GGUF_X86_VNNI (0: AVX2
+// maddubs + madd, 1: AVX-512 VNNI dpbusd on 256-bit vectors) and
+// GGUF_X86_AVX512 (1: 512-bit prefill panels). Everything here has internal
+// linkage, so the two copies never meet. No include guard on purpose.
+//
+// Integer dots multiply unsigned weight bytes with signed activation bytes
+// (maddubs / dpbusd take u8 x s8); weight offsets (Q4_0's -8, Q5_0's -16,
+// Q6_K's -32) and mins are applied afterwards from the activations' block
+// sums. maddubs adds two u8 x s8 products in int16: with |q_x| <= 127 and
+// weights <= 63 it cannot saturate; Q8_0's signed weights go through
+// abs / sign instead (128 * 127 * 2 < 32767).
+
+namespace {
+
+using gguf::GGMLType;
+
+// ---- small helpers ---------------------------------------------------------------------
+
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+inline __m256 f16_bcast(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(h)));
+}
+inline __m256i load256(const void* p) {
+  return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+}
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// 8 int32 lanes, each the sum of 4 products u8 * s8 of the 32 bytes.
+inline __m256i idot(__m256i u, __m256i s) {
+#if GGUF_X86_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// 16 bytes of nibbles as 32 bytes: low nibbles (weights 0..15), then high (16..31).
+inline __m256i nibbles32(const uint8_t* qs) {
+  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  __m256i q = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+  return _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
+}
+
+// Byte l = 0x10 where bit l of qh is set (the fifth bit of Q5_0 / Q5_1 weights).
+inline __m256i fifth_bits(uint32_t qh) {
+  const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+  __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), shuf);
+  v = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+  return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+}
+
+// ---- legacy 32-weight blocks -----------------------------------------------------------
+
+// Per block: u8 weights (offset removed or not), the block's d, and its additive
+// term per activation-sum (-8 d, -16 d, m, or 0 for Q8_0).
+struct LegacyBlock {
+  __m256i u;
+  __m256 d;
+  float add;  // times d_x * sum(q_x)
+};
+
+template <GGMLType T>
+struct Legacy;
+
+template <>
+struct Legacy<GGMLType::kQ4_0> {
+  static constexpr int kBytes = 18;
+  static LegacyBlock load(const uint8_t* b) {
+    __m256 d = f16_bcast(b);
+    return {nibbles32(b + 2), d, -8.0f * _mm256_cvtss_f32(d)};
+  }
+};
+template <>
+struct Legacy<GGMLType::kQ4_1> {
+  static constexpr int kBytes = 20;
+  static LegacyBlock load(const uint8_t* b) { return {nibbles32(b + 4), f16_bcast(b), f16_at(b + 2)}; }
+};
+template <>
+struct Legacy<GGMLType::kQ5_0> {
+  static constexpr int kBytes = 22;
+  static LegacyBlock load(const uint8_t* b) {
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    __m256 d = f16_bcast(b);
+    return {_mm256_or_si256(nibbles32(b + 6), fifth_bits(qh)), d, -16.0f * _mm256_cvtss_f32(d)};
+  }
+};
+template <>
+struct Legacy<GGMLType::kQ5_1> {
+  static constexpr int kBytes = 24;
+  static LegacyBlock load(const uint8_t* b) {
+    uint32_t qh;
+    std::memcpy(&qh, b + 4, 4);
+    return {_mm256_or_si256(nibbles32(b + 8), fifth_bits(qh)), f16_bcast(b), f16_at(b + 2)};
+  }
+};
+
+// sum_b a[b] * v[b] over n floats.
+inline float dot_floats(const float* a, const float* v, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= n; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + b), _mm256_loadu_ps(v + b), acc);
+  float s = hsum(acc);
+  for (; b < n; ++b) s += a[b] * v[b];
+  return s;
+}
+
+// Blocks per row handled at once: the per-block additive terms of one stretch are
+// kept in a small array and dotted with the activations' block sums afterwards.
+constexpr int64_t kStretch = 64;
+
+// y[i] = sum_b d_w d_x (u . q_x) + add_b * dsum_x[b]
+template <GGMLType T, int M>
+void legacy_rows(const uint8_t* w, int64_t rb, int64_t rows, const GgufQ8Rows& x, float* y,
+                 int64_t ldy) {
+  const int64_t nb = x.k / 32;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* blk = w + r * rb;
+    __m256 acc[M];
+    float off[M];
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+      acc[i] = _mm256_setzero_ps();
+      off[i] = 0.0f;
+    }
+    for (int64_t b0 = 0; b0 < nb; b0 += kStretch) {
+      const int64_t nbs = std::min(kStretch, nb - b0);
+      alignas(32) float add[kStretch];
+      for (int64_t b = b0; b < b0 + nbs; ++b) {
+        const LegacyBlock wb = Legacy<T>::load(blk + b * Legacy<T>::kBytes);
+        add[b - b0] = wb.add;
+#pragma GCC unroll 8
+        for (int i = 0; i < M; ++i) {
+          __m256i s = idot(wb.u, load256(x.q + i * x.k + 32 * b));
+          __m256 dd = _mm256_mul_ps(wb.d, _mm256_broadcast_ss(x.d + i * nb + b));
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dd, acc[i]);
+        }
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) off[i] += dot_floats(add, x.dsum + i * nb + b0, nbs);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) y[i * ldy + r] = hsum(acc[i]) + off[i];
+  }
+}
+
+// Q8_0: signed weights. AVX2: |w| . sign(q_x, w); VNNI: (w + 128) . q_x - 128 sum(q_x).
+template <int M>
+void q8_0_rows(const uint8_t* w, int64_t rb, int64_t rows, const GgufQ8Rows& x, float* y,
+               int64_t ldy) {
+  const int64_t nb = x.k / 32;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* blk = w + r * rb;
+    __m256 acc[M];
+    float off[M];
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+      acc[i] = _mm256_setzero_ps();
+      off[i] = 0.0f;
+    }
+    for (int64_t b0 = 0; b0 < nb; b0 += kStretch) {
+      const int64_t nbs = std::min(kStretch, nb - b0);
+#if GGUF_X86_VNNI
+      alignas(32) float add[kStretch];
+#endif
+      for (int64_t b = b0; b < b0 + nbs; ++b) {
+        const uint8_t* p = blk + 34 * b;
+        const __m256 d = f16_bcast(p);
+        const __m256i q = load256(p + 2);
+#if GGUF_X86_VNNI
+        const __m256i u = _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
+        add[b - b0] = -128.0f * _mm256_cvtss_f32(d);
+#else
+        const __m256i u = _mm256_sign_epi8(q, q);
+#endif
+#pragma GCC unroll 8
+        for (int i = 0; i < M; ++i) {
+          const __m256i xq = load256(x.q + i * x.k + 32 * b);
+#if GGUF_X86_VNNI
+          __m256i s = idot(u, xq);
+#else
+          __m256i s = idot(u, _mm256_sign_epi8(xq, q));
+#endif
+          __m256 dd = _mm256_mul_ps(d, _mm256_broadcast_ss(x.d + i * nb + b));
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dd, acc[i]);
+        }
+      }
+#if GGUF_X86_VNNI
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) off[i] += dot_floats(add, x.dsum + i * nb + b0, nbs);
+#endif
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) y[i * ldy + r] = hsum(acc[i]) + off[i];
+  }
+}
+
+// ---- K quants: 256-weight super-blocks of 8 chunks ------------------------------------
+
+// The 8 six-bit scales and mins of Q4_K / Q5_K as 8 floats each, from 12 packed bytes:
+// j < 4: sc = s[j] & 63, mn = s[j + 4] & 63; j >= 4: the low 4 bits from s[j + 4]
+// (scale: low nibble, min: high nibble), the top 2 bits from s[j - 4] / s[j] >> 6.
+inline void k_scales(const uint8_t* s, __m256* sc, __m256* mn) {
+  uint32_t a, b, c;
+  std::memcpy(&a, s, 4);
+  std::memcpy(&b, s + 4, 4);
+  std::memcpy(&c, s + 8, 4);
+  const uint32_t sc_lo = a & 0x3F3F3F3Fu, mn_lo = b & 0x3F3F3F3Fu;
+  const uint32_t sc_hi = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u);
+  const uint32_t mn_hi = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
+  const __m128i v = _mm_setr_epi32(static_cast<int>(sc_lo), static_cast<int>(sc_hi),
+                                   static_cast<int>(mn_lo), static_cast<int>(mn_hi));
+  *sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+  *mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(v, v)));
+}
+
+// Q4_K / Q5_K: y = sum_j d sc_j d_x,j (q_j . q_x,j) - dmin sum_j mn_j dsum_x,j.
+template <GGMLType T, int M>
+void q45_k_rows(const uint8_t* w, int64_t rb, int64_t rows, const GgufQ8Rows& x, float* y,
+                int64_t ldy) {
+  constexpr bool kQ5 = T == GGMLType::kQ5_K;
+  constexpr int kBytes = kQ5 ? 176 : 144;
+  const int64_t nsb = x.k / 256, nb = x.k / 32;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t r = 0; r < rows; ++r) {
+    __m256 acc[M];
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* b = w + r * rb + sb * kBytes;
+      __m256 sc, mn;
+      k_scales(b + 4, &sc, &mn);
+      const __m256 dsc = _mm256_mul_ps(f16_bcast(b), sc);       // [8] d * sc_j
+      const __m256 mmin = _mm256_mul_ps(f16_bcast(b + 2), mn);  // [8] dmin * mn_j
+      __m256i qs_lo[4], qs_hi[4];
+      const uint8_t* qs = b + (kQ5 ? 48 : 16);
+      for (int c = 0; c < 4; ++c) {
+        __m256i v = load256(qs + 32 * c);
+        qs_lo[c] = _mm256_and_si256(v, low4);
+        qs_hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      }
+      if constexpr (kQ5) {
+        const __m256i qh = load256(b + 16);
+        const __m256i b5 = _mm256_set1_epi8(0x10);
+        // bit j of qh[l] -> bit 4 of chunk j's byte l
+        qs_lo[0] = _mm256_or_si256(qs_lo[0], _mm256_and_si256(_mm256_slli_epi16(qh, 4), b5));
+        qs_hi[0] = _mm256_or_si256(qs_hi[0], _mm256_and_si256(_mm256_slli_epi16(qh, 3), b5));
+        qs_lo[1] = _mm256_or_si256(qs_lo[1], _mm256_and_si256(_mm256_slli_epi16(qh, 2), b5));
+        qs_hi[1] = _mm256_or_si256(qs_hi[1], _mm256_and_si256(_mm256_slli_epi16(qh, 1), b5));
+        qs_lo[2] = _mm256_or_si256(qs_lo[2], _mm256_and_si256(qh, b5));
+        qs_hi[2] = _mm256_or_si256(qs_hi[2], _mm256_and_si256(_mm256_srli_epi16(qh, 1), b5));
+        qs_lo[3] = _mm256_or_si256(qs_lo[3], _mm256_and_si256(_mm256_srli_epi16(qh, 2), b5));
+        qs_hi[3] = _mm256_or_si256(qs_hi[3], _mm256_and_si256(_mm256_srli_epi16(qh, 3), b5));
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) {
+        const int8_t* xq = x.q + i * x.k + 256 * sb;
+        const __m256 dx = _mm256_loadu_ps(x.d + i * nb + 8 * sb);
+        alignas(32) float f[8];
+        _mm256_store_ps(f, _mm256_mul_ps(dsc, dx));
+        __m256 a = _mm256_mul_ps(mmin, _mm256_loadu_ps(x.dsum + i * nb + 8 * sb));
+        a = _mm256_sub_ps(acc[i], a);
+        for (int c = 0; c < 4; ++c) {
+          __m256i s0 = idot(qs_lo[c], load256(xq + 64 * c));
+          __m256i s1 = idot(qs_hi[c], load256(xq + 64 * c + 32));
+          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_broadcast_ss(f + 2 * c), a);
+          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_broadcast_ss(f + 2 * c + 1), a);
+        }
+        acc[i] = a;
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) y[i * ldy + r] = hsum(acc[i]);
+  }
+}
+
+// Q6_K: w = d sc_h (q - 32), 16 sub-blocks of 16. The -32 comes from the
+// activations' 16-value sums: y = d sum_c d_x,c [sum_h sc_h (q . q_x)_h - 32 sum_h sc_h s16_h].
+template <int M>
+void q6_k_rows(const uint8_t* w, int64_t rb, int64_t rows, const GgufQ8Rows& x, float* y,
+               int64_t ldy) {
+  const int64_t nsb = x.k / 256, nb = x.k / 32;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
+  for (int64_t r = 0; r < rows; ++r) {
+    __m256 acc[M];
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* b = w + r * rb + sb * 210;
+      const __m256 d = f16_bcast(b + 208);
+      const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+      const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);  // [16] int16 sub-block scales
+      // chunk c's scales: sc[2c] in the low 8 int16 lanes, sc[2c + 1] in the high 8
+      const __m256i sc_lo = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sc16));
+      const __m256i sc_hi = _mm256_broadcastsi128_si256(_mm256_extracti128_si256(sc16, 1));
+      __m256i q[8];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i A = load256(b + 64 * h), B = load256(b + 64 * h + 32);
+        const __m256i H = load256(b + 128 + 32 * h);
+        q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(A, low4),
+                                       _mm256_and_si256(_mm256_slli_epi16(H, 4), hi2));
+        q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(B, low4),
+                                       _mm256_and_si256(_mm256_slli_epi16(H, 2), hi2));
+        q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), low4),
+                                       _mm256_and_si256(H, hi2));
+        q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), low4),
+                                       _mm256_and_si256(_mm256_srli_epi16(H, 2), hi2));
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) {
+        const int8_t* xq = x.q + i * x.k + 256 * sb;
+        const __m256 dx = _mm256_loadu_ps(x.d + i * nb + 8 * sb);
+        // [8] per chunk: sum_h sc_h s16_h
+        const __m256i s16 = load256(x.sum16 + i * 2 * nb + 16 * sb);
+        __m256 offs = _mm256_cvtepi32_ps(_mm256_madd_epi16(sc16, s16));
+        __m256 t = _mm256_mul_ps(_mm256_mul_ps(offs, dx), _mm256_set1_ps(-32.0f));
+        alignas(32) float f[8];
+        _mm256_store_ps(f, dx);
+        for (int c = 0; c < 8; ++c) {
+          const __m256i sel = _mm256_setr_epi8(
+              4 * (c & 3), 4 * (c & 3) + 1, 4 * (c & 3), 4 * (c & 3) + 1, 4 * (c & 3), 4 * (c & 3) + 1,
+              4 * (c & 3), 4 * (c & 3) + 1, 4 * (c & 3), 4 * (c & 3) + 1, 4 * (c & 3), 4 * (c & 3) + 1,
+              4 * (c & 3), 4 * (c & 3) + 1, 4 * (c & 3), 4 * (c & 3) + 1, 4 * (c & 3) + 2,
+              4 * (c & 3) + 3, 4 * (c & 3) + 2, 4 * (c & 3) + 3, 4 * (c & 3) + 2, 4 * (c & 3) + 3,
+              4 * (c & 3) + 2, 4 * (c & 3) + 3, 4 * (c & 3) + 2, 4 * (c & 3) + 3, 4 * (c & 3) + 2,
+              4 * (c & 3) + 3, 4 * (c & 3) + 2, 4 * (c & 3) + 3, 4 * (c & 3) + 2, 4 * (c & 3) + 3);
+          const __m256i scv = _mm256_shuffle_epi8(c < 4 ? sc_lo : sc_hi, sel);
+          __m256i p = _mm256_maddubs_epi16(q[c], load256(xq + 32 * c));
+          __m256i s = _mm256_madd_epi16(p, scv);
+          t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(f + c), t);
+        }
+        acc[i] = _mm256_fmadd_ps(t, d, acc[i]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) y[i * ldy + r] = hsum(acc[i]);
+  }
+}
+
+// ---- dispatch on the number of activation rows ------------------------------------------
+
+template <template <int> class K>
+struct ByRows {
+  static void run(const uint8_t* w, int64_t rb, int64_t rows, const GgufQ8Rows& x, float* y,
+                  int64_t ldy) {
+    switch (x.m) {
+      case 1: return K<1>::run(w, rb, rows, x, y, ldy);
+      case 2: return K<2>::run(w, rb, rows, x, y, ldy);
+      case 3: return K<3>::run(w, rb, rows, x, y, ldy);
+      case 4: return K<4>::run(w, rb, rows, x, y, ldy);
+      case 5: return K<5>::run(w, rb, rows, x, y, ldy);
+      case 6: return K<6>::run(w, rb, rows, x, y, ldy);
+      case 7: return K<7>::run(w, rb, rows, x, y, ldy);
+      default: return K<8>::run(w, rb, rows, x, y, ldy);
+    }
+  }
+};
+template <GGMLType T>
+struct LegacyK {
+  template <int M>
+  struct K {
+    static void run(const uint8_t* w, int64_t rb, int64_t rows, const GgufQ8Rows& x, float* y,
+                    int64_t ldy) {
+      legacy_rows<T, M>(w, rb, rows, x, y, ldy);
+    }
+  };
+};
+template <int M>
+struct Q8_0K {
+  static void run(const uint8_t* w, int64_t rb, int64_t rows, const GgufQ8Rows& x, float* y,
+                  int64_t ldy) {
+    q8_0_rows<M>(w, rb, rows, x, y, ldy);
+  }
+};
+template <GGMLType T>
+struct Q45K {
+  template <int M>
+  struct K {
+    static void run(const uint8_t* w, int64_t rb, int64_t rows, const GgufQ8Rows& x, float* y,
+                    int64_t ldy) {
+      q45_k_rows<T, M>(w, rb, rows, x, y, ldy);
+    }
+  };
+};
+template <int M>
+struct Q6K {
+  static void run(const uint8_t* w, int64_t rb, int64_t rows, const GgufQ8Rows& x, float* y,
+                  int64_t ldy) {
+    q6_k_rows<M>(w, rb, rows, x, y, ldy);
+  }
+};
+
+// ---- activations to 8 bits -------------------------------------------------------------
+
+void quantize_q8_x86(const float* x, int64_t m, int64_t k, int8_t* q, float* d, float* dsum,
+                     int16_t* sum16) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < m * k / 32; ++b) {
+    const float* v = x + 32 * b;
+    __m256 x0 = _mm256_loadu_ps(v), x1 = _mm256_loadu_ps(v + 8);
+    __m256 x2 = _mm256_loadu_ps(v + 16), x3 = _mm256_loadu_ps(v + 24);
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(x0, abs_mask), _mm256_and_ps(x1, abs_mask)),
+                              _mm256_max_ps(_mm256_and_ps(x2, abs_mask), _mm256_and_ps(x3, abs_mask)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float inv_s = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m256 inv = _mm256_set1_ps(inv_s);
+    // round half to even (the default MXCSR mode), as the scalar reference does
+    __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, inv));
+    __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, inv));
+    __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(x2, inv));
+    __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(x3, inv));
+    const int s0 = hsum_i32(_mm256_add_epi32(i0, i1)), s1 = hsum_i32(_mm256_add_epi32(i2, i3));
+    // packs interleave 128-bit lanes: [0..3 8..11 | 4..7 12..15] -> fix with a permute
+    __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
+    __m256i p = _mm256_packs_epi16(p01, p23);
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b), p);
+    d[b] = amax / 127.0f;
+    dsum[b] = d[b] * static_cast<float>(s0 + s1);
+    sum16[2 * b] = static_cast<int16_t>(s0);
+    sum16[2 * b + 1] = static_cast<int16_t>(s1);
+  }
+}
+
+// ---- float weights, float activations (m <= 8) ------------------------------------------
+
+template <GGMLType T>
+inline __m256 load_w8(const uint8_t* p) {
+  if constexpr (T == GGMLType::kF32) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  } else if constexpr (T == GGMLType::kF16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  }
+}
+template <GGMLType T>
+inline float load_w1(const uint8_t* p) {
+  if constexpr (T == GGMLType::kF32) {
+    float v;
+    std::memcpy(&v, p, 4);
+    return v;
+  } else {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return T == GGMLType::kF16 ? f16_to_float(h) : bf16_to_float(h);
+  }
+}
+
+// Two accumulators per row hide the FMA latency when M is small.
+template <GGMLType T, int M>
+void float_rows(const uint8_t* w, int64_t rb, int64_t rows, const float* x, int64_t k, float* y,
+                int64_t ldy) {
+  constexpr int kEs = T == GGMLType::kF32 ? 4 : 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* src = w + r * rb;
+    __m256 acc[M][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    int64_t p = 0;
+    for (; p + 16 <= k; p += 16) {
+      const __m256 w0 = load_w8<T>(src + kEs * p), w1 = load_w8<T>(src + kEs * (p + 8));
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) {
+        acc[i][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * k + p), acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i * k + p + 8), acc[i][1]);
+      }
+    }
+    for (; p + 8 <= k; p += 8) {
+      const __m256 w0 = load_w8<T>(src + kEs * p);
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) acc[i][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * k + p), acc[i][0]);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+      float s = hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
+      for (int64_t q = p; q < k; ++q) s += load_w1<T>(src + kEs * q) * x[i * k + q];
+      y[i * ldy + r] = s;
+    }
+  }
+}
+
+template <GGMLType T>
+void float_dot(const uint8_t* w, int64_t rb, int64_t rows, const float* x, int64_t m, int64_t k,
+               float* y, int64_t ldy) {
+  switch (m) {
+    case 1: return float_rows<T, 1>(w, rb, rows, x, k, y, ldy);
+    case 2: return float_rows<T, 2>(w, rb, rows, x, k, y, ldy);
+    case 3: return float_rows<T, 3>(w, rb, rows, x, k, y, ldy);
+    case 4: return float_rows<T, 4>(w, rb, rows, x, k, y, ldy);
+    case 5: return float_rows<T, 5>(w, rb, rows, x, k, y, ldy);
+    case 6: return float_rows<T, 6>(w, rb, rows, x, k, y, ldy);
+    case 7: return float_rows<T, 7>(w, rb, rows, x, k, y, ldy);
+    default: return float_rows<T, 8>(w, rb, rows, x, k, y, ldy);
+  }
+}
+
+// ---- prefill panels: 16 activation rows x NR weight rows ---------------------------------
+
+#if GGUF_X86_AVX512
+constexpr int kPanelRows = 12;  // 12 zmm accumulators, weights broadcast from memory
+template <int NR>
+void panel_nr(const float* xp, const float* w, int64_t ldw, int64_t k, float* out, int64_t ldo,
+              bool accumulate) {
+  __m512 acc[NR];
+#pragma GCC unroll 16
+  for (int j = 0; j < NR; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k; ++p) {
+    const __m512 xv = _mm512_loadu_ps(xp + p * kGgufPanelWidth);
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(w[j * ldw + p]), xv, acc[j]);
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < NR; ++j) {
+    alignas(64) float t[16];
+    _mm512_store_ps(t, acc[j]);
+    for (int i = 0; i < 16; ++i) out[i * ldo + j] = accumulate ? out[i * ldo + j] + t[i] : t[i];
+  }
+}
+#else
+constexpr int kPanelRows = 6;  // 6 x 2 ymm accumulators + 2 activation vectors + 1 broadcast
+template <int NR>
+void panel_nr(const float* xp, const float* w, int64_t ldw, int64_t k, float* out, int64_t ldo,
+              bool accumulate) {
+  __m256 acc[NR][2];
+#pragma GCC unroll 16
+  for (int j = 0; j < NR; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < k; ++p) {
+    const __m256 x0 = _mm256_loadu_ps(xp + p * kGgufPanelWidth);
+    const __m256 x1 = _mm256_loadu_ps(xp + p * kGgufPanelWidth + 8);
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) {
+      const __m256 wv = _mm256_broadcast_ss(w + j * ldw + p);
+      acc[j][0] = _mm256_fmadd_ps(wv, x0, acc[j][0]);
+      acc[j][1] = _mm256_fmadd_ps(wv, x1, acc[j][1]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < NR; ++j) {
+    alignas(32) float t[16];
+    _mm256_store_ps(t, acc[j][0]);
+    _mm256_store_ps(t + 8, acc[j][1]);
+    for (int i = 0; i < 16; ++i) out[i * ldo + j] = accumulate ? out[i * ldo + j] + t[i] : t[i];
+  }
+}
+#endif
+
+template <int... NR>
+void panel_any(const float* xp, const float* w, int64_t ldw, int nr, int64_t k, float* out,
+               int64_t ldo, bool accumulate, std::integer_sequence<int, NR...>) {
+  using Fn = void (*)(const float*, const float*, int64_t, int64_t, float*, int64_t, bool);
+  static constexpr Fn fns[] = {panel_nr<NR + 1>...};
+  fns[nr - 1](xp, w, ldw, k, out, ldo, accumulate);
+}
+
+void panel(const float* xp, const float* w, int64_t ldw, int nr, int64_t k, float* out,
+           int64_t ldo, bool accumulate) {
+  panel_any(xp, w, ldw, nr, k, out, ldo, accumulate, std::make_integer_sequence<int, kPanelRows>{});
+}
+
+// ---- the table ---------------------------------------------------------------------------
+
+GgufKernels make_x86_kernels(const char* name) {
+  GgufKernels t;
+  t.name = name;
+  t.quantize_q8 = quantize_q8_x86;
+  auto set = [&](GGMLType type, GgufQ8DotFn fn) { t.q8_dot[static_cast<int>(type)] = fn; };
+  set(GGMLType::kQ4_0, ByRows<LegacyK<GGMLType::kQ4_0>::K>::run);
+  set(GGMLType::kQ4_1, ByRows<LegacyK<GGMLType::kQ4_1>::K>::run);
+  set(GGMLType::kQ5_0, ByRows<LegacyK<GGMLType::kQ5_0>::K>::run);
+  set(GGMLType::kQ5_1, ByRows<LegacyK<GGMLType::kQ5_1>::K>::run);
+  set(GGMLType::kQ8_0, ByRows<Q8_0K>::run);
+  set(GGMLType::kQ4_K, ByRows<Q45K<GGMLType::kQ4_K>::K>::run);
+  set(GGMLType::kQ5_K, ByRows<Q45K<GGMLType::kQ5_K>::K>::run);
+  set(GGMLType::kQ6_K, ByRows<Q6K>::run);
+  t.float_dot[static_cast<int>(GGMLType::kF32)] = float_dot<GGMLType::kF32>;
+  t.float_dot[static_cast<int>(GGMLType::kF16)] = float_dot<GGMLType::kF16>;
+  t.float_dot[static_cast<int>(GGMLType::kBF16)] = float_dot<GGMLType::kBF16>;
+  t.panel = panel;
+  t.panel_rows = kPanelRows;
+  return t;
+}
+
+}  // namespace

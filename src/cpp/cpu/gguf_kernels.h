@@ -1,0 +1,90 @@
+// The per-instruction-set kernels behind gguf_matmul (internal to src/cpp/cpu).
+//
+// Decode rows (m <= 8) run integer dot products: the activations are quantized
+// once per call to 8 bits per value in blocks of 32 (GgufQ8Rows), and each
+// weight block is multiplied with them in integers, straight from its packed
+// form; per-block float scales are applied to the integer sums. Float weights
+// (F32 / F16 / BF16) are dotted with float activations directly. Prefill rows
+// (m > 8) decode a panel of weight rows to float32 once and multiply it with
+// every activation row (GgufPanelFn).
+//
+// One table per instruction set: portable (scalar, NEON, NEON + dotprod) in
+// gguf_quants.cpp, AVX2 in gguf_dot_avx2.cpp, AVX-512 (VNNI) in
+// gguf_dot_avx512.cpp. gguf_matmul.cpp picks the best the CPU runs.
+#pragma once
+
+#include <cstdint>
+
+#include "runtime/gguf_types.h"
+
+namespace vllm_metal::cpu {
+
+constexpr int kGgufQ8Block = 32;  // activation values per float scale
+
+// Activations x [m, k] as 8-bit blocks: x[i, 32b + l] ~ d[i, b] * q[i, 32b + l].
+struct GgufQ8Rows {
+  int64_t m = 0;
+  int64_t k = 0;                  // multiple of 32
+  const int8_t* q = nullptr;      // [m, k], |q| <= 127
+  const float* d = nullptr;       // [m, k / 32]
+  const float* dsum = nullptr;    // [m, k / 32]: d * (sum of the block's q)
+  const int16_t* sum16 = nullptr; // [m, k / 16]: sum of q over each 16 values
+};
+
+// Quantizes x [m, k] (k a multiple of 32): per block, d = max|x| / 127 and
+// q = round_half_even(x * (127 / max|x|)) (q = 0, d = 0 for an all-zero block).
+using GgufQuantizeQ8Fn = void (*)(const float* x, int64_t m, int64_t k, int8_t* q, float* d,
+                                  float* dsum, int16_t* sum16);
+
+// y[i * ldy + r] = dot(weight row r, x row i) for r < rows, i < x.m (1 <= x.m <= 8);
+// weight rows are row_bytes apart.
+using GgufQ8DotFn = void (*)(const uint8_t* w, int64_t row_bytes, int64_t rows,
+                             const GgufQ8Rows& x, float* y, int64_t ldy);
+
+// The same for float weights (F32 / F16 / BF16) and float activations x [m, k], m <= 8.
+using GgufFloatDotFn = void (*)(const uint8_t* w, int64_t row_bytes, int64_t rows,
+                                const float* x, int64_t m, int64_t k, float* y, int64_t ldy);
+
+// Prefill micro-kernel: out[i * ldo + j] (+)= dot(x row i, w row j) for i < kGgufPanelWidth,
+// j < nr <= panel_rows, over k values; xp is a packed panel of 16 activation rows, [k][16]
+// (zero rows pad a short panel), w holds nr float rows ldw apart. accumulate: add to out.
+constexpr int kGgufPanelWidth = 16;
+using GgufPanelFn = void (*)(const float* xp, const float* w, int64_t ldw, int nr, int64_t k,
+                             float* out, int64_t ldo, bool accumulate);
+
+constexpr int kGgufNumTypeIds = 42;  // GGMLType ids are below this
+
+struct GgufKernels {
+  const char* name = "";
+  GgufQuantizeQ8Fn quantize_q8 = nullptr;
+  GgufQ8DotFn q8_dot[kGgufNumTypeIds] = {};       // null: no integer path for the type
+  GgufFloatDotFn float_dot[kGgufNumTypeIds] = {}; // F32, F16, BF16
+  GgufPanelFn panel = nullptr;
+  int panel_rows = 0;                             // weight rows per panel call
+};
+
+// The portable tables (always present): scalar C++, and on arm64 NEON with and
+// without the dotprod extension.
+const GgufKernels& gguf_kernels_scalar();
+#if defined(__aarch64__)
+const GgufKernels& gguf_kernels_neon();
+const GgufKernels& gguf_kernels_neon_dot();  // needs FEAT_DotProd
+#endif
+#if defined(__x86_64__)
+const GgufKernels& gguf_kernels_avx2();    // needs AVX2, FMA, F16C
+const GgufKernels& gguf_kernels_avx512();  // needs AVX-512 F/BW/VL/DQ and VNNI too
+#endif
+
+// ---- the scalar reference of the integer path ----------------------------------------
+// Every int8-capable format is written, per 32-weight chunk, as w[l] = a[h] * q[l] + c[h]
+// for the two 16-weight halves h = l / 16 with integer q (|q| <= 127): the SIMD kernels
+// compute the same sums in another order.
+struct GgufQ8Chunk {
+  int8_t q[32];
+  float a[2];
+  float c[2];
+};
+// Chunk j (0 <= j < block_size / 32) of one block; false for types without an int path.
+bool gguf_q8_chunk(gguf::GGMLType type, const uint8_t* block, int j, GgufQ8Chunk* out);
+
+}  // namespace vllm_metal::cpu
