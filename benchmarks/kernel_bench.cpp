@@ -316,6 +316,44 @@ Dispatch dispatch_overhead(int setting, const Config& cfg) {
 
 std::string dispatch_json(const Dispatch& d);
 
+constexpr float kEps = 1e-5f;
+
+// ---- MLX per-op overhead -------------------------------------------------------------
+
+struct OpOverhead {
+  std::string how;  // "eval each op" | "32 ops, one eval" | "raw kernel"
+  int ops_per_call = 1;
+  Timing t;         // per call (divide by ops_per_call for per op)
+};
+
+// rms_norm of one SmolLM2 row (576 float32): the work is ~0.1 us, so this is
+// what one op costs through MLX when evaluated alone and when chained.
+std::vector<OpOverhead> mlx_op_overhead(const Config& cfg) {
+  constexpr int kChain = 32;
+  const auto xv = random_floats(576, 7);
+  std::vector<float> wv(576, 1.0f);
+  mx::array x = make_array(xv, {1, 576}, mx::float32);
+  mx::array w = make_array(wv, {576}, mx::float32);
+  auto each = [&] { mx::eval(vm::rms_norm(x, w, kEps)); };
+  auto chained = [&] {
+    mx::array y = x;
+    for (int i = 0; i < kChain; ++i) y = vm::rms_norm(y, w, kEps);
+    mx::eval(y);
+  };
+  Buffer by(576 * 4);
+  cpu::RmsNormRows a;
+  a.x = x.data<float>();
+  a.weight = w.data<float>();
+  a.out = by.data();
+  a.rows = 1;
+  a.hidden = 576;
+  a.x_row_stride = 576;
+  a.eps = kEps;
+  auto raw = [&] { cpu::rms_norm_rows(a); };
+  auto ts = measure_group({{each, cfg.threads}, {chained, cfg.threads}, {raw, cfg.threads}}, cfg);
+  return {{"eval each op", 1, ts[0]}, {"32 ops, one eval", kChain, ts[1]}, {"raw kernel", 1, ts[2]}};
+}
+
 // ---- ops -------------------------------------------------------------------------
 
 struct Model {
@@ -334,7 +372,6 @@ const int64_t kRows[] = {1, 16, 512, 4096};
 const mx::Dtype kDtypes[] = {mx::float32, mx::float16, mx::bfloat16};
 const char* const kOps[] = {"rms_norm", "add_rms_norm", "reshape_and_cache"};
 const char* const kPaths[] = {"mlx", "raw", "raw1t"};
-constexpr float kEps = 1e-5f;
 
 struct Result {
   std::string op, model, dtype, path;
@@ -548,6 +585,16 @@ std::string dispatch_json(const Dispatch& d) {
   return s.str();
 }
 
+std::string overhead_json(const OpOverhead& o) {
+  std::ostringstream s;
+  char us[32];
+  std::snprintf(us, sizeof us, "%.3f", o.t.median_s * 1e6 / o.ops_per_call);
+  s << "{\"bench\": \"mlx_op_overhead\", \"how\": \"" << o.how
+    << "\", \"ops_per_call\": " << o.ops_per_call << ", \"us_per_op\": " << us << ", "
+    << timing_json(o.t) << "}";
+  return s.str();
+}
+
 std::string result_json(const Result& r) {
   std::ostringstream s;
   char nums[96];
@@ -689,6 +736,13 @@ int main(int argc, char** argv) {
                 d.threads, d.t.median_s * 1e6);
   }
 
+  const auto overheads = mlx_op_overhead(cfg);
+  std::printf("\n== MLX per-op overhead: rms_norm, SmolLM2 1 row float32 ==\n");
+  std::printf("%-18s %10s\n", "how", "us/op");
+  for (const auto& o : overheads) {
+    std::printf("%-18s %10.2f\n", o.how.c_str(), o.t.median_s * 1e6 / o.ops_per_call);
+  }
+
   // ---- 2. ops --------------------------------------------------------------------
   std::vector<Result> results;
   for (const auto& m : kModels) {
@@ -722,6 +776,7 @@ int main(int argc, char** argv) {
   std::printf("\n# JSON (one object per line)\n");
   for (const auto& b : bws) std::printf("%s\n", bandwidth_json(b).c_str());
   for (const auto& d : dispatches) std::printf("%s\n", dispatch_json(d).c_str());
+  for (const auto& o : overheads) std::printf("%s\n", overhead_json(o).c_str());
   for (const auto& r : results) std::printf("%s\n", result_json(r).c_str());
   const std::string load_after = load_average();
   std::printf("\ntotal %.1f s  load average before: %s  after: %s\n", total, load_before.c_str(),
@@ -747,6 +802,10 @@ int main(int argc, char** argv) {
     f << "  ],\n  \"dispatch\": [\n";
     for (size_t i = 0; i < dispatches.size(); ++i) {
       f << "    " << dispatch_json(dispatches[i]) << (i + 1 < dispatches.size() ? "," : "") << "\n";
+    }
+    f << "  ],\n  \"mlx_op_overhead\": [\n";
+    for (size_t i = 0; i < overheads.size(); ++i) {
+      f << "    " << overhead_json(overheads[i]) << (i + 1 < overheads.size() ? "," : "") << "\n";
     }
     f << "  ],\n  \"results\": [\n";
     for (size_t i = 0; i < results.size(); ++i) {

@@ -41,16 +41,12 @@ class LoadedModel:
     eos_token_ids: list[int]
 
 
-def load_model(model_path: str, dtype: str | None = None, *, linear: str = "gguf") -> LoadedModel:
+def load_model(model_path: str, dtype: str | None = None) -> LoadedModel:
     """Load a local checkpoint; dtype "float16" | "bfloat16" | "float32" | None
-    (None: the dtype the weights are stored in; never upcast to float32).
-
-    linear "gguf": linear layers and lm_head on ops.gguf_matmul, GGUF weights
-    kept in block form; "mlx": the reference path (GGUF weights dequantized at
-    load, MLX matmul)."""
+    (None: the dtype the weights are stored in; never upcast to float32)."""
     from vllm_metal.models.loader import load
 
-    return load(model_path, dtype, linear=linear)
+    return load(model_path, dtype)
 
 
 def prepare_gguf_dir(gguf_path: str, out_dir: str | None = None) -> str:
