@@ -18,9 +18,12 @@ appended. Both sides compute the same arrays (checked every step, untimed):
 
 Reported (median per step, microseconds): `pack` (dict of scheduled tokens ->
 every array) and `step` (deltas + pack + sampled tokens), with ratio =
-numpy / ours (> 1: ours is faster); `rows` is ours packing from int32 row
-arrays (pack_rows: the C++ cost without reading Python dicts and strings);
-`mlx copy` is scheduler_delta.mlx_inputs (the step's arrays as mx.array copies).
+numpy / ours (> 1: ours is faster); `rows` is ours packing the same step again
+from int32 row arrays (pack_rows: the C++ cost without reading Python dicts and
+strings, caches warm); `mlx copy` is scheduler_delta.mlx_inputs (the step's
+arrays as mx.array copies). The two sides run one after the other each step,
+so each starts with caches the other has churned through, as a runner's
+packing starts after a forward pass. The JSON also has each minimum (`*_min_us`).
 
     .venv/bin/python benchmarks/runtime/bench_packer.py [--quick] [--json PATH]
 """
