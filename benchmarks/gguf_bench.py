@@ -6,7 +6,9 @@ ratio to a memcpy measured in the same run (the machine is shared: compare
 ratios, not absolute numbers, across runs).
 
 Sections (`--sections`, default all):
-  copy     NumPy memcpy of a 64 MiB buffer (bytes read per second; one thread).
+  copy     NumPy memcpy of a 64 MiB buffer (bytes read per second), on one thread and
+           split over the kernel threads (NumPy copies without the GIL); `vs_copy`
+           divides by the threaded copy, the roofline of a threaded mat-vec.
   types    every supported type at real shapes (n = 1536, k = 576, or 2048 for
            256-weight types), m = 1 / 4 / 128. `hot`: one weight matrix (cache
            resident); `cold`: m = 1 cycling over enough copies to exceed the L3.
@@ -30,6 +32,7 @@ import json
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -64,11 +67,19 @@ def median_time(fn, repeats: int, inner: int = 1) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth(repeats: int) -> float:
-    """GB/s of bytes read by a large memcpy (each byte read once, like a mat-vec's weights)."""
+def copy_bandwidth(repeats: int, threads: int = 1) -> float:
+    """GB/s of bytes read by a large memcpy (each byte read once, like a mat-vec's weights),
+    split into `threads` slices copied concurrently."""
     src = np.ones(64 << 20, dtype=np.uint8)  # 64 MiB, twice the L3
     dst = np.empty_like(src)
-    return src.nbytes / median_time(lambda: np.copyto(dst, src), repeats) / 1e9
+    if threads <= 1:
+        return src.nbytes / median_time(lambda: np.copyto(dst, src), repeats) / 1e9
+    step = src.nbytes // threads
+    parts = [(dst[i * step:(i + 1) * step], src[i * step:(i + 1) * step]) for i in range(threads)]
+    with ThreadPoolExecutor(threads) as pool:
+        def run():
+            list(pool.map(lambda p: np.copyto(*p), parts))
+        return src.nbytes / median_time(run, repeats) / 1e9
 
 
 def matmuls_per_second(x, weights, t_name, n, k, calls: int, repeats: int) -> float:
@@ -190,8 +201,8 @@ def _core_type(name):
     return next(t for t in SUPPORTED if t.name == name)
 
 
-def print_table(copy: float) -> None:
-    print(f"\ncopy bandwidth {copy:.2f} GB/s (one thread)")
+def print_table(copy: float, copy1: float) -> None:
+    print(f"\ncopy bandwidth {copy:.2f} GB/s ({_core.num_threads()} threads), {copy1:.2f} GB/s (one)")
     rows = [r for r in RESULTS if r["bench"] == "gguf_matmul"]
     if rows:
         print(f"{'type':8} {'mode':>5} {'m':>4} {'us':>9} {'GB/s':>7} {'GFLOP/s':>8} {'vs copy':>8}")
@@ -219,8 +230,10 @@ def main() -> None:
     sections = set(args.sections.split(","))
     _core.set_num_threads(args.threads)
     all_threads = sorted({1, _core.num_threads()})
-    copy = copy_bandwidth(args.repeats * 2)
-    emit({"bench": "copy", "gbps": round(copy, 2), "threads": _core.num_threads()})
+    copy1 = copy_bandwidth(args.repeats * 2)
+    copy = copy_bandwidth(args.repeats * 2, _core.num_threads())
+    emit({"bench": "copy", "gbps": round(copy, 2), "gbps_1thread": round(copy1, 2),
+          "threads": _core.num_threads()})
     if "types" in sections:
         types = [t for t in SUPPORTED if not args.types or t.name in args.types.split(",")]
         bench_types(types, copy, args.repeats)
@@ -230,9 +243,9 @@ def main() -> None:
         bench_overhead(args.repeats, all_threads)
     _core.set_num_threads(args.threads)
     # the copy again: a drift between the two says the load changed during the run
-    copy_end = copy_bandwidth(args.repeats * 2)
+    copy_end = copy_bandwidth(args.repeats * 2, _core.num_threads())
     emit({"bench": "copy_end", "gbps": round(copy_end, 2)})
-    print_table(copy)
+    print_table(copy, copy1)
     if args.json:
         Path(args.json).write_text(json.dumps(RESULTS, indent=1))
 

@@ -188,13 +188,12 @@ TEST(GgufCpu, KnownQ4_0AndQ8_0Values) {
 
 // ---- matmul against x @ decode(W)^T in double -------------------------------------------------
 
-// Types whose decode rows (m <= kGgufMatvecMaxRows) take the 8-bit activation path.
+// Types whose activations are rounded to 8 bits (every row count, unless exact).
 const g::GGMLType kInt8Types[] = {g::GGMLType::kQ4_0, g::GGMLType::kQ4_1, g::GGMLType::kQ5_0,
                                   g::GGMLType::kQ5_1, g::GGMLType::kQ8_0, g::GGMLType::kQ4_K,
                                   g::GGMLType::kQ5_K, g::GGMLType::kQ6_K};
 
-bool int8_path(g::GGMLType t, int64_t m) {
-  if (m > c::kGgufMatvecMaxRows) return false;
+bool int8_path(g::GGMLType t) {
   for (auto u : kInt8Types) {
     if (u == t) return true;
   }
@@ -202,7 +201,7 @@ bool int8_path(g::GGMLType t, int64_t m) {
 }
 
 // The one tolerance table of these tests.
-// Float paths (prefill, float weights, types without an integer kernel) sum exact
+// Float paths (float weights, types without an integer kernel, `exact`) sum exact
 // weights times x in float32: max |y - ref| / max |ref| <= kFloatTol[elt] (one
 // rounding of the output in elt).
 // The int8 path rounds x to 8 bits per value (a float scale d = max|x| / 127 per 32,
@@ -294,7 +293,7 @@ void check_matmul(g::GGMLType t, int64_t m, int64_t n, int64_t k, c::Elt elt, bo
       typical += xx * ww / k;
     }
   }
-  if (int8_path(t, m) && !exact) {
+  if (int8_path(t) && !exact) {
     const double tol = kInt8Tol.at(t) + kFloatTol.at(elt);
     EXPECT_LE(std::sqrt(se / typical), tol) << case_name(t, m, n, k, elt) << " (int8 rms error)";
   } else {
@@ -318,6 +317,32 @@ TEST(GgufCpu, MatmulEveryTypeAgainstDecodedWeights) {
       int64_t bs = g::type_info(t).block_size;
       int64_t k = bs == 1 ? 37 : (bs == 32 ? 96 : 512);
       for (int64_t m : {1, 2, 3, 4, 5, 7, 8, 9, 17}) check_matmul(t, m, 19, k, c::Elt::kF32);
+    }
+  });
+}
+
+// A row's result must not depend on how many rows share the call (decode alone vs in a
+// batch, mat-vec vs tiles): every path rounds x the same way, so only the order of float
+// sums differs.
+TEST(GgufCpu, RowResultIndependentOfBatchSize) {
+  for_each_isa([] {
+    for (auto t : kTypes) {
+      const int64_t bs = g::type_info(t).block_size;
+      const int64_t n = 23, k = bs == 1 ? 64 : (bs == 32 ? 96 : 512);
+      const std::vector<uint8_t> w = random_weights(t, n, k, 11);
+      std::mt19937 rng(5);
+      std::normal_distribution<float> normal;
+      std::vector<float> batch(300 * k);  // 300 > kGgufInt8MaxRows: the float tiles too
+      for (auto& v : batch) v = normal(rng);
+      const std::vector<float> alone = run_matmul(t, w, n, k, batch, {}, 1, c::Elt::kF32);
+      double scale = 0;
+      for (float v : alone) scale = std::max(scale, double(std::fabs(v)));
+      for (int64_t m : {8, 9, 17, 40, 300}) {
+        const std::vector<float> y = run_matmul(t, w, n, k, batch, {}, m, c::Elt::kF32);
+        for (int64_t j = 0; j < n; ++j) {
+          ASSERT_NEAR(y[j], alone[j], 2e-6 * scale) << case_name(t, m, n, k, c::Elt::kF32);
+        }
+      }
     }
   });
 }
@@ -465,9 +490,9 @@ TEST(GgufCpu, IsaSelection) {
   EXPECT_THROW(c::gguf_matmul_set_isa("sse9"), std::invalid_argument);
   c::gguf_matmul_set_isa("scalar");
   EXPECT_EQ(c::gguf_matmul_isa(), "scalar");
-  EXPECT_TRUE(c::gguf_matmul_int8_decode(g::GGMLType::kQ6_K));
-  EXPECT_FALSE(c::gguf_matmul_int8_decode(g::GGMLType::kIQ4_XS));
-  EXPECT_FALSE(c::gguf_matmul_int8_decode(g::GGMLType::kF16));
+  EXPECT_TRUE(c::gguf_matmul_int8_activations(g::GGMLType::kQ6_K));
+  EXPECT_FALSE(c::gguf_matmul_int8_activations(g::GGMLType::kIQ4_XS));
+  EXPECT_FALSE(c::gguf_matmul_int8_activations(g::GGMLType::kF16));
   c::gguf_matmul_set_isa("");
   EXPECT_EQ(c::gguf_matmul_isa(), isas.front());
 }

@@ -1,7 +1,10 @@
 """GGUF checkpoints: tiny files written with the gguf package the way
 llama.cpp's converter lays them out (llama Q/K rows permuted, gemma norms
-stored as 1 + w, Q8_0 weights) load into models equal to mlx-lm's on the dense
-weights they encode; prepare_gguf_dir makes a directory transformers reads."""
+stored as 1 + w, weights of every supported type) load with their matrices in
+block form (GGUFLinear / GGUFEmbedding on ops.gguf_matmul) into models equal to
+mlx-lm's on the dense weights they encode, within the per-type bound of
+testing.GGUF_LOGITS_TOLERANCE; prepare_gguf_dir makes a directory transformers
+reads."""
 
 from __future__ import annotations
 
@@ -13,9 +16,13 @@ import pytest
 
 import mlx.core as mx
 
+from vllm_metal import ops
 from vllm_metal.models import gguf_dir, gguf_loader, load_model, prepare_gguf_dir
-from vllm_metal.models.testing import (SCHEDULES, mlx_lm_reference, reference_logits, run_packed,
-                                       tiny_config, write_dense_checkpoint, write_tiny_gguf)
+from vllm_metal.models.gguf_linear import GGUFEmbedding, GGUFLinear
+from vllm_metal.models.testing import (GGUF_LOGITS_TOLERANCE, gguf_logits_tolerance,
+                                       gguf_parity_config, gguf_parity_error, run_packed,
+                                       uses_8bit_activations,
+                                       tiny_config, write_tiny_gguf)
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -31,20 +38,85 @@ def _gguf_config(name):
     return cfg
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["float_activations", "int8_activations"])
 @pytest.mark.parametrize("name", ["llama", "llama_untied_bias", "qwen2", "qwen3", "gemma3"])
-def test_gguf_model_matches_mlx_lm_on_the_dense_weights(tmp_path, name):
-    cfg = _gguf_config(name)
-    path = tmp_path / f"{name}.gguf"
-    dense = write_tiny_gguf(cfg, path, seed=4)
-    ours = load_model(str(path), "float32")
-    ref = mlx_lm_reference(write_dense_checkpoint(cfg, dense, tmp_path / "dense"))
+def test_gguf_model_matches_mlx_lm_on_the_dense_weights(tmp_path, name, int8):
+    """Every architecture (Q4_K, 256-weight blocks)."""
+    err = gguf_parity_error(name, "Q4_K", tmp_path, int8_activations=int8)
+    assert err <= gguf_logits_tolerance("Q4_K", int8), err
 
-    rng = np.random.default_rng(5)
-    sequences = [rng.integers(3, cfg["vocab_size"], sum(s)).tolist() for s in SCHEDULES]
-    got = run_packed(ours, sequences)
-    for seq, sched, logits in zip(sequences, SCHEDULES, got):
-        want = reference_logits(ref, seq, sched)
-        np.testing.assert_allclose(logits, want, rtol=0, atol=2e-5 * max(np.abs(want).max(), 1.0))
+
+@pytest.mark.parametrize("qtype", sorted(set(GGUF_LOGITS_TOLERANCE) - {"Q4_K"}))
+def test_every_gguf_type_matches_mlx_lm_on_the_dense_weights(tmp_path, qtype):
+    """llama with attention bias: permuted Q/K rows (and biases) of every type,
+    un-permuted as whole rows of blocks; untied lm_head. Float32 activations
+    (the default) for every type, and 8-bit ones for the types that have them."""
+    err = gguf_parity_error("llama_untied_bias", qtype, tmp_path)
+    assert err <= gguf_logits_tolerance(qtype), err
+    if uses_8bit_activations(qtype):
+        err = gguf_parity_error("llama_untied_bias", qtype, tmp_path, int8_activations=True)
+        assert err <= gguf_logits_tolerance(qtype, True), err
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "F16"])
+def test_weights_stay_in_block_form(tmp_path, qtype):
+    """Matrices are the file's bytes as they are (uint8 blocks), llama's Q/K with
+    their rows reordered; they decode exactly to the reference path's dense
+    (un-permuted) weights. The tied lm_head is the token_embd blocks."""
+    cfg = gguf_parity_config("llama")  # tied
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(cfg, path, seed=3, qtype=qtype)
+    blocks = load_model(str(path), "float32")
+    dense = load_model(str(path), "float32", linear="mlx")
+    ckpt = gguf_loader.GGUFCheckpoint(str(path))
+    b_layer, d_layer = blocks.model.layers[1], dense.model.layers[1]
+
+    def file_bytes(name):
+        return np.array(ckpt._core_file.tensor_data(name))
+
+    embed = blocks.model.lm.model.embed_tokens
+    assert isinstance(embed, GGUFEmbedding) and embed.is_blocks and "lm_head" not in blocks.model.lm
+    np.testing.assert_array_equal(np.array(embed.weight), file_bytes("token_embd.weight"))
+    for name, gname in (("mlp.gate_proj", "ffn_gate"), ("mlp.down_proj", "ffn_down"),
+                        ("self_attn.v_proj", "attn_v"), ("self_attn.o_proj", "attn_output")):
+        m = b_layer[name.split(".")[0]][name.split(".")[1]]
+        assert isinstance(m, GGUFLinear) and m.weight.dtype == mx.uint8, name
+        np.testing.assert_array_equal(np.array(m.weight), file_bytes(f"blk.1.{gname}.weight"))
+    q = np.array(b_layer.self_attn.q_proj.weight)
+    assert q.shape == file_bytes("blk.1.attn_q.weight").shape
+    assert not np.array_equal(q, file_bytes("blk.1.attn_q.weight"))  # rows reordered
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        b, d = b_layer.self_attn[name], d_layer.self_attn[name]
+        got = ops.gguf_dequantize(b.weight, b.qtype, [b.out_features, b.in_features])
+        np.testing.assert_array_equal(np.array(got), np.array(d.weight), err_msg=name)
+
+
+def test_block_embedding_looks_up_rows_and_is_the_tied_lm_head(tmp_path):
+    cfg = gguf_parity_config("qwen2")  # tied
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(cfg, path, seed=5, qtype="Q8_0")
+    ours = load_model(str(path), "bfloat16", int8_activations=True)
+    embed = ours.model.lm.model.embed_tokens
+    table = np.array(gguf_loader.GGUFCheckpoint(str(path)).dense("token_embd.weight"))
+    ids = mx.array(np.array([[7, 0, 299], [5, 5, 1]], np.int32))
+    rows = embed(ids)
+    assert rows.dtype == mx.bfloat16 and rows.shape == (2, 3, cfg["hidden_size"])
+    want = mx.array(table[np.array(ids)]).astype(mx.bfloat16)  # dequantized, then rounded once
+    np.testing.assert_array_equal(np.array(rows.astype(mx.float32)), np.array(want.astype(mx.float32)))
+    assert embed(mx.zeros((0,), mx.int32)).shape == (0, cfg["hidden_size"])
+    x = mx.array(np.random.default_rng(0).standard_normal((12, cfg["hidden_size"])), mx.float32)
+    got = np.array(embed.as_linear(x))  # Q8_0: x rounded to 8-bit blocks of 32 first
+    np.testing.assert_allclose(got, _round_to_8bit_blocks(np.array(x)) @ table.T, rtol=1e-4, atol=1e-4)
+    embed.exact = True
+    np.testing.assert_allclose(np.array(embed.as_linear(x)), np.array(x) @ table.T, rtol=1e-4, atol=1e-4)
+
+
+def _round_to_8bit_blocks(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's activation rounding: per 32 values d = max|x| / 127, q = rint(x / d)."""
+    b = x.reshape(*x.shape[:-1], -1, 32).astype(np.float32)
+    amax = np.abs(b).max(-1, keepdims=True)
+    q = np.rint(b * np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0))
+    return (q * (amax / np.float32(127))).reshape(x.shape)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3"])

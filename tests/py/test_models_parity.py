@@ -17,8 +17,10 @@ from mlx.utils import tree_flatten
 
 from vllm_metal.models import load_model
 from vllm_metal.models.generate import KVPool, SeqChunk, build_step
-from vllm_metal.models.testing import (SCHEDULES, TINY_CONFIGS, mlx_lm_reference, reference_logits,
-                                       run_packed, tiny_config, write_random_checkpoint)
+from vllm_metal.models.gguf_linear import GGUFEmbedding, GGUFLinear
+from vllm_metal.models.testing import (GGUF_LOGITS_TOLERANCE, SCHEDULES, TINY_CONFIGS,
+                                       mlx_lm_reference, reference_logits, run_packed, tiny_config,
+                                       write_random_checkpoint)
 
 BLOCK_SIZE = 4
 
@@ -35,8 +37,34 @@ def test_packed_paged_forward_matches_mlx_lm(tmp_path, name):
     for seq, sched, logits in zip(sequences, SCHEDULES, got):
         want = reference_logits(ref, seq, sched)
         scale = np.abs(want).max()
-        np.testing.assert_allclose(logits, want, rtol=0, atol=2e-5 * max(scale, 1.0),
+        # Dense float32 weights take gguf_matmul as type F32: float32 sums, no 8-bit rounding.
+        np.testing.assert_allclose(logits, want, rtol=0,
+                                   atol=GGUF_LOGITS_TOLERANCE["F32"] * max(scale, 1.0),
                                    err_msg=f"{name}: sequence of schedule {sched}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_dense_weights_run_on_gguf_matmul(tmp_path, dtype):
+    """safetensors linear layers, embeddings and the tied lm_head become
+    GGUFLinear / GGUFEmbedding on the same dense weights (types F32/F16/BF16);
+    linear="mlx" keeps mlx-lm's modules and agrees."""
+    import mlx.nn as nn
+
+    cfg = tiny_config("qwen2")  # tied, q/k/v bias
+    ckpt = write_random_checkpoint(cfg, tmp_path / "q", seed=4, dtype=dtype)
+    ours = load_model(str(ckpt))
+    mlx_path = load_model(str(ckpt), linear="mlx")
+    attn = ours.model.layers[0].self_attn
+    for m in (attn.q_proj, attn.o_proj, ours.model.layers[0].mlp.up_proj):
+        assert isinstance(m, GGUFLinear) and not m.is_blocks and m.weight.dtype == getattr(mx, dtype)
+    assert "bias" in attn.q_proj and "bias" not in attn.o_proj
+    assert isinstance(ours.model.lm.model.embed_tokens, GGUFEmbedding)
+    assert type(mlx_path.model.layers[0].self_attn.q_proj) is nn.Linear
+    seq = [[5, 9, 12, 40, 7, 3, 8, 22, 31, 4, 17]]
+    got = run_packed(ours, seq, [[9, 1, 1]])[0]
+    want = run_packed(mlx_path, seq, [[9, 1, 1]])[0]
+    tol = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 5e-2}[dtype]  # ours sums in float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol * np.abs(want).max())
 
 
 def test_logits_only_for_requested_rows(tmp_path):

@@ -41,12 +41,25 @@ class LoadedModel:
     eos_token_ids: list[int]
 
 
-def load_model(model_path: str, dtype: str | None = None) -> LoadedModel:
+def load_model(model_path: str, dtype: str | None = None, *, linear: str = "gguf",
+               int8_activations: bool | None = None) -> LoadedModel:
     """Load a local checkpoint; dtype "float16" | "bfloat16" | "float32" | None
-    (None: the dtype the weights are stored in; never upcast to float32)."""
+    (None: the dtype the weights are stored in; never upcast to float32).
+
+    linear "gguf": linear layers and lm_head on ops.gguf_matmul, GGUF weights
+    kept in block form; "mlx": the reference path (GGUF weights dequantized at
+    load, MLX matmul). int8_activations: on the CPU, round activations to 8-bit
+    blocks for the integer-capable GGUF types (llama.cpp's scheme, faster);
+    None reads VLLM_METAL_INT8_ACTIVATIONS (default off: float32 sums)."""
+    from vllm_metal import envs
+    from vllm_metal.models.gguf_linear import set_exact_activations
     from vllm_metal.models.loader import load
 
-    return load(model_path, dtype)
+    loaded = load(model_path, dtype, linear=linear)
+    if int8_activations is None:
+        int8_activations = envs.VLLM_METAL_INT8_ACTIVATIONS
+    set_exact_activations(loaded.model, not int8_activations)
+    return loaded
 
 
 def prepare_gguf_dir(gguf_path: str, out_dir: str | None = None) -> str:

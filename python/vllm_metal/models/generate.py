@@ -95,12 +95,17 @@ def build_step(chunks: list[SeqChunk], kv_caches: list, block_size: int) -> Pack
 
 
 def greedy_generate(loaded, prompts: list[list[int]], max_tokens: int, *, block_size: int = 16,
-                    prefill_chunk: int = 512, stop_ids: list[int] | None = None) -> list[list[int]]:
+                    prefill_chunk: int = 512, stop_ids: list[int] | None = None,
+                    step_times: list | None = None) -> list[list[int]]:
     """Greedy continuation of every prompt, all decoded together in packed steps.
 
     Prefill runs in chunks of at most `prefill_chunk` tokens per sequence,
     packed behind the decode rows of sequences already generating.
+    `step_times`, if given, receives per step (decode rows, prefill tokens,
+    seconds from building the step to its tokens on the host).
     """
+    import time
+
     stop = set(loaded.eos_token_ids if stop_ids is None else stop_ids)
     max_len = max(len(p) for p in prompts) + max_tokens
     blocks_per_seq = -(-max_len // block_size)
@@ -121,6 +126,7 @@ def greedy_generate(loaded, prompts: list[list[int]], max_tokens: int, *, block_
             else:
                 decode.append((i, [outputs[i][-1]], "last"))
         order = decode + prefill
+        t0 = time.perf_counter()
         chunks = []
         for i, toks, logits in order:
             pool.allocate(tables[i], computed[i] + len(toks))
@@ -131,6 +137,9 @@ def greedy_generate(loaded, prompts: list[list[int]], max_tokens: int, *, block_
         mx.eval(next_ids, step.ctx.kv_caches)
         pool.kv_caches = step.ctx.kv_caches
         next_ids = next_ids.tolist()
+        if step_times is not None:
+            step_times.append((len(decode), sum(len(t) for _, t, _ in prefill),
+                               time.perf_counter() - t0))
         for i, toks, _ in order:
             computed[i] += len(toks)
         for (ci, _), tok in zip(step.row_of_logit, next_ids):

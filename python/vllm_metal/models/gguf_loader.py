@@ -1,15 +1,28 @@
 """GGUF checkpoints: an HF-style config from the metadata, and the tensors
-renamed to mlx-lm's parameter names and dequantized to a dense dtype.
+renamed to mlx-lm's parameter names: matrices kept in GGUF block form
+(`GGUFWeight`, for GGUFLinear / GGUFEmbedding on ops.gguf_matmul), or every
+tensor dequantized to a dense dtype (`load_weights(..., blocks=False)`, the
+MLX-matmul reference path).
 
-Reading uses the project's GGUF reader (`_core.GGUFFile`, memory-mapped) and
-`ops.gguf_dequantize`; tensor types our kernels do not decode, or a build
-without the reader, go through the `gguf` package's NumPy dequantizer.
+Reading uses the project's GGUF reader (`_core.GGUFFile`, memory-mapped):
+`tensor_data` hands out the blocks as they are in the file (on Linux MLX
+copies them once into its own memory, having no way to wrap the mapping; the
+mapping is dropped after the load, so memory ~ file size), and
+`ops.gguf_dequantize` makes dense tensors. Tensor types our kernels do not decode, or a build
+without the reader, go through the `gguf` package's NumPy dequantizer (and so
+are dense).
 
 Q/K rows: llama.cpp's converter permutes the rows of attn_q / attn_k of the
 "llama" architecture so that its rope can pair neighbouring dimensions
 (GPT-J style). We undo that permutation at load, so every checkpoint, GGUF or
-safetensors, is in HF layout and uses NeoX-style rope (pairs i, i + d/2).
-Undoing it moves whole rows, so block-form weights can do the same later.
+safetensors, is in HF layout and uses NeoX-style rope (pairs i, i + d/2). The
+permutation moves whole rows and every row is a whole number of blocks, so
+block-form Q/K are un-permuted by reordering their block rows: one copy of
+just those two tensors per layer (for SmolLM2 8% of the file), made at load.
+Keeping llama.cpp's layout and switching the rope to GPT-J pairing would save
+that copy but give GGUF models a different Q/K (and KV-cache) layout from the
+same model's safetensors, with every rope variant to be checked in both
+pairings; one layout everywhere is worth 8%.
 Gemma: llama.cpp stores its norm weights as 1 + w; we subtract the 1 back.
 """
 
@@ -70,6 +83,14 @@ _SKIPPED = {"rope_freqs.weight"}  # llama3 rope factors: the config's rope_scali
 
 
 @dataclass(frozen=True)
+class GGUFWeight:
+    """A matrix kept in GGUF block form."""
+    blocks: mx.array  # uint8 [rows, row_bytes]: the file's bytes
+    type_id: int      # GGML type id
+    shape: tuple      # (rows, cols) = (out, in)
+
+
+@dataclass(frozen=True)
 class GGUFTensor:
     name: str
     type_name: str   # "Q4_1", "F32", ...
@@ -105,11 +126,19 @@ class GGUFCheckpoint:
     def architecture(self) -> str:
         return self.metadata["general.architecture"]
 
+    def blocks(self, name: str) -> GGUFWeight | None:
+        """The matrix `name` in block form (the file's bytes), or None when our
+        kernels do not decode its type (or this build has no reader)."""
+        t = self.tensors[name]
+        if self._core_file is None or len(t.shape) != 2 or not self._core.gguf_type_info(t.type_id)[3]:
+            return None
+        return GGUFWeight(self._core_file.tensor_data(name), t.type_id, tuple(t.shape))
+
     def dense(self, name: str, dtype: mx.Dtype = mx.float32) -> mx.array:
         """The tensor dequantized to `dtype` (lazy when our kernels decode it)."""
         t = self.tensors[name]
         if self._core_file is not None:
-            blocks = self._core_file.tensor_data(name)  # uint8 [rows, row_bytes], no copy
+            blocks = self._core_file.tensor_data(name)  # uint8 [rows, row_bytes]
             if self._core.gguf_type_info(t.type_id)[3]:
                 from vllm_metal import ops
 
@@ -321,21 +350,32 @@ def permute_rows(w, n_heads: int):
     return w.reshape(n_heads, 2, d // 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
-def load_weights(ckpt: GGUFCheckpoint, config: dict, dtype: mx.Dtype) -> dict[str, mx.array]:
-    """Every tensor dense in `dtype` under its mlx-lm name, HF layout."""
+def load_weights(ckpt: GGUFCheckpoint, config: dict, dtype: mx.Dtype, *,
+                 blocks: bool = False) -> dict[str, "mx.array | GGUFWeight"]:
+    """Every tensor under its mlx-lm name, HF layout: matrices as GGUFWeight
+    when `blocks` (and our kernels decode their type), everything else dense in
+    `dtype`."""
     arch = gguf_arch(ckpt)
     weights = {}
     for name in ckpt.tensors:
         target = mlx_lm_name(name, arch.model_type)
         if target is None:
             continue
-        if arch.norm_shift and name.endswith("norm.weight"):
-            w = (ckpt.dense(name, mx.float32) - arch.norm_shift).astype(dtype)
-        else:
-            w = ckpt.dense(name, dtype)
+        w = ckpt.blocks(name) if blocks else None
+        if w is None:
+            if arch.norm_shift and name.endswith("norm.weight"):
+                w = (ckpt.dense(name, mx.float32) - arch.norm_shift).astype(dtype)
+            else:
+                w = ckpt.dense(name, dtype)
+        heads = None
         if arch.permuted_qk and ".attn_q." in name:
-            w = unpermute_rows(w, config["num_attention_heads"])
+            heads = config["num_attention_heads"]
         elif arch.permuted_qk and ".attn_k." in name:
-            w = unpermute_rows(w, config["num_key_value_heads"])
+            heads = config["num_key_value_heads"]
+        if heads is not None:
+            if isinstance(w, GGUFWeight):  # whole rows of blocks move: a copy of this tensor
+                w = GGUFWeight(mx.contiguous(unpermute_rows(w.blocks, heads)), w.type_id, w.shape)
+            else:
+                w = unpermute_rows(w, heads)
         weights[target] = w
     return weights

@@ -4,7 +4,13 @@ Sources:
 - a directory with config.json and model*.safetensors: mlx-lm's own loader
   (mlx_lm.utils.load_model: sanitize, MLX-quantized checkpoints, ...);
 - a .gguf file, or a directory prepare_gguf_dir made (config.json + model.gguf):
-  gguf_loader, weights dequantized at load.
+  gguf_loader; matrices stay in GGUF block form (memory ~ file size).
+
+linear: "gguf" (default) runs every linear layer and the lm_head on
+ops.gguf_matmul (GGUFLinear / GGUFEmbedding): GGUF matrices straight from
+their blocks, dense weights as type F32/F16/BF16. "mlx" is the reference
+path: GGUF weights dequantized at load, mlx-lm's nn.Linear (MLX matmul).
+MLX-quantized checkpoints keep their QuantizedLinear layers either way.
 
 dtype: the requested one, else the checkpoint's own: the dtype most of the
 weights are stored in (a float16 checkpoint whose config says bfloat16 stays
@@ -21,6 +27,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from vllm_metal.models.architectures import architecture_of, layer_sliding_windows, mlx_lm_classes, mlx_lm_config
+from vllm_metal.models.gguf_linear import install_block_weights, swap_dense_linears
 from vllm_metal.models.gguf_loader import GGUF_FILE_IN_DIR
 from vllm_metal.models.paged_model import PagedCausalLM
 
@@ -37,22 +44,27 @@ def _dtype_name(dtype: mx.Dtype) -> str:
     return {v: k for k, v in _DTYPES.items()}[dtype]
 
 
-def load(model_path: str, dtype: str | None = None):
+_LINEARS = ("gguf", "mlx")
+
+
+def load(model_path: str, dtype: str | None = None, *, linear: str = "gguf"):
     """-> LoadedModel; see vllm_metal.models.load_model."""
+    if linear not in _LINEARS:
+        raise ValueError(f"[vllm-metal] linear must be one of {_LINEARS}, got {linear!r}")
     path = Path(model_path).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return _load_gguf(path, None, dtype)
+        return _load_gguf(path, None, dtype, linear)
     if not path.is_dir():
         raise FileNotFoundError(f"[vllm-metal] model path not found: {model_path}")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"[vllm-metal] {model_path} has no config.json")
     ggufs = [path / GGUF_FILE_IN_DIR] if (path / GGUF_FILE_IN_DIR).exists() else []
     if ggufs and not list(path.glob("model*.safetensors")):
-        return _load_gguf(ggufs[0], path, dtype)
-    return _load_safetensors(path, dtype)
+        return _load_gguf(ggufs[0], path, dtype, linear)
+    return _load_safetensors(path, dtype, linear)
 
 
-def _load_safetensors(path: Path, dtype: str | None):
+def _load_safetensors(path: Path, dtype: str | None, linear: str):
     from mlx_lm.utils import load_config, load_model as mlx_lm_load_model
 
     hf_config = json.loads((path / "config.json").read_text())
@@ -62,10 +74,10 @@ def _load_safetensors(path: Path, dtype: str | None):
                               get_model_classes=lambda config: mlx_lm_classes(arch))
     stored = _stored_dtype(lm)
     target = _dtype(dtype) if dtype else stored
-    return _finish(lm, config, hf_config, target, _eos_ids(config.get("eos_token_id")))
+    return _finish(lm, config, hf_config, target, _eos_ids(config.get("eos_token_id")), linear)
 
 
-def _load_gguf(gguf_path: Path, directory: Path | None, dtype: str | None):
+def _load_gguf(gguf_path: Path, directory: Path | None, dtype: str | None, linear: str):
     from vllm_metal.models import gguf_loader
 
     ckpt = gguf_loader.GGUFCheckpoint(str(gguf_path))
@@ -77,12 +89,13 @@ def _load_gguf(gguf_path: Path, directory: Path | None, dtype: str | None):
     arch = architecture_of(hf_config)
     model_class, args_class = mlx_lm_classes(arch)
     lm = model_class(args_class.from_dict(mlx_lm_config(hf_config)))
-    weights = gguf_loader.load_weights(ckpt, hf_config, target)
+    weights = gguf_loader.load_weights(ckpt, hf_config, target, blocks=linear == "gguf")
     if hasattr(lm, "sanitize"):
         weights = lm.sanitize(weights)
+    weights = install_block_weights(lm, weights)
     lm.load_weights(list(weights.items()), strict=True)
     lm.eval()
-    return _finish(lm, hf_config, hf_config, target, gguf_loader.eos_token_ids(ckpt))
+    return _finish(lm, hf_config, hf_config, target, gguf_loader.eos_token_ids(ckpt), linear)
 
 
 def _stored_dtype(lm) -> mx.Dtype:
@@ -94,9 +107,11 @@ def _stored_dtype(lm) -> mx.Dtype:
     return counts.most_common(1)[0][0] if counts else mx.float32
 
 
-def _finish(lm, config: dict, hf_config: dict, dtype: mx.Dtype, eos_ids: list[int]):
+def _finish(lm, config: dict, hf_config: dict, dtype: mx.Dtype, eos_ids: list[int], linear: str):
     from vllm_metal.models import LoadedModel, ModelSpec
 
+    if linear == "gguf":
+        swap_dense_linears(lm)
     model = PagedCausalLM.adapt(lm, config)
     model.set_dtype(dtype)
     model.fold_norm_offsets()

@@ -5,6 +5,7 @@ for PagedAttention and every RMSNorm for ours (same parameter names), then the
 forward below walks the mlx-lm module tree itself: embeddings, decoder blocks,
 final norm, lm_head. It never calls mlx-lm's model __call__, so no [T, T] mask
 is built; the residual adds are fused with the following norm (add_rms_norm).
+The linear layers and embeddings are swapped by the loader (gguf_linear.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from vllm_metal import ops
 from vllm_metal.models.architectures import (Architecture, architecture_of, layer_sliding_windows,
                                              mlx_lm_config)
 from vllm_metal.models.context import AttentionContext
+from vllm_metal.models.gguf_linear import GGUFEmbedding
 from vllm_metal.models.layers import PagedAttention, RMSNorm
 from vllm_metal.models.rope import rope_config
 
@@ -68,6 +70,14 @@ class PagedCausalLM(nn.Module):
                     setattr(layer, name, RMSNorm.replacing(layer[name], offset))
         body.norm = RMSNorm.replacing(body.norm, offset)
         return cls(lm, arch, config)
+
+    def set_dtype(self, dtype: mx.Dtype, predicate=lambda t: mx.issubdtype(t, mx.floating)) -> None:
+        """Float parameters to `dtype` (block-form weights are uint8 and stay);
+        block-form embeddings then look rows up in `dtype`."""
+        super().set_dtype(dtype, predicate)
+        for _, m in self.named_modules():
+            if isinstance(m, GGUFEmbedding):
+                m.out_dtype = dtype if m.is_blocks else m.weight.dtype
 
     def fold_norm_offsets(self) -> None:
         for _, m in self.named_modules():

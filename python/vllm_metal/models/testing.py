@@ -4,11 +4,13 @@
     write_random_checkpoint(cfg, dir)         # config.json + model.safetensors (mlx-lm names)
     dense = write_tiny_gguf(cfg, "m.gguf")    # llama.cpp names/layout, returns the weights it holds
     ref = mlx_lm_reference(dir)               # mlx-lm's own model of the same checkpoint
+    err = gguf_parity_error("llama", "Q4_K", tmp)  # ours vs mlx-lm on the dequantized weights
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from pathlib import Path
 
@@ -201,11 +203,50 @@ def byte_level_vocab(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
+# Types the gguf package quantizes; the others get random valid blocks (random
+# bytes, float16 scales at these byte offsets, rescaled to the weight's RMS).
+_QUANTIZABLE = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
+_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+                  "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ3_S": (0,), "IQ3_XXS": (0,)}
+
+
+def _encode(stored: np.ndarray, qtype: str, rng) -> tuple[np.ndarray, np.ndarray]:
+    """(blocks, what they decode to) for a 2-D float32 weight. Quantizable types
+    quantize it; the others encode random valid blocks with its per-row RMS."""
+    import gguf
+
+    qt = gguf.GGMLQuantizationType[qtype]
+    rows, cols = stored.shape
+    if qtype in _QUANTIZABLE:
+        blocks = gguf.quants.quantize(stored, qt)
+        return blocks, gguf.quants.dequantize(blocks, qt).reshape(stored.shape)
+    bs, ts = gguf.GGML_QUANT_SIZES[qt]
+    raw = rng.integers(0, 256, size=(rows, cols // bs, ts), dtype=np.uint8)
+    scales = []
+    for off in _SCALE_OFFSETS[qtype]:
+        mag = rng.uniform(0.5, 1.5, size=(rows, cols // bs)).astype(np.float32)
+        scales.append((off, mag * rng.choice([-1.0, 1.0], size=mag.shape)))
+
+    def with_scales(factor):
+        for off, s in scales:
+            v = (s * factor[:, None]).astype(np.float16)
+            raw[:, :, off:off + 2] = v.view(np.uint8).reshape(rows, cols // bs, 2)
+        blocks = raw.reshape(rows, -1)
+        return blocks, gguf.quants.dequantize(blocks, qt).reshape(rows, cols)
+
+    _, first = with_scales(np.ones(rows, np.float32))
+    rms = lambda w: np.sqrt(np.mean(np.square(w, dtype=np.float64), axis=1)) + 1e-12  # noqa: E731
+    return with_scales((rms(stored) / rms(first)).astype(np.float32))
+
+
 def write_tiny_gguf(config: dict, path, *, seed: int = 0, qtype: str = "Q8_0",
                     chat_template: str | None = None) -> dict[str, np.ndarray]:
     """A GGUF file of `config` as llama.cpp's converter lays it out (permuted llama
-    Q/K rows, gemma norms stored as 1 + w, 2-D weights in `qtype`); returns the
-    dense float32 weights it encodes under mlx-lm names, in HF layout."""
+    Q/K rows, gemma norms stored as 1 + w, 2-D weights in `qtype` where their
+    rows are a whole number of blocks, else F32); returns the dense float32
+    weights it encodes under mlx-lm names, in HF layout. Any type our kernels
+    decode: those the gguf package cannot quantize (K, IQ) hold random valid
+    blocks with each weight row's RMS, so the weights are the blocks' own."""
     import gguf
 
     from vllm_metal.models.gguf_loader import permute_rows
@@ -214,6 +255,7 @@ def write_tiny_gguf(config: dict, path, *, seed: int = 0, qtype: str = "Q8_0",
     gguf_arch = _GGUF_ARCH[arch.model_type]
     weights = random_weights(config, seed)
     qt = gguf.GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(seed + 1000)
     w = gguf.GGUFWriter(str(path), gguf_arch)
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
@@ -254,10 +296,9 @@ def write_tiny_gguf(config: dict, path, *, seed: int = 0, qtype: str = "Q8_0",
             stored = permute_rows(stored, n_heads)
         elif arch.model_type == "llama" and ".attn_k." in gname:
             stored = permute_rows(stored, n_kv)
-        if stored.ndim == 2 and stored.shape[1] % gguf.GGML_QUANT_SIZES[qt][0] == 0 and qt != gguf.GGMLQuantizationType.F32:
-            blocks = gguf.quants.quantize(stored, qt)
+        if stored.ndim == 2 and stored.shape[1] % gguf.GGML_QUANT_SIZES[qt][0] == 0 and qtype != "F32":
+            blocks, roundtrip = _encode(stored, qtype, rng)
             w.add_tensor(gname, blocks, raw_dtype=qt)
-            roundtrip = gguf.quants.dequantize(blocks, qt).reshape(stored.shape)
         else:
             w.add_tensor(gname, stored.astype(np.float32))
             roundtrip = stored.astype(np.float32)
@@ -301,4 +342,121 @@ def write_dense_checkpoint(config: dict, weights: dict[str, np.ndarray], out_dir
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(dict(config, torch_dtype="float32"), indent=2))
     mx.save_safetensors(str(out / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()})
+    return out
+
+
+# ---- parity tolerances ----------------------------------------------------------------
+
+# Logits of a tiny GGUF model (float32, linear layers on ops.gguf_matmul) against
+# mlx-lm on the dequantized weights it encodes: the bound on
+# max |ours - mlx-lm| / max(max |mlx-lm|, 1) per weight type. With float32
+# activations (the default) every type is held to FLOAT_SUMS_TOLERANCE. With
+# int8_activations, most quantized types multiply 8-bit activations on the CPU
+# (llama.cpp's scheme, ~0.5% per matmul, amplified by the random weights), which
+# dominates: the table is about 2x the worst error measure_gguf_tolerances()
+# found (5 archs x 3 seeds; worst in the comment). Types this build multiplies with float32
+# activations (Q2_K, Q3_K, IQ*: measured 1e-6) are held to FLOAT_SUMS_TOLERANCE
+# until they move to 8 bits (probed at run time: uses_8bit_activations), then
+# to their entry here.
+FLOAT_SUMS_TOLERANCE = 1e-5   # reordered float32 sums only; worst measured 4e-6 (Q2_K)
+GGUF_LOGITS_TOLERANCE = {
+    "F32": FLOAT_SUMS_TOLERANCE,    # 1.2e-6
+    "F16": FLOAT_SUMS_TOLERANCE,    # 9.7e-7
+    "BF16": FLOAT_SUMS_TOLERANCE,   # 9.8e-7
+    "Q8_0": 3e-2,                   # 1.55e-2
+    "Q4_0": 3.5e-2,                 # 1.78e-2
+    "Q4_1": 3e-2,                   # 1.39e-2
+    "Q5_0": 3e-2,                   # 1.52e-2
+    "Q5_1": 3e-2,                   # 1.51e-2
+    "Q2_K": 3e-2,                   # float32 on this build (4.2e-6); 8-bit: as the others
+    "Q3_K": 3e-2,                   # float32 on this build (9.8e-7)
+    "Q4_K": 7.5e-2,                 # 3.70e-2
+    "Q5_K": 5e-2,                   # 2.33e-2
+    "Q6_K": 3e-2,                   # 1.31e-2
+    "IQ4_NL": 3e-2,                 # float32 on this build (1.3e-6)
+    "IQ4_XS": 3e-2,                 # float32 on this build (1.0e-6)
+    "IQ3_S": 3e-2,                  # float32 on this build (9.7e-7)
+    "IQ3_XXS": 3e-2,                # float32 on this build (1.1e-6)
+}
+
+
+@functools.lru_cache(maxsize=None)
+def uses_8bit_activations(qtype: str) -> bool:
+    """Whether this build's gguf_matmul rounds activations of `qtype` to 8 bits:
+    its result against float64 sums of the same dequantized weights."""
+    from vllm_metal import ops
+
+    rng = np.random.default_rng(0)
+    blocks, dense = _encode(rng.standard_normal((8, 256)).astype(np.float32), qtype, rng)
+    blocks = mx.array(np.ascontiguousarray(blocks).view(np.uint8).reshape(8, -1))
+    x = rng.standard_normal((1, 256)).astype(np.float32)
+    got = np.array(ops.gguf_matmul(mx.array(x), blocks, qtype, [8, 256]))[0]
+    want = (x.astype(np.float64) @ dense.T.astype(np.float64))[0]
+    return bool(np.abs(got - want).max() > 1e-4 * np.abs(want).max())
+
+
+def gguf_logits_tolerance(qtype: str, int8_activations: bool = False) -> float:
+    """The bound gguf_parity_error must meet for `qtype` on this build."""
+    if not int8_activations or qtype in ("F32", "F16", "BF16") or not uses_8bit_activations(qtype):
+        return FLOAT_SUMS_TOLERANCE
+    return GGUF_LOGITS_TOLERANCE[qtype]
+
+
+# Row lengths of every matrix are multiples of 256 here, so K and IQ types apply everywhere.
+GGUF_PARITY_OVERRIDES = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
+
+
+def gguf_parity_config(name: str) -> dict:
+    """A tiny config whose matrices take every GGUF type (llama: untied, with
+    attention bias, so q/k biases are un-permuted too)."""
+    if name == "llama_untied_bias":
+        cfg = tiny_config("llama", tie_word_embeddings=False, attention_bias=True,
+                          **GGUF_PARITY_OVERRIDES)
+    else:
+        cfg = tiny_config(name, **GGUF_PARITY_OVERRIDES)
+    if cfg["model_type"] == "gemma3_text":
+        # GGUF has no query_pre_attn_scalar: llama.cpp scales by 1/sqrt(head_dim).
+        cfg["query_pre_attn_scalar"] = cfg["head_dim"]
+    if cfg["model_type"] == "qwen2":
+        cfg.pop("head_dim")  # qwen2 derives it: 256 / 4
+    return cfg
+
+
+def gguf_parity_error(name: str, qtype: str, tmp_dir, *, seed: int = 4,
+                      schedules=SCHEDULES, int8_activations: bool = False) -> float:
+    """max |ours - mlx-lm| / max(max |mlx-lm|, 1) over every logits row of the
+    SCHEDULES sequences, for a tiny `name` model written as a `qtype` GGUF."""
+    cfg = gguf_parity_config(name)
+    tmp_dir = Path(tmp_dir)
+    path = tmp_dir / f"{name}-{qtype}-{seed}.gguf"
+    dense = write_tiny_gguf(cfg, path, seed=seed, qtype=qtype)
+    from vllm_metal.models import load_model
+
+    ours = load_model(str(path), "float32", int8_activations=int8_activations)
+    ref = mlx_lm_reference(write_dense_checkpoint(cfg, dense, tmp_dir / f"{path.stem}-dense"))
+    rng = np.random.default_rng(seed + 1)
+    sequences = [rng.integers(3, cfg["vocab_size"], sum(s)).tolist() for s in schedules]
+    worst = 0.0
+    for seq, sched, logits in zip(sequences, schedules, run_packed(ours, sequences, schedules)):
+        want = reference_logits(ref, seq, sched)
+        worst = max(worst, float(np.abs(logits - want).max() / max(np.abs(want).max(), 1.0)))
+    return worst
+
+
+def measure_gguf_tolerances(names=("llama", "llama_untied_bias", "qwen2", "qwen3", "gemma3"),
+                            seeds=(4, 5, 6), qtypes=tuple(GGUF_LOGITS_TOLERANCE),
+                            int8_activations: bool = True) -> dict:
+    """The worst gguf_parity_error per type over archs and seeds (prints a table)."""
+    import tempfile
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for qtype in qtypes:
+            errs = [gguf_parity_error(n, qtype, tmp, seed=s, int8_activations=int8_activations)
+                    for n in names for s in seeds]
+            out[qtype] = max(errs)
+            bound = gguf_logits_tolerance(qtype, int8_activations)
+            print(f"{qtype:8s} worst {out[qtype]:.2e}  bound {bound:.0e}  "
+                  f"8-bit activations: {uses_8bit_activations(qtype)}", flush=True)
     return out

@@ -194,11 +194,15 @@ void bind_gguf(nb::module_& m) {
   m.def(
       "gguf_matmul",
       [](const mx::array& x, const mx::array& blocks, const TypeArg& type,
-         const std::vector<int64_t>& shape, const StreamArg& s) {
-        return vm::gguf_matmul(x, blocks, to_type(type), to_shape(shape), to_stream_or_device(s));
+         const std::vector<int64_t>& shape, bool exact, const StreamArg& s) {
+        return vm::gguf_matmul(x, blocks, to_type(type), to_shape(shape), exact,
+                               to_stream_or_device(s));
       },
-      "x"_a, "blocks"_a, "type"_a, "shape"_a, nb::kw_only(), "stream"_a = nb::none(),
-      "x @ W.T for W = [N, K] (shape) in GGUF block form; returns [..., N] in x's dtype.");
+      "x"_a, "blocks"_a, "type"_a, "shape"_a, nb::kw_only(), "exact"_a = false,
+      "stream"_a = nb::none(),
+      "x @ W.T for W = [N, K] (shape) in GGUF block form; returns [..., N] in x's dtype. "
+      "exact=False: the CPU rounds x to 8-bit blocks for Q4_0..Q8_0 and Q4_K..Q6_K "
+      "(llama.cpp's scheme); exact=True: float32 sums of x as given.");
   m.def(
       "plan_gguf_dequantize",
       [](const TypeArg& type, const std::string& dtype, int64_t rows, int64_t cols) {

@@ -160,7 +160,13 @@ float* scratch_floats(std::vector<float>& v, size_t n) {
   return v.data();
 }
 
-// ---- decode rows: m <= kGgufMatvecMaxRows -----------------------------------------------------
+// ---- decode rows: m <= kGgufMatvecMaxRows, or kGgufInt8MaxRows on the integer path ------------
+
+// Rows i0 .. i0 + rows of x.
+GgufQ8Rows q8_rows(const GgufQ8Rows& x, int64_t i0, int64_t rows) {
+  const int64_t nb = x.k / kGgufQ8Block;
+  return {rows, x.k, x.q + i0 * x.k, x.d + i0 * nb, x.dsum + i0 * nb, x.sum16 + i0 * 2 * nb};
+}
 
 // Weight bytes one task should read at least, so that a hand-off to the pool
 // (a few microseconds) stays small against the work it carries.
@@ -203,7 +209,11 @@ void matvec(const GgufKernels& kern, const GgufMatmul& a, const float* xf) {
       if (fdot) {
         fdot(wr, rb, nr, xf, m, k, y, ldy);
       } else if (qdot) {
-        qdot(wr, rb, nr, xq, y, ldy);
+        // x rows in passes of up to 8 over the same (cached) weight rows
+        for (int64_t i0 = 0; i0 < m; i0 += kGgufMatvecMaxRows) {
+          qdot(wr, rb, nr, q8_rows(xq, i0, std::min(kGgufMatvecMaxRows, m - i0)), y + i0 * ldy,
+               ldy);
+        }
       } else {
         float* wf = scratch_floats(wbuf, nr * k);
         gguf_decode_row(a.type, wr, nr * k, wf);
@@ -214,6 +224,21 @@ void matvec(const GgufKernels& kern, const GgufMatmul& a, const float* xf) {
       r0 += nr;
     }
   });
+}
+
+// x [m, k] -> d * q, the values the integer decode path multiplies.
+void round_through_q8(const GgufKernels& kern, const float* x, int64_t m, int64_t k, float* out) {
+  const int64_t nb = m * k / kGgufQ8Block;
+  std::vector<int8_t> q(m * k);
+  std::vector<float> d(2 * nb);
+  std::vector<int16_t> s16(2 * nb);
+  kern.quantize_q8(x, m, k, q.data(), d.data(), d.data() + nb, s16.data());
+  for (int64_t b = 0; b < nb; ++b) {
+    const float scale = d[b];
+    for (int l = 0; l < kGgufQ8Block; ++l) {
+      out[b * kGgufQ8Block + l] = scale * static_cast<float>(q[b * kGgufQ8Block + l]);
+    }
+  }
 }
 
 // ---- prefill: m > kGgufMatvecMaxRows ----------------------------------------------------------
@@ -291,14 +316,25 @@ void gguf_matmul(const GgufMatmul& a) {
     load_rows(a.elt, a.x, a.m * a.k, xbuf.data());
     xf = xbuf.data();
   }
-  if (a.m <= kGgufMatvecMaxRows) {
+  const int tid = static_cast<int>(a.type);
+  const bool int8 = !a.exact && kern.float_dot[tid] == nullptr && kern.q8_dot[tid] != nullptr;
+  if (a.m <= kGgufMatvecMaxRows || (int8 && a.m <= kGgufInt8MaxRows)) {
     matvec(kern, a, xf);
-  } else {
-    prefill(kern, a, xf);
+    return;
   }
+  // The integer path multiplies x rounded to 8-bit blocks; larger calls round x the same
+  // way before their float tiles, so a row's result does not depend on how many rows
+  // share the call (a request decoded alone or in a batch gets the same tokens).
+  if (int8) {
+    std::vector<float> rounded(a.m * a.k);
+    round_through_q8(kern, xf, a.m, a.k, rounded.data());
+    prefill(kern, a, rounded.data());
+    return;
+  }
+  prefill(kern, a, xf);
 }
 
-bool gguf_matmul_int8_decode(GGMLType type) {
+bool gguf_matmul_int8_activations(GGMLType type) {
   const int tid = static_cast<int>(type);
   return tid < kGgufNumTypeIds && kernels().q8_dot[tid] != nullptr;
 }

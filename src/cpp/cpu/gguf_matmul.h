@@ -1,15 +1,16 @@
 // y = x @ W^T with W in GGUF block form, on the CPU (no MLX).
 //
-// Decode rows (m <= kGgufMatvecMaxRows): x is quantized once to 8-bit blocks of
-// 32 and every weight block is dotted with it in integers, straight from its
-// packed bytes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; llama.cpp's
-// scheme: results differ from float32 by the activation rounding, see
-// docs/gguf.md). F32 / F16 / BF16 weights are dotted with float x directly;
-// the other types are decoded to float32 in cache first. Larger m: a panel of
-// weight rows is decoded to float32 once and multiplied with all x rows by a
-// register-blocked kernel (float32 sums). Threaded over weight rows; kernels
-// for AVX-512 VNNI, AVX2, NEON (with and without dotprod) and scalar, picked
-// at run time (gguf_kernels.h).
+// Activations of the integer-capable types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+// Q5_K, Q6_K) are rounded to 8-bit blocks of 32, llama.cpp's scheme (results
+// differ from float32 by that rounding, see docs/gguf.md) — for every row
+// count, so a row's result does not depend on the batch it is in. Decode rows
+// (m <= kGgufMatvecMaxRows) then dot every weight block with them in integers,
+// straight from its packed bytes; F32 / F16 / BF16 weights are dotted with
+// float x directly; the other types are decoded to float32 in cache first.
+// Larger m: a panel of weight rows is decoded to float32 once and multiplied
+// with all (rounded) x rows by a register-blocked kernel (float32 sums).
+// Threaded over weight rows; kernels for AVX-512 VNNI, AVX2, NEON (with and
+// without dotprod) and scalar, picked at run time (gguf_kernels.h).
 #pragma once
 
 #include <cstdint>
@@ -21,7 +22,10 @@
 
 namespace vllm_metal::cpu {
 
-constexpr int64_t kGgufMatvecMaxRows = 8;
+constexpr int64_t kGgufMatvecMaxRows = 8;  // rows per pass of the mat-vec kernels
+// Up to this many rows, the integer path runs mat-vec passes over cached weight rows
+// (cheaper than decoding the weights to float for the tiles; benchmarks/gguf_bench.py).
+constexpr int64_t kGgufInt8MaxRows = 256;
 
 struct GgufMatmul {
   gguf::GGMLType type = gguf::GGMLType::kF32;
@@ -32,16 +36,15 @@ struct GgufMatmul {
   const void* x = nullptr;  // [m, k]
   int64_t m = 0;
   void* y = nullptr;        // [m, n]
-  // true: float32 sums of the exact weights on every path (no 8-bit activations);
+  // true: float32 sums of the exact x on every path (no 8-bit activations);
   // for parity tests against dense references, at the float path's speed.
   bool exact = false;
 };
 
 void gguf_matmul(const GgufMatmul& a);
 
-// True when gguf_matmul computes this type's decode rows (m <= kGgufMatvecMaxRows)
-// with 8-bit activations (unless `exact`).
-bool gguf_matmul_int8_decode(gguf::GGMLType type);
+// True when gguf_matmul rounds this type's activations to 8 bits (unless `exact`).
+bool gguf_matmul_int8_activations(gguf::GGMLType type);
 
 // The kernel variants this CPU runs, best first: "avx512", "avx2", "scalar" on
 // x86-64; "neon_dot", "neon", "scalar" on arm64. gguf_matmul uses the first;

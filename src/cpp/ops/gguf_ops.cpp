@@ -86,7 +86,7 @@ mx::array gguf_dequantize(const mx::array& blocks, GGMLType type, const mx::Shap
 }
 
 mx::array gguf_matmul(const mx::array& x, const mx::array& blocks, GGMLType type,
-                      const mx::Shape& shape, mx::StreamOrDevice s) {
+                      const mx::Shape& shape, bool exact, mx::StreamOrDevice s) {
   const char* op = "gguf_matmul";
   check_float_dtype(op, "x", x.dtype());
   if (shape.size() != 2) fail(op, "shape must be [N, K], got " + shape_str(shape));
@@ -102,7 +102,7 @@ mx::array gguf_matmul(const mx::array& x, const mx::array& blocks, GGMLType type
   auto stream = mx::to_stream(s);
   return mx::array(out_shape, x.dtype(),
                    std::make_shared<GgufMatmul>(stream, default_kernel_backend(), type, shape[0],
-                                                shape[1]),
+                                                shape[1], exact),
                    {mx::contiguous(x, false, s), flat_bytes(blocks, s)});
 }
 
@@ -209,7 +209,8 @@ KernelPlan GgufMatmul::plan(const std::vector<mx::array>& inputs,
 
 bool GgufMatmul::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const GgufMatmul&>(other);
-  return type_ == o.type_ && n_ == o.n_ && k_ == o.k_ && backend() == o.backend();
+  return type_ == o.type_ && n_ == o.n_ && k_ == o.k_ && exact_ == o.exact_ &&
+         backend() == o.backend();
 }
 
 void GgufMatmul::eval_native_cpu(const std::vector<mx::array>& inputs,
@@ -221,6 +222,7 @@ void GgufMatmul::eval_native_cpu(const std::vector<mx::array>& inputs,
   a.k = p.k;
   a.m = p.m;
   a.elt = elt_of(p.dtype);
+  a.exact = exact_;
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& in : inputs) encoder.set_input_array(in);
   encoder.set_output_array(outputs[0]);

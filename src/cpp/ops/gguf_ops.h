@@ -22,8 +22,11 @@ mx::array gguf_dequantize(const mx::array& blocks, gguf::GGMLType type, const mx
                           mx::Dtype out_dtype = mx::float32, mx::StreamOrDevice s = {});
 
 // x: [..., K] float32/float16/bfloat16; returns [..., N] in x's dtype.
+// exact = false: the CPU rounds x to 8-bit blocks for the integer-capable types
+// (llama.cpp's scheme, fastest); true: float32 sums of x as given (cpu/gguf_matmul.h).
+// Metal kernels always sum in float.
 mx::array gguf_matmul(const mx::array& x, const mx::array& blocks, gguf::GGMLType type,
-                      const mx::Shape& shape, mx::StreamOrDevice s = {});
+                      const mx::Shape& shape, bool exact = false, mx::StreamOrDevice s = {});
 
 // Throws std::invalid_argument "[op] type Q2_XXS is not supported ..." for
 // types our kernels do not decode.
@@ -81,8 +84,9 @@ class GgufDequantize : public KernelPrimitive {
 
 class GgufMatmul : public KernelPrimitive {
  public:
-  GgufMatmul(mx::Stream stream, KernelBackend backend, gguf::GGMLType type, int64_t n, int64_t k)
-      : KernelPrimitive(stream, backend), type_(type), n_(n), k_(k) {}
+  GgufMatmul(mx::Stream stream, KernelBackend backend, gguf::GGMLType type, int64_t n, int64_t k,
+             bool exact)
+      : KernelPrimitive(stream, backend), type_(type), n_(n), k_(k), exact_(exact) {}
 
   KernelPlan plan(const std::vector<mx::array>& inputs,
                   const std::vector<mx::array>& outputs) const override;
@@ -98,6 +102,7 @@ class GgufMatmul : public KernelPrimitive {
   gguf::GGMLType type_;
   int64_t n_;
   int64_t k_;
+  bool exact_;
 };
 
 }  // namespace vllm_metal
