@@ -1,0 +1,158 @@
+"""Side-by-side serving benchmark: vllm-metal against llama.cpp's server and
+mlx-lm's server, on the same model file, the same thread count, the same
+requests. Servers run one at a time; each gets every (mix, concurrency) cell.
+
+    benchmarks/peers/setup                       # builds llama-server once
+    .venv/bin/python benchmarks/compare/run.py [--model smollm2|gemma3|PATH.gguf]
+        [--servers vllm-metal,vllm-metal-int8,llama.cpp,mlx-lm]
+        [--mixes random-128-128,random-1024-128,sharegpt-like] [--concurrency 1,4,16,64]
+        [--requests-per-slot 2] [--cell-seconds 120] [--threads 2]
+        [--out benchmarks/results/compare.json] [--no-docs]
+
+Per cell: TTFT (mean, p50, p99), TPOT (mean), output tok/s and total tok/s
+(prompt + output tokens over the cell's wall time), completed requests; per
+server: peak RSS of its process tree. Writes the JSON, a markdown table into
+docs/benchmarks.md (between the compare markers) and PNG plots into docs/img/.
+vLLM's own CPU backend is not among the peers: its CPU build must be compiled
+from source for this machine (no wheel on PyPI), which this harness does not do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report  # noqa: E402
+import servers  # noqa: E402
+from client import run_cell  # noqa: E402
+from workload import MIXES, make_requests  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVERS = ("vllm-metal", "vllm-metal-int8", "llama.cpp", "mlx-lm")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_path(name: str) -> str:
+    from vllm_metal.models.offline import OFFLINE_GGUF
+
+    return str(OFFLINE_GGUF[name]()) if name in OFFLINE_GGUF else name
+
+
+def make_peer(name: str, gguf: str, port: int, args, eos_ids: list[int]) -> servers.Peer:
+    slots = max(args.concurrency)
+    if name == "vllm-metal":
+        return servers.ours(gguf, port, args.threads, slots, int8_activations=False)
+    if name == "vllm-metal-int8":
+        return servers.ours(gguf, port, args.threads, slots, int8_activations=True)
+    if name == "llama.cpp":
+        bin_dir = ROOT / "build" / "peers" / "llama.cpp" / "bin"
+        if not (bin_dir / "llama-server").exists():
+            raise SystemExit("llama-server missing: run benchmarks/peers/setup first")
+        return servers.llama_cpp(str(bin_dir), gguf, port, args.threads, slots)
+    if name == "mlx-lm":
+        from mlx_checkpoint import mlx_checkpoint
+
+        return servers.mlx_lm(mlx_checkpoint(gguf), port, slots, eos_ids)
+    raise SystemExit(f"unknown server {name!r}; known: {', '.join(SERVERS)}")
+
+
+def summarize(results, wall: float) -> dict:
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft for r in ok]
+    tpot = [r.tpot for r in ok if not np.isnan(r.tpot)]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:3],
+        "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
+        "ttft_p50_s": float(np.percentile(ttft, 50)) if ttft else None,
+        "ttft_p99_s": float(np.percentile(ttft, 99)) if ttft else None,
+        "tpot_mean_ms": 1e3 * statistics.fmean(tpot) if tpot else None,
+        "output_tok_s": out_tokens / wall, "total_tok_s": (in_tokens + out_tokens) / wall,
+        "output_tokens": out_tokens, "prompt_tokens": in_tokens, "wall_s": wall,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--servers", default=",".join(SERVERS))
+    ap.add_argument("--mixes", default=",".join(MIXES))
+    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument("--requests-per-slot", type=int, default=2)
+    ap.add_argument("--cell-seconds", type=float, default=120.0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compare.json"))
+    ap.add_argument("--no-docs", action="store_true")
+    args = ap.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+
+    from transformers import AutoTokenizer
+
+    from vllm_metal.models import gguf_loader, prepare_gguf_dir
+
+    gguf = model_path(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(prepare_gguf_dir(gguf))
+    eos_ids = gguf_loader.eos_token_ids(gguf_loader.GGUFCheckpoint(gguf))
+    mixes = args.mixes.split(",")
+    run = {"machine": f"{platform.machine()}, {socket.gethostname()}, {args.threads} threads",
+           "cpu": _cpu_name(), "model": Path(gguf).name, "date": time.strftime("%Y-%m-%d %H:%M"),
+           "command": " ".join(sys.argv), "cells": [], "servers": {}}
+    for name in args.servers.split(","):
+        port = free_port()
+        peer = make_peer(name, gguf, port, args, eos_ids)
+        print(f"== {name}: starting", flush=True)
+        t0 = time.perf_counter()
+        server = servers.RunningServer(peer, port)
+        startup = time.perf_counter() - t0
+        try:
+            warm = make_requests(tokenizer, "random-128-128", 1, seed=99)
+            asyncio.run(run_cell(server.base, peer.model, warm, 1, peer.no_eos, 600))
+            for mix in mixes:
+                for c in args.concurrency:
+                    reqs = make_requests(tokenizer, mix, max(4, c * args.requests_per_slot), seed=c)
+                    results, wall = asyncio.run(run_cell(server.base, peer.model, reqs, c,
+                                                         peer.no_eos, args.cell_seconds))
+                    cell = {"server": name, "mix": mix, "concurrency": c, **summarize(results, wall)}
+                    run["cells"].append(cell)
+                    print(json.dumps(cell), flush=True)
+        finally:
+            server.stop()
+        run["servers"][name] = {"peak_rss_mb": server.peak_rss / 2**20, "startup_s": startup}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(run, indent=1))
+    print(report.table(run))
+    if not args.no_docs:
+        report.write_docs(run, ROOT / "docs")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return subprocess.run(["uname", "-p"], capture_output=True, text=True).stdout.strip()
+
+
+if __name__ == "__main__":
+    main()
