@@ -2,7 +2,9 @@
 
 vLLM's front end reads a config.json and a tokenizer from a directory; a GGUF
 file carries both in its metadata. `prepare_gguf_dir` (vllm_metal.models)
-writes them next to a link to the file, once, in a cache directory.
+writes them next to a link to the file, once, in a cache directory. A hub
+reference `owner/repo:TAG` first resolves to one of the repo's GGUF files
+(hub_gguf.py).
 """
 
 from __future__ import annotations
@@ -13,8 +15,15 @@ SOURCE_MARKER = "vllm_metal_gguf_source.txt"
 
 
 def resolve_model_argument(value: str) -> str:
-    """argparse type of --model / model_tag / --tokenizer: *.gguf -> directory."""
-    if value is None or not str(value).lower().endswith(".gguf"):
+    """argparse type of --model / model_tag / --tokenizer: *.gguf or owner/repo:TAG -> directory."""
+    from vllm_metal import hub_gguf
+
+    if value is None:
+        return value
+    reference = hub_gguf.parse_reference(value)
+    if reference is not None:
+        value = str(hub_gguf.resolve(*reference))
+    elif not str(value).lower().endswith(".gguf"):
         return value
     path = Path(value).expanduser()
     if not path.is_file():

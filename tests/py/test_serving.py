@@ -83,10 +83,19 @@ def test_concurrent_requests_equal_their_solo_outputs(server):
     check_concurrent_requests_equal_their_solo_outputs(server)
 
 
-def test_v1_runner_contract_serves_concurrent_requests_with_preemption():
+def test_v1_runner_contract_serves_concurrent_requests_with_preemption(tmp_path):
     # VLLM_USE_V2_MODEL_RUNNER=0: preempted requests stay in the table and
-    # resume with replaced block ids instead of coming back as new requests
-    s = Server(smollm2_gguf(), "smollm2", SERVER_ARGS, env={"VLLM_USE_V2_MODEL_RUNNER": "0"})
+    # resume with replaced block ids instead of coming back as new requests.
+    # The model is named as a hub reference, found offline in a prepared cache.
+    from pathlib import Path
+
+    from hub_cache import make_hub_cache
+
+    gguf = Path(smollm2_gguf())
+    make_hub_cache(tmp_path / "hub", "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF",
+                   {gguf.name: gguf, "mmproj-" + gguf.name: b"a projector, never picked"})
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "0", "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    s = Server("HuggingFaceTB/SmolLM2-135M-Instruct-GGUF:Q4_1", "smollm2", SERVER_ARGS, env=env)
     try:
         assert "Paris" in s.chat("What is the capital of France?")["choices"][0]["message"]["content"]
         check_concurrent_requests_equal_their_solo_outputs(s)
