@@ -65,7 +65,8 @@ class LaunchCounts:
     matrix_stores: int
     matrix_macs: int             # simdgroup matrix multiply-accumulates (scalar MACs)
     buffers: dict                # [[buffer(i)]] -> BufferCounts
-    excluded: tuple = ()
+    excluded: tuple = ()         # buffer indices left out of `device` (set by the host)
+    slots: dict = dataclasses.field(default_factory=dict)  # [[buffer(i)]] -> host array (host's)
 
     @property
     def device(self):
