@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import mlx.core  # noqa: F401 -- before _core: rope tables come back as mx.array
 import numpy as np
 
 from vllm_metal import _core, emulation
@@ -29,6 +30,7 @@ class Case:
     arrays: list
     minimum: int      # bytes the op must read + write at least
     flops: int = 0    # arithmetic, for the roofline's compute bound
+    scratch: int = 0  # bytes of intermediate results the plan must write and read back
 
 
 @dataclasses.dataclass
@@ -102,7 +104,7 @@ def cache_write(dtype: str, tokens: int, heads: int, head_size: int, num_slots: 
     slots[tokens // 2] = -1  # padding token: skipped
     plan = _core.plan_cache_write(dtype, tokens, heads, head_size, num_slots, [heads * head_size, head_size, 1])
     kept = int((slots >= 0).sum())
-    minimum = 8 * tokens + tokens * heads * head_size * s + kept * heads * head_size * s
+    minimum = 8 * tokens + 2 * kept * heads * head_size * s  # a skipped token's row is never read
     return Case(f"cache_write(T={tokens},H={heads},D={head_size},{dtype})", plan,
                 [src, cache, slots, cache], minimum)
 
@@ -180,16 +182,20 @@ def paged_attention(dtype: str, q_lens, seq_lens, num_q_heads: int, num_kv_heads
         dtype, tokens, num_seqs, num_q_heads, num_kv_heads, head_size, block_size, num_blocks,
         max_blocks, num_decode_seqs=num_decode, max_seq_len=max(seq_lens), max_query_len=max(q_lens),
         scale=head_size ** -0.5, partition_size=partition_size)
-    parts = max(1, plan[0].grid[2]) if len(plan) > 1 else 1
+    split = any("reduce" in l.kernel for l in plan)
+    parts = max(1, plan[0].grid[2]) if split else 1
     rows = max(1, num_decode)
     scratch = [np.zeros((rows, num_q_heads, parts, head_size), np.float32),
                np.zeros((rows, num_q_heads, parts), np.float32),
                np.zeros((rows, num_q_heads, parts), np.float32)]
     arrays = [q, kc, vc, tables, np.array(seq_lens, np.int32), cu, np.zeros(1, np.float32), out, *scratch]
     kv_bytes = 2 * sum(seq_lens) * num_kv_heads * head_size * s
+    # split-KV decode round-trips per (row, head, partition) a float32 partial output, max
+    # and sum through memory: the price of filling the GPU, reported apart from the floor
+    scratch = 2 * 4 * num_decode * num_q_heads * parts * (head_size + 2) if split else 0
     minimum = (2 * q.nbytes + kv_bytes + 4 * sum(blocks_per_seq) + 4 * num_seqs + 4 * (num_seqs + 1))
     flops = 4 * num_q_heads * head_size * sum(
         sum(L - n + 1 + j for j in range(n)) for n, L in zip(q_lens, seq_lens))
     name = (f"paged_attention(q={q_lens},ctx={seq_lens},hq={num_q_heads},hkv={num_kv_heads},"
             f"d={head_size},bs={block_size},{dtype})")
-    return Case(name, plan, arrays, minimum, flops=flops)
+    return Case(name, plan, arrays, minimum, flops=flops, scratch=scratch)
