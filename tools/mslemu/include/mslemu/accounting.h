@@ -115,8 +115,16 @@ inline bool acct_simd_leader() {
 // Silences the accesses of a scope (the redundant lanes of a simdgroup matrix load/store).
 struct AcctMute {
   bool prev;
-  explicit AcctMute(bool mute) : prev(tl_fiber->acct_mute) { tl_fiber->acct_mute = prev || mute; }
-  ~AcctMute() { tl_fiber->acct_mute = prev; }
+  // The barriers keep the optimiser from dropping the first store as dead: the
+  // instrumentation that reads the flag is inserted after optimisation.
+  explicit AcctMute(bool mute) : prev(tl_fiber->acct_mute) {
+    tl_fiber->acct_mute = prev || mute;
+    __asm__ __volatile__("" ::: "memory");
+  }
+  ~AcctMute() {
+    __asm__ __volatile__("" ::: "memory");
+    tl_fiber->acct_mute = prev;
+  }
 };
 
 }  // namespace mslemu
