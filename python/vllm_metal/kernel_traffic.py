@@ -101,7 +101,8 @@ def cache_write(dtype: str, tokens: int, heads: int, head_size: int, num_slots: 
     src = _rand((tokens, heads, head_size), dtype, rng)
     cache = _empty((num_slots, heads, head_size), dtype)
     slots = rng.permutation(num_slots)[:tokens].astype(np.int64)
-    slots[tokens // 2] = -1  # padding token: skipped
+    if tokens > 1:
+        slots[tokens // 2] = -1  # padding token: skipped
     plan = _core.plan_cache_write(dtype, tokens, heads, head_size, num_slots, [heads * head_size, head_size, 1])
     kept = int((slots >= 0).sum())
     minimum = 8 * tokens + 2 * kept * heads * head_size * s  # a skipped token's row is never read
