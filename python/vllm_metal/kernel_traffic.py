@@ -42,11 +42,17 @@ class Traffic:
     total: int        # every load and store of every thread
     unique: int       # distinct bytes per launch, summed over launches
     tg_unique: int    # distinct bytes per threadgroup, summed
+    simd: int = 0     # like total, a simdgroup's broadcast load (same address) counted once
 
     @property
     def ratio(self) -> float:
         """unique / minimum: >1 means bytes the op did not need (or scratch)."""
         return self.unique / self.case.minimum
+
+    @property
+    def simd_ratio(self) -> float:
+        """simd / minimum: re-reads that remain once broadcasts are merged."""
+        return self.simd / self.case.minimum
 
     @property
     def total_ratio(self) -> float:
@@ -64,6 +70,7 @@ def measure(case: Case) -> Traffic:
         total=sum(d.read + d.written for d in dev),
         unique=sum(d.read_unique + d.written_unique for d in dev),
         tg_unique=sum(d.read_tg_unique + d.written_tg_unique for d in dev),
+        simd=sum(d.read_simd + d.written_simd for d in dev),
     )
 
 

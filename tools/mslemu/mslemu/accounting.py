@@ -19,7 +19,8 @@ FLAGS = ["-DMSLEMU_ACCOUNTING=1", "-fsanitize=address", "-fno-sanitize-address-u
 class _BufferCounts(ctypes.Structure):
     # mirrors mslemu_buffer_counts
     _fields_ = [(n, ctypes.c_uint64) for n in ("read", "written", "read_unique", "written_unique",
-                                               "read_tg_unique", "written_tg_unique")]
+                                               "read_tg_unique", "written_tg_unique", "read_simd",
+                                               "written_simd")]
 
 
 class _Counts(ctypes.Structure):
@@ -41,6 +42,8 @@ class BufferCounts:
     written_unique: int = 0
     read_tg_unique: int = 0
     written_tg_unique: int = 0
+    read_simd: int = 0        # like read/written, a simdgroup's broadcast load counted once
+    written_simd: int = 0
 
     def __iadd__(self, o):
         for f in dataclasses.fields(self):

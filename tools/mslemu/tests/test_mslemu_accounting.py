@@ -50,3 +50,15 @@ def test_normal_builds_return_no_counts(load):
     x, y = np.ones(4, np.float32), np.zeros(4, np.float32)
     assert lib.dispatch_threads("neighbours", (4,), (4,), [x, y, np.uint32(4)]) is None
     assert lib._lib.mslemu_last_counts() is None
+
+
+def test_simdgroup_broadcasts_count_once_per_simdgroup(counted, strict_env):
+    # `n` is read by every thread: 4 bytes per lane in total, 4 bytes per simdgroup as a
+    # broadcast; x[i] and y[i] are distinct per lane, so broadcast and total agree.
+    n = 100
+    x, y = np.arange(n, dtype=np.float32), np.zeros(n, np.float32)
+    c = counted.dispatch_threads("neighbours", (n,), (32,), [x, y, np.uint32(n)])
+    assert c.buffers[2].read == 4 * n
+    assert c.buffers[2].read_simd == 4 * 4  # 4 simdgroups
+    assert c.buffers[0].read_simd == c.buffers[0].read
+    assert c.buffers[1].written_simd == c.buffers[1].written

@@ -70,6 +70,9 @@ typedef struct mslemu_buffer_counts {
   uint64_t read, written;                       /* bytes, every access of every thread */
   uint64_t read_unique, written_unique;         /* distinct bytes over the launch */
   uint64_t read_tg_unique, written_tg_unique;   /* distinct bytes per threadgroup, summed */
+  uint64_t read_simd, written_simd;             /* like read/written, but lanes of a simdgroup
+                                                   loading the same address in the same (n-th)
+                                                   access count once: a broadcast */
 } mslemu_buffer_counts;
 
 typedef struct mslemu_counts {

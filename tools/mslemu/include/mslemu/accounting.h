@@ -20,14 +20,24 @@ struct AcctBuf {
   uint32_t *tg_w = nullptr;
 };
 
+// The first lane's n-th device access in a simdgroup, to spot broadcasts by the others.
+struct AcctSeen {
+  uintptr_t addr;
+  uint32_t n;
+  uint32_t tg;  // 1 + threadgroup index: entries of earlier threadgroups are stale
+};
+
 struct Acct {
   mslemu_counts c{};
+  AcctSeen *seen_by_sg[32] = {};  // [simdgroup][access ordinal]
+  uint32_t seen_cap[32] = {};
   AcctBuf bufs[MSLEMU_MAX_COUNTED_BUFFERS];
   uint32_t n_bufs = 0;
   uintptr_t tg_ranges[MSLEMU_MAX_COUNTED_BUFFERS + 1][2] = {};  // threadgroup memory of the worker
   uint32_t n_tg_ranges = 0;
   uint32_t tg_id = 0;  // 1 + linear index of the running threadgroup
   ~Acct() {
+    for (auto *p : seen_by_sg) free(p);
     for (uint32_t i = 0; i < n_bufs; ++i) {
       delete[] bufs[i].seen;
       delete[] bufs[i].tg_r;
@@ -44,22 +54,45 @@ inline thread_local bool tl_acct_busy __attribute__((tls_model("initial-exec")))
 // only: anything instrumented called from here would recurse.
 MSLEMU_NOASAN inline void acct_access(uintptr_t a, size_t n, bool write) {
   Acct *A = tl_acct;
-  if (!A || !tl_fiber || tl_fiber->acct_mute || tl_acct_busy) return;
+  if (!A || !tl_fiber || tl_acct_busy) return;
+  const bool mute = tl_fiber->acct_mute;
   tl_acct_busy = true;
   for (uint32_t i = 0; i < A->n_tg_ranges; ++i)
     if (a >= A->tg_ranges[i][0] && a < A->tg_ranges[i][1]) {
-      (write ? A->c.threadgroup_written : A->c.threadgroup_read) += n;
+      if (!mute) (write ? A->c.threadgroup_written : A->c.threadgroup_read) += n;
       tl_acct_busy = false;
       return;
     }
   for (uint32_t i = 0; i < A->n_bufs; ++i) {
     AcctBuf &b = A->bufs[i];
     if (a < b.base || a >= b.end) continue;
+    if (mute) {  // keep this lane's access ordinals aligned with the leader's
+      ++tl_fiber->acct_seq;
+      break;
+    }
     uintptr_t e = a + n > b.end ? b.end : a + n;  // an access running off the end counts what is inside
     mslemu_buffer_counts &bc = A->c.buffers[i];
     const uint8_t bit = write ? 2 : 1;
     uint32_t *last = write ? b.tg_w : b.tg_r;
     (write ? bc.written : bc.read) += e - a;
+    // simdgroup broadcast: same ordinal, same address and size as the simdgroup's first lane
+    Fiber *f = tl_fiber;
+    uint32_t k = f->acct_seq++, sg = f->sg;
+    if (k >= A->seen_cap[sg]) {
+      uint32_t cap = k < 1024 ? 1024 : 2 * k;
+      AcctSeen *p = (AcctSeen *)realloc(A->seen_by_sg[sg], cap * sizeof(AcctSeen));
+      if (!p) abort();  // out of memory for the accounting tables
+      for (uint32_t j = A->seen_cap[sg]; j < cap; ++j) p[j].tg = 0;
+      A->seen_by_sg[sg] = p;
+      A->seen_cap[sg] = cap;
+    }
+    AcctSeen &s = A->seen_by_sg[sg][k];
+    if (s.tg != A->tg_id) {
+      s = AcctSeen{a, (uint32_t)n, A->tg_id};
+      (write ? bc.written_simd : bc.read_simd) += e - a;
+    } else if (s.addr != a || s.n != n) {
+      (write ? bc.written_simd : bc.read_simd) += e - a;
+    }
     for (uintptr_t p = a; p < e; ++p) {
       size_t o = p - b.base;
       if (!(b.seen[o] & bit)) {

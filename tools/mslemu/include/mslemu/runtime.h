@@ -72,6 +72,7 @@ struct Fiber {
   uint32_t active_mask = 0;    // participating lanes of the last collective
   uint64_t epoch = 0;          // id of the last resolved collective (result cache key)
   bool acct_mute = false;      // counting builds: this fiber's accesses are not counted
+  uint32_t acct_seq = 0;       // counting builds: device accesses so far in this threadgroup
   ThreadCtx ctx{};
 };
 
@@ -357,7 +358,7 @@ static void run_threadgroup(Worker &w, LaunchState &ls, u3 tgpos) {
         Fiber &f = w.fibers[t];
         f.state = FState::Runnable;
         f.tid = t; f.lane = t % kSimdWidth; f.sg = t / kSimdWidth;
-        f.site = 0; f.active_mask = 0;
+        f.site = 0; f.active_mask = 0; f.acct_seq = 0;
         ThreadCtx &c = f.ctx;
         c.tpitg = {x, y, z};
         c.tgpig = tgpos;
