@@ -3,7 +3,10 @@
 ``load_all()`` builds every ``src/metal/*.metal`` with the emulator (cached
 under ~/.cache/mslemu) and registers it with the C++ core, after which ops in
 the 'emulated' backend run their Metal kernels. ``run_plan`` executes a
-planner's launches directly on NumPy arrays, for kernel tests.
+planner's launches directly on NumPy arrays, for kernel tests; with
+``counts=[]`` it runs the counting builds and appends one
+``mslemu.accounting.LaunchCounts`` per launch (bytes per buffer, barriers,
+simd-group work), for traffic budgets and the roofline report.
 """
 
 from __future__ import annotations
@@ -58,6 +61,15 @@ def library(source: str):
     return mslemu_module().Library(str(path))
 
 
+@functools.lru_cache(maxsize=None)
+def counting_library(source: str):
+    """The counting build of src/metal/<source>.metal (slower; see mslemu.accounting)."""
+    path = metal_source_dir() / f"{source}.metal"
+    if not path.is_file():
+        raise FileNotFoundError(f"no kernel source {path}")
+    return mslemu_module().Library(str(path), accounting=True)
+
+
 def load(source: str) -> None:
     from vllm_metal import _core
 
@@ -70,14 +82,17 @@ def load_all() -> None:
         load(source)
 
 
-def run_plan(plan: Sequence, arrays: Sequence[np.ndarray]) -> None:
+def run_plan(plan: Sequence, arrays: Sequence[np.ndarray], counts: list | None = None) -> None:
     """Executes launches from a ``_core.plan_*`` planner on NumPy arrays.
 
     ``arrays[slot]`` backs ``BufferBinding.array_slot``; outputs are written in
-    place, so they must be C-contiguous and writable.
+    place, so they must be C-contiguous and writable. With a ``counts`` list,
+    each launch's LaunchCounts is appended to it; its ``device`` totals leave
+    out the args struct (setBytes, not device memory) and ``slots`` maps
+    [[buffer(i)]] -> array slot.
     """
     for launch in plan:
-        lib = library(launch.source)
+        lib = library(launch.source) if counts is None else counting_library(launch.source)
         for c in launch.constants:
             lib.set_function_constant(c.index, _constant_value(c))
         buffers: dict[int, object] = {}
@@ -89,13 +104,17 @@ def run_plan(plan: Sequence, arrays: Sequence[np.ndarray]) -> None:
             buffers[b.index] = view
         if launch.args:
             buffers[launch.args_index] = bytes(launch.args)
-        lib.dispatch_threadgroups(
+        record = lib.dispatch_threadgroups(
             launch.kernel,
             grid=tuple(launch.grid),
             tg=tuple(launch.threadgroup),
             buffers=buffers,
             threadgroup_memory=list(launch.threadgroup_memory),
         )
+        if counts is not None:
+            record.excluded = (launch.args_index,) if launch.args else ()
+            record.slots = {b.index: b.array_slot for b in launch.buffers}
+            counts.append(record)
 
 
 def _constant_value(c):

@@ -10,12 +10,28 @@ os.environ.setdefault("MSLEMU_STRICT", "1")
 
 from vllm_metal import ops  # noqa: E402
 
-BACKENDS = ["native", "emulated"]
+# "metal": the op on a GPU stream, i.e. eval_gpu and the real metallib; only on a Mac
+# (.github/workflows/macos.yml), skipped elsewhere.
+BACKENDS = ["native", "emulated", "metal"]
+
+
+def metal_available() -> bool:
+    try:
+        return bool(mx.metal.is_available())
+    except Exception:  # noqa: BLE001 -- MLX builds without the metal module
+        return False
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request):
-    """Runs the test once on the C++ CPU kernels and once on the Metal kernels (emulated)."""
+    """Runs the test on the C++ CPU kernels, on the Metal kernels in the emulator and, on
+    Apple silicon, on the Metal kernels on the GPU."""
+    if request.param == "metal":
+        if not metal_available():
+            pytest.skip("no Metal GPU here (runs on macOS: .github/workflows/macos.yml)")
+        with mx.stream(mx.gpu):  # nested inside _cpu_stream, so it wins
+            yield request.param
+        return
     previous = ops.kernel_backend()
     ops.set_kernel_backend(request.param)
     try:

@@ -437,6 +437,7 @@ def generate(metal_path, outdir, include_dirs=(), defines=(), cxx=None):
         "}",
         "%s const char *mslemu_kernel_name(int i) { return mslemu::api_kernel_name(kernel_table, i); }" % api,
         "%s const char *mslemu_last_error(void) { return mslemu::last_error(); }" % api,
+        "%s const mslemu_counts *mslemu_last_counts(void) { return mslemu::api_last_counts(); }" % api,
         '}  // extern "C"',
     ]
     glue = os.path.join(outdir, "glue.cpp")

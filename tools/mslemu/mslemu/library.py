@@ -27,6 +27,7 @@ import tempfile
 
 import numpy as np
 
+from . import accounting as _accounting
 from . import gen, toolchain
 
 BASE_FLAGS = ["-std=c++17", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden",
@@ -139,10 +140,13 @@ def _box_buffer(b):
 class Library:
     """One compiled .metal file.  Attributes: metal_path, so_path, meta
     ({"kernels": {host name: [(kind, index or builtin), ...]}, "function_constants": [...]}),
-    kernels (sorted host names)."""
+    kernels (sorted host names).
+
+    accounting=True builds a separate, slower counting variant: every dispatch then runs
+    on one worker thread and returns an mslemu.accounting.LaunchCounts record."""
 
     def __init__(self, metal_path, include_dirs=(), defines=None, *, opt="-O2", extra_flags=(), cxx=None,
-                 cache_dir=None):
+                 cache_dir=None, accounting=False):
         self.metal_path = os.path.abspath(metal_path)
         if not os.path.isfile(self.metal_path):
             raise FileNotFoundError(self.metal_path)
@@ -150,6 +154,9 @@ class Library:
         include_dirs = [os.path.abspath(d) for d in include_dirs]
         defs = gen.define_flags(defines)
         flags = BASE_FLAGS + [opt, "-I", gen.INCLUDE_DIR, "-I", os.path.dirname(self.metal_path)] + list(extra_flags)
+        self.accounting = bool(accounting)
+        if self.accounting:
+            flags += _accounting.FLAGS
         key = hashlib.sha256()
         for p in [self.metal_path] + sorted(_deps(self.metal_path, include_dirs)) + _tool_files():
             key.update(p.encode() + b"\0")
@@ -180,6 +187,8 @@ class Library:
         L.mslemu_kernel_name.restype = ctypes.c_char_p
         L.mslemu_last_error.argtypes = []
         L.mslemu_last_error.restype = ctypes.c_char_p
+        L.mslemu_last_counts.argtypes = []
+        L.mslemu_last_counts.restype = ctypes.c_void_p
 
     def _build(self, root, name, include_dirs, defs, flags, cxx):
         os.makedirs(root, exist_ok=True)
@@ -275,14 +284,18 @@ class Library:
             r = self._lib.mslemu_dispatch(name.encode(), ctypes.byref(L))
         if r:
             raise RuntimeError("[mslemu] dispatch of %s failed (%d): %s" % (name, r, self._last_error()))
+        if self.accounting:
+            return _accounting.read_counts(self._lib, name, len(ptrs))
+        return None
 
     def dispatch_threadgroups(self, name, grid, tg, buffers, threadgroup_memory=None, workers=0,
                               function_constants=None):
         """MTLComputeCommandEncoder.dispatchThreadgroups(grid, threadsPerThreadgroup: tg).
-        function_constants={index: value} sets them and dispatches atomically (thread-safe)."""
-        self._launch(name, grid, tg, buffers, threadgroup_memory, False, workers, function_constants)
+        function_constants={index: value} sets them and dispatches atomically (thread-safe).
+        Returns a LaunchCounts record in a counting build (accounting=True), else None."""
+        return self._launch(name, grid, tg, buffers, threadgroup_memory, False, workers, function_constants)
 
     def dispatch_threads(self, name, threads, tg, buffers, threadgroup_memory=None, workers=0,
                          function_constants=None):
         """MTLComputeCommandEncoder.dispatchThreads(threads, threadsPerThreadgroup: tg) (non-uniform)."""
-        self._launch(name, threads, tg, buffers, threadgroup_memory, True, workers, function_constants)
+        return self._launch(name, threads, tg, buffers, threadgroup_memory, True, workers, function_constants)

@@ -92,5 +92,6 @@ def test_exported_symbols_are_only_the_abi(load):
     out = subprocess.run(["nm", "-D", "--defined-only", load("probes").so_path], capture_output=True, text=True,
                          check=True).stdout
     ours = sorted(line.split()[-1] for line in out.splitlines() if "mslemu" in line)
-    assert ours == ["mslemu_dispatch", "mslemu_dispatch_fc", "mslemu_kernel_name", "mslemu_last_error",
+    assert ours == ["mslemu_dispatch", "mslemu_dispatch_fc", "mslemu_kernel_name", "mslemu_last_counts",
+                    "mslemu_last_error",
                     "mslemu_set_function_constant"]

@@ -58,6 +58,37 @@ typedef struct mslemu_function_constant {
   unsigned long size;
 } mslemu_function_constant;
 
+/* Counting builds only (Library(..., accounting=True), -DMSLEMU_ACCOUNTING): what the
+ * library's last dispatch did, from every load and store of the compiled
+ * kernel (clang's address-sanitizer instrumentation calls back into the runtime).
+ * "Unique" counts each byte once per launch; "tg_unique" once per threadgroup, summed
+ * over threadgroups (a DRAM estimate for caches that serve one threadgroup).  simdgroup
+ * matrix loads/stores count once per simdgroup, not once per lane.
+ *   const mslemu_counts *mslemu_last_counts(void);   (dlsym it; NULL in normal builds) */
+#define MSLEMU_MAX_COUNTED_BUFFERS 32
+typedef struct mslemu_buffer_counts {
+  uint64_t read, written;                       /* bytes, every access of every thread */
+  uint64_t read_unique, written_unique;         /* distinct bytes over the launch */
+  uint64_t read_tg_unique, written_tg_unique;   /* distinct bytes per threadgroup, summed */
+  uint64_t read_simd, written_simd;             /* like read/written, but lanes of a simdgroup
+                                                   loading the same address in the same (n-th)
+                                                   access count once: a broadcast */
+} mslemu_buffer_counts;
+
+typedef struct mslemu_counts {
+  uint64_t threads, threadgroups, simdgroups;
+  uint64_t threadgroup_memory;    /* bytes, largest threadgroup: variables + [[threadgroup(i)]] */
+  uint64_t threadgroup_read, threadgroup_written;  /* bytes through threadgroup memory */
+  uint64_t barriers;              /* threadgroup_barrier calls, summed over threads */
+  uint64_t simd_ops;              /* simd_* collectives + simdgroup_barrier, summed over threads */
+  uint64_t matrix_loads, matrix_stores;  /* simdgroup_load/store, per simdgroup */
+  uint64_t matrix_macs;           /* simdgroup_multiply(_accumulate): M*N*K per call per simdgroup */
+  uint32_t n_buffers;
+  uint32_t pad_;
+  mslemu_buffer_counts buffers[MSLEMU_MAX_COUNTED_BUFFERS];
+} mslemu_counts;
+typedef const mslemu_counts *(*mslemu_last_counts_fn)(void);
+
 #define MSLEMU_E_NO_KERNEL (-1)
 #define MSLEMU_E_FC_SIZE (-2)
 #define MSLEMU_E_LAUNCH (-3)

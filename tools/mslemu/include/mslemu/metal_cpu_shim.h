@@ -613,13 +613,26 @@ inline uint64_t site_key(const char *file, unsigned line, unsigned col) {
 }  // namespace mslemu
 #define MSLEMU_SITE() ::mslemu::site_key(__builtin_FILE(), __builtin_LINE(), __builtin_COLUMN())
 
+// counting builds (accounting.h): per-thread simd-group operations
+#ifdef MSLEMU_ACCOUNTING
+#define MSLEMU_COUNT(field, n) do { if (::mslemu::tl_acct) ::mslemu::tl_acct->c.field += (n); } while (0)
+#else
+#define MSLEMU_COUNT(field, n) do { } while (0)
+#endif
+
 namespace metal {
 inline void threadgroup_barrier(mem_flags = mem_flags::mem_none, uint64_t site = MSLEMU_SITE()) {
   mslemu::barrier_wait(site);
 }
-inline void simdgroup_barrier(mem_flags = mem_flags::mem_none, uint64_t site = MSLEMU_SITE()) {
+namespace detail {
+inline void simd_sync(uint64_t site) {
   uint32_t m;
   mslemu::simd_exchange(nullptr, 0, site, &m);
+}
+}  // namespace detail
+inline void simdgroup_barrier(mem_flags = mem_flags::mem_none, uint64_t site = MSLEMU_SITE()) {
+  MSLEMU_COUNT(simd_ops, 1);
+  detail::simd_sync(site);
 }
 
 // ----------------------------------------------------------------------------
@@ -637,6 +650,7 @@ template <class T> struct SimdView {
 template <class T> inline SimdView<T> exch(const T &x, uint64_t site) {
   static_assert(sizeof(T) <= mslemu::kSlotBytes, "simd_* value too large");
   SimdView<T> v;
+  MSLEMU_COUNT(simd_ops, 1);
   v.tab = mslemu::simd_exchange(&x, sizeof(T), site, &v.mask, &v.grp, &v.epoch);
   return v;
 }
@@ -883,27 +897,44 @@ template <class T, int R, int C = R> inline simdgroup_matrix<T, R, C> make_fille
 template <class T, int R, int C, class U>
 inline void simdgroup_load(simdgroup_matrix<T, R, C> &d, const U *src, ulong elements_per_row = C,
                            ulong2 origin = ulong2(0), bool transpose = false, uint64_t site = MSLEMU_SITE()) {
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      ulong row = origin.y + (transpose ? c : r), col = origin.x + (transpose ? r : c);
-      d.m[r][c] = (T)src[row * elements_per_row + col];
-    }
-  simdgroup_barrier(mem_flags::mem_none, site);
+  {
+#ifdef MSLEMU_ACCOUNTING
+    const bool leader = mslemu::acct_simd_leader();
+    if (leader) MSLEMU_COUNT(matrix_loads, 1);
+    mslemu::AcctMute mute(!leader);  // one simdgroup load, not one per lane
+#endif
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) {
+        ulong row = origin.y + (transpose ? c : r), col = origin.x + (transpose ? r : c);
+        d.m[r][c] = (T)src[row * elements_per_row + col];
+      }
+  }
+  detail::simd_sync(site);
 }
 template <class T, int R, int C, class U>
 inline void simdgroup_store(const simdgroup_matrix<T, R, C> &a, U *dst, ulong elements_per_row = C,
                             ulong2 origin = ulong2(0), bool transpose = false, uint64_t site = MSLEMU_SITE()) {
   // every lane writes its (identical) copy; the sync below keeps lanes in lockstep
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      ulong row = origin.y + (transpose ? c : r), col = origin.x + (transpose ? r : c);
-      dst[row * elements_per_row + col] = (U)a.m[r][c];
-    }
-  simdgroup_barrier(mem_flags::mem_none, site);
+  {
+#ifdef MSLEMU_ACCOUNTING
+    const bool leader = mslemu::acct_simd_leader();
+    if (leader) MSLEMU_COUNT(matrix_stores, 1);
+    mslemu::AcctMute mute(!leader);
+#endif
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) {
+        ulong row = origin.y + (transpose ? c : r), col = origin.x + (transpose ? r : c);
+        dst[row * elements_per_row + col] = (U)a.m[r][c];
+      }
+  }
+  detail::simd_sync(site);
 }
 template <class TD, class TA, class TB, class TC, int M, int N, int K>
 inline void simdgroup_multiply_accumulate(simdgroup_matrix<TD, M, N> &d, const simdgroup_matrix<TA, M, K> &a,
                                           const simdgroup_matrix<TB, K, N> &b, const simdgroup_matrix<TC, M, N> &c) {
+#ifdef MSLEMU_ACCOUNTING
+  if (mslemu::acct_simd_leader()) MSLEMU_COUNT(matrix_macs, M * N * K);
+#endif
   simdgroup_matrix<TD, M, N> r;
   for (int i = 0; i < M; ++i)
     for (int j = 0; j < N; ++j) {
@@ -916,6 +947,9 @@ inline void simdgroup_multiply_accumulate(simdgroup_matrix<TD, M, N> &d, const s
 template <class TD, class TA, class TB, int M, int N, int K>
 inline void simdgroup_multiply(simdgroup_matrix<TD, M, N> &d, const simdgroup_matrix<TA, M, K> &a,
                                const simdgroup_matrix<TB, K, N> &b) {
+#ifdef MSLEMU_ACCOUNTING
+  if (mslemu::acct_simd_leader()) MSLEMU_COUNT(matrix_macs, M * N * K);
+#endif
   simdgroup_matrix<TD, M, N> r;
   for (int i = 0; i < M; ++i)
     for (int j = 0; j < N; ++j) {

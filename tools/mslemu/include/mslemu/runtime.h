@@ -71,6 +71,8 @@ struct Fiber {
   uint64_t site = 0;           // call-site key of the pending sync op
   uint32_t active_mask = 0;    // participating lanes of the last collective
   uint64_t epoch = 0;          // id of the last resolved collective (result cache key)
+  bool acct_mute = false;      // counting builds: this fiber's accesses are not counted
+  uint32_t acct_seq = 0;       // counting builds: device accesses so far in this threadgroup
   ThreadCtx ctx{};
 };
 
@@ -129,6 +131,8 @@ inline thread_local Worker *tl_worker __attribute__((tls_model("initial-exec")))
 inline thread_local Fiber *tl_fiber __attribute__((tls_model("initial-exec"))) = nullptr;
 
 }  // namespace mslemu
+
+#include "accounting.h"
 
 // ---- x86-64 context switch ---------------------------------------------------
 #ifndef MSLEMU_UCONTEXT
@@ -255,9 +259,17 @@ int api_dispatch(const KernelEntry *kernels, const FunctionConstantEntry *fcs, c
                  const mslemu_launch *L, const mslemu_function_constant *set, uint32_t n_set);
 int api_set_function_constant(const FunctionConstantEntry *fcs, const char *idx, const void *v, unsigned long n);
 const char *api_kernel_name(const KernelEntry *kernels, int i);
+const mslemu_counts *api_last_counts();
 
 #ifdef MSLEMU_IMPLEMENTATION
 static thread_local std::string tl_last_error;
+#ifdef MSLEMU_ACCOUNTING
+// not thread_local: a library's static TLS must stay tiny (initial-exec, see tl_worker)
+static mslemu_counts tl_last_counts;
+const mslemu_counts *api_last_counts() { return &tl_last_counts; }
+#else
+const mslemu_counts *api_last_counts() { return nullptr; }
+#endif
 
 static int set_error(int code, const std::string &msg) {
   tl_last_error = msg;
@@ -323,6 +335,13 @@ static void run_threadgroup(Worker &w, LaunchState &ls, u3 tgpos) {
   }
   const uint32_t T = tsz.x * tsz.y * tsz.z;
   const uint32_t nsg = (T + kSimdWidth - 1) / kSimdWidth;
+#ifdef MSLEMU_ACCOUNTING
+  if (tl_acct) {
+    tl_acct->c.threads += T;
+    tl_acct->c.simdgroups += nsg;
+    tl_acct->c.threadgroups += 1;
+  }
+#endif
   if (ls.poison)  // 0xff bytes: NaN as float/half, all-ones as integers
     for (auto &m : w.tg_mem) memset(m.data(), 0xff, m.size());
   w.tg_vars.clear();
@@ -339,7 +358,7 @@ static void run_threadgroup(Worker &w, LaunchState &ls, u3 tgpos) {
         Fiber &f = w.fibers[t];
         f.state = FState::Runnable;
         f.tid = t; f.lane = t % kSimdWidth; f.sg = t / kSimdWidth;
-        f.site = 0; f.active_mask = 0;
+        f.site = 0; f.active_mask = 0; f.acct_seq = 0;
         ThreadCtx &c = f.ctx;
         c.tpitg = {x, y, z};
         c.tgpig = tgpos;
@@ -442,12 +461,22 @@ static void worker_loop(LaunchState *ls, size_t stack_size) {
   for (uint32_t i = 0; i < L->n_tg_mem; ++i) w.tg_mem[i].assign((L->tg_mem_len[i] + 15) & ~15ull, 0);
   w.tg_arena.assign(1 << 20, 0);  // the real limit (32 KiB) is checked under MSLEMU_STRICT
   tl_worker = &w;
+#ifdef MSLEMU_ACCOUNTING
+  if (tl_acct) acct_worker(*tl_acct, w);
+#endif
   const uint64_t nx = ls->tgpg.x, nxy = (uint64_t)ls->tgpg.x * ls->tgpg.y;
   while (!ls->failed.load(std::memory_order_relaxed)) {
     uint64_t i = ls->next_tg.fetch_add(1, std::memory_order_relaxed);
     if (i >= ls->n_tg) break;
     u3 p{(uint32_t)(i % nx), (uint32_t)((i % nxy) / nx), (uint32_t)(i / nxy)};
+#ifdef MSLEMU_ACCOUNTING
+    if (tl_acct) tl_acct->tg_id = (uint32_t)(i + 1);
+#endif
     run_threadgroup(w, *ls, p);
+#ifdef MSLEMU_ACCOUNTING
+    if (tl_acct && w.tg_arena_used + ls->tg_mem_dynamic > tl_acct->c.threadgroup_memory)
+      tl_acct->c.threadgroup_memory = w.tg_arena_used + ls->tg_mem_dynamic;
+#endif
   }
   tl_worker = nullptr;
 }
@@ -493,9 +522,20 @@ int run_launch(const mslemu_launch *L, KernelBody body) {
   if (nw < 1) nw = 1;
   if (nw > ls.n_tg) nw = (unsigned)ls.n_tg;
   size_t ss = default_stack_size();
+#ifdef MSLEMU_ACCOUNTING
+  // counting runs on this thread alone: exact first-touch maps, no atomics
+  Acct acct;
+  acct_begin(acct, L);
+  tl_acct = &acct;
+  worker_loop(&ls, ss);
+  tl_acct = nullptr;
+  tl_last_counts = acct.c;
+  if (false) {
+#else
   if (nw <= 1) {
     worker_loop(&ls, ss);
   } else {
+#endif
     std::vector<std::thread> th;
     for (unsigned i = 0; i < nw; ++i) th.emplace_back(worker_loop, &ls, ss);
     for (auto &t : th) t.join();
@@ -560,6 +600,9 @@ const char *api_kernel_name(const KernelEntry *kernels, int i) {
 inline const ThreadCtx &ctx() { return tl_fiber->ctx; }
 
 inline void barrier_wait(uint64_t site) {
+#ifdef MSLEMU_ACCOUNTING
+  if (tl_acct) ++tl_acct->c.barriers;
+#endif
   Fiber *f = tl_fiber;
   f->site = site;
   f->state = FState::Barrier;
@@ -600,6 +643,9 @@ inline void *tg_var_lookup(const void *key, size_t size, size_t align) {
   }
   void *p = w->tg_arena.data() + off;
   w->tg_arena_used = off + size;
+#ifdef MSLEMU_ACCOUNTING
+  AcctMute mute(true);  // poisoning is the emulator's, not the kernel's, traffic
+#endif
   if (ls.poison) memset(p, 0xff, size);
   w->tg_vars.emplace_back(key, p);
   return p;

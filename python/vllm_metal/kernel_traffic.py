@@ -1,0 +1,209 @@
+"""Memory traffic of the Metal kernels: the least each op must move, and what the kernels move.
+
+``minimum`` of a case is the bytes an op cannot avoid: every input byte it needs read once,
+every output byte written once (a perfect cache, nothing re-read, no scratch). ``measure``
+runs the op's real plan on the emulator's counting builds (``emulation.run_plan(...,
+counts=...)``) and sums its launches. Used by tests/py/test_kernel_traffic.py (budgets) and
+benchmarks/metal_roofline.py (predicted times on Apple GPUs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core  # noqa: F401 -- before _core: rope tables come back as mx.array
+import numpy as np
+
+from vllm_metal import _core, emulation
+
+_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+# NumPy stand-ins with the same byte size (counts do not depend on the values)
+_NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+
+
+@dataclasses.dataclass
+class Case:
+    """One op at one shape: its plan, NumPy arrays by slot, and its floor."""
+
+    name: str
+    plan: list
+    arrays: list
+    minimum: int      # bytes the op must read + write at least
+    flops: int = 0    # arithmetic, for the roofline's compute bound
+    scratch: int = 0  # bytes of intermediate results the plan must write and read back
+
+
+@dataclasses.dataclass
+class Traffic:
+    """Device bytes of all launches of a case (args structs excluded)."""
+
+    case: Case
+    launches: list    # mslemu.accounting.LaunchCounts, one per launch
+    total: int        # every load and store of every thread
+    unique: int       # distinct bytes per launch, summed over launches
+    tg_unique: int    # distinct bytes per threadgroup, summed
+    simd: int = 0     # like total, a simdgroup's broadcast load (same address) counted once
+
+    @property
+    def ratio(self) -> float:
+        """unique / minimum: >1 means bytes the op did not need (or scratch)."""
+        return self.unique / self.case.minimum
+
+    @property
+    def simd_ratio(self) -> float:
+        """simd / minimum: re-reads that remain once broadcasts are merged."""
+        return self.simd / self.case.minimum
+
+    @property
+    def total_ratio(self) -> float:
+        """total / minimum: >1 means bytes read or written more than once."""
+        return self.total / self.case.minimum
+
+
+def measure(case: Case) -> Traffic:
+    counts: list = []
+    emulation.run_plan(case.plan, case.arrays, counts=counts)
+    dev = [c.device for c in counts]
+    return Traffic(
+        case,
+        counts,
+        total=sum(d.read + d.written for d in dev),
+        unique=sum(d.read_unique + d.written_unique for d in dev),
+        tg_unique=sum(d.read_tg_unique + d.written_tg_unique for d in dev),
+        simd=sum(d.read_simd + d.written_simd for d in dev),
+    )
+
+
+def _rand(shape, dtype: str, rng) -> np.ndarray:
+    a = rng.standard_normal(shape).astype(np.float32)
+    if dtype == "bfloat16":
+        return (a.view(np.uint32) >> 16).astype(np.uint16)
+    return a.astype(_NP[dtype])
+
+
+def _empty(shape, dtype: str) -> np.ndarray:
+    return np.zeros(shape, _NP[dtype])
+
+
+def rms_norm(dtype: str, rows: int, hidden: int, fused: bool = False) -> Case:
+    rng = np.random.default_rng(rows * hidden)
+    s = _SIZE[dtype]
+    plan = _core.plan_rms_norm(dtype, rows, hidden, fused_add=fused)
+    x, w, out = _rand((rows, hidden), dtype, rng), _rand(hidden, dtype, rng), _empty((rows, hidden), dtype)
+    if fused:
+        r, res_out = _rand((rows, hidden), dtype, rng), _empty((rows, hidden), dtype)
+        arrays = [x, r, w, out, res_out]
+        minimum = 4 * rows * hidden * s + hidden * s  # x, residual in; out, residual out
+    else:
+        arrays = [x, w, out]
+        minimum = 2 * rows * hidden * s + hidden * s
+    name = f"{'add_' if fused else ''}rms_norm(rows={rows},hidden={hidden},{dtype})"
+    return Case(name, plan, arrays, minimum, flops=4 * rows * hidden)
+
+
+def cache_write(dtype: str, tokens: int, heads: int, head_size: int, num_slots: int) -> Case:
+    """One reshape_and_cache cache (the op runs it for K and for V), cache updated in place."""
+    rng = np.random.default_rng(tokens + num_slots)
+    s = _SIZE[dtype]
+    src = _rand((tokens, heads, head_size), dtype, rng)
+    cache = _empty((num_slots, heads, head_size), dtype)
+    slots = rng.permutation(num_slots)[:tokens].astype(np.int64)
+    if tokens > 1:
+        slots[tokens // 2] = -1  # padding token: skipped
+    plan = _core.plan_cache_write(dtype, tokens, heads, head_size, num_slots, [heads * head_size, head_size, 1])
+    kept = int((slots >= 0).sum())
+    minimum = 8 * tokens + 2 * kept * heads * head_size * s  # a skipped token's row is never read
+    return Case(f"cache_write(T={tokens},H={heads},D={head_size},{dtype})", plan,
+                [src, cache, slots, cache], minimum)
+
+
+def rope(dtype: str, tokens: int, heads: int, head_size: int, is_neox: bool = True) -> Case:
+    rng = np.random.default_rng(tokens * heads)
+    s = _SIZE[dtype]
+    x = _rand((tokens, heads, head_size), dtype, rng)
+    positions = rng.integers(0, 4096, size=tokens).astype(np.int64)
+    table, mscale = _core.rope_turn_table(head_size)
+    table = np.array(table)
+    out = _empty(x.shape, dtype)
+    plan = _core.plan_rope(dtype, "int64", tokens, heads, head_size, is_neox=is_neox, mscale=mscale)
+    minimum = 2 * x.size * s + 8 * tokens + table.nbytes
+    return Case(f"rope(T={tokens},H={heads},D={head_size},{dtype})", plan, [x, positions, table, out],
+                minimum, flops=6 * x.size)
+
+
+def gguf_dequantize(qtype: str, dtype: str, rows: int, cols: int) -> Case:
+    rng = np.random.default_rng(rows * cols)
+    row_bytes = _row_bytes(qtype, cols)
+    blocks = _random_blocks(qtype, rows, row_bytes, rng)
+    out = _empty((rows, cols), dtype)
+    plan = _core.plan_gguf_dequantize(qtype, dtype, rows, cols)
+    minimum = rows * row_bytes + rows * cols * _SIZE[dtype]
+    return Case(f"gguf_dequantize({qtype},{rows}x{cols},{dtype})", plan, [blocks, out], minimum)
+
+
+def gguf_matvec(qtype: str, dtype: str, m: int, n: int, k: int) -> Case:
+    """y[m, n] = x[m, k] @ W[n, k]^T, decode rows (m <= 8: the mat-vec kernel)."""
+    rng = np.random.default_rng(m * n + k)
+    row_bytes = _row_bytes(qtype, k)
+    x, y = _rand((m, k), dtype, rng), _empty((m, n), dtype)
+    blocks = _random_blocks(qtype, n, row_bytes, rng)
+    plan = _core.plan_gguf_matmul(qtype, dtype, m, n, k)
+    minimum = n * row_bytes + (m * k + m * n) * _SIZE[dtype]
+    return Case(f"gguf_matvec({qtype},m={m},n={n},k={k},{dtype})", plan, [x, blocks, y], minimum,
+                flops=2 * m * n * k)
+
+
+def _row_bytes(qtype: str, cols: int) -> int:
+    _, block, size, _ = _core.gguf_type_info(qtype)
+    return cols // block * size
+
+
+def _random_blocks(qtype: str, rows: int, row_bytes: int, rng) -> np.ndarray:
+    """Random bytes: traffic does not depend on the values (NaN scales included)."""
+    return rng.integers(0, 256, size=rows * row_bytes, dtype=np.uint8)
+
+
+def paged_attention(dtype: str, q_lens, seq_lens, num_q_heads: int, num_kv_heads: int,
+                    head_size: int, block_size: int = 16, partition_size: int = 512) -> Case:
+    """Decode rows (q_len 1) first, then prefill chunks; each sequence's blocks are spread
+    over a shuffled pool, as the block manager leaves them."""
+    rng = np.random.default_rng(sum(seq_lens) + len(q_lens))
+    s = _SIZE[dtype]
+    q_lens, seq_lens = list(q_lens), list(seq_lens)
+    num_seqs, tokens = len(q_lens), sum(q_lens)
+    blocks_per_seq = [-(-L // block_size) for L in seq_lens]
+    max_blocks = max(blocks_per_seq)
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    tables = np.zeros((num_seqs, max_blocks), np.int32)
+    at = 0
+    for i, nb in enumerate(blocks_per_seq):
+        tables[i, :nb] = perm[at:at + nb]
+        at += nb
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = _rand((tokens, num_q_heads, head_size), dtype, rng)
+    kc = _rand((num_blocks, block_size, num_kv_heads, head_size), dtype, rng)
+    vc = _rand(kc.shape, dtype, rng)
+    out = _empty((tokens, num_q_heads, head_size), dtype)
+    num_decode = sum(1 for n in q_lens if n == 1)
+    plan = _core.plan_paged_attention(
+        dtype, tokens, num_seqs, num_q_heads, num_kv_heads, head_size, block_size, num_blocks,
+        max_blocks, num_decode_seqs=num_decode, max_seq_len=max(seq_lens), max_query_len=max(q_lens),
+        scale=head_size ** -0.5, partition_size=partition_size)
+    split = any("reduce" in l.kernel for l in plan)
+    parts = max(1, plan[0].grid[2]) if split else 1
+    rows = max(1, num_decode)
+    scratch = [np.zeros((rows, num_q_heads, parts, head_size), np.float32),
+               np.zeros((rows, num_q_heads, parts), np.float32),
+               np.zeros((rows, num_q_heads, parts), np.float32)]
+    arrays = [q, kc, vc, tables, np.array(seq_lens, np.int32), cu, np.zeros(1, np.float32), out, *scratch]
+    kv_bytes = 2 * sum(seq_lens) * num_kv_heads * head_size * s
+    # split-KV decode round-trips per (row, head, partition) a float32 partial output, max
+    # and sum through memory: the price of filling the GPU, reported apart from the floor
+    scratch = 2 * 4 * num_decode * num_q_heads * parts * (head_size + 2) if split else 0
+    minimum = (2 * q.nbytes + kv_bytes + 4 * sum(blocks_per_seq) + 4 * num_seqs + 4 * (num_seqs + 1))
+    flops = 4 * num_q_heads * head_size * sum(
+        sum(L - n + 1 + j for j in range(n)) for n, L in zip(q_lens, seq_lens))
+    name = (f"paged_attention(q={q_lens},ctx={seq_lens},hq={num_q_heads},hkv={num_kv_heads},"
+            f"d={head_size},bs={block_size},{dtype})")
+    return Case(name, plan, arrays, minimum, flops=flops, scratch=scratch)

@@ -1,0 +1,105 @@
+"""Traffic budgets of the Metal kernels, from the emulator's counting builds.
+
+Two bounds per case (vllm_metal.kernel_traffic; docs/kernels.md "Memory traffic"):
+- unique bytes (each byte counted once per launch: DRAM traffic with perfect caches) <=
+  1.15 x the op's minimum (+ split-KV scratch). Catches bytes the op does not need.
+- simd bytes (every load and store of every thread, a simdgroup's broadcast load once) <=
+  the recorded ratio to the minimum, measured when the budget was set plus ~5 %. Catches a
+  change that re-reads data.
+Ratios above the memory-bound 1.15 are exceptions, each with its reason.
+"""
+
+import pytest
+
+from vllm_metal import emulation
+from vllm_metal import kernel_traffic as kt
+
+pytestmark = pytest.mark.skipif(not emulation.emulator_available(), reason="needs clang >= 19 (mslemu)")
+
+UNIQUE_BUDGET = 1.15
+
+# (case, unique budget, re-read budget (simd bytes / minimum), why bytes are re-read)
+CASES = [
+    (lambda: kt.rms_norm("float32", 2, 1000), UNIQUE_BUDGET, 1.65,
+     "second pass re-reads x (L1-resident row); the weight is read once per row"),
+    (lambda: kt.rms_norm("float16", 3, 576, fused=True), 1.25, 1.45,
+     "EXCEPTION (unique 1.23): the second pass reads h back from residual_out instead of "
+     "re-adding x + residual (one stream instead of two); the weight is read once per row"),
+    (lambda: kt.cache_write("float16", 7, 3, 64, 64), UNIQUE_BUDGET, 1.15,
+     "each head's threads load the token's slot again"),
+    (lambda: kt.rope("float16", 5, 3, 64), UNIQUE_BUDGET, 1.95,
+     "the turn-table entry and position are re-read for every head row of threads"),
+    (lambda: kt.rope("float32", 3, 2, 64, is_neox=False), UNIQUE_BUDGET, 1.45, "as above"),
+    (lambda: kt.gguf_dequantize("Q4_1", "float16", 4, 512), UNIQUE_BUDGET, 1.3,
+     "the two 16-weight chunks of a block both read its d and m"),
+    (lambda: kt.gguf_dequantize("Q4_K", "float16", 2, 512), UNIQUE_BUDGET, 1.35,
+     "the 16 chunks of a super-block each read its scales"),
+    (lambda: kt.gguf_dequantize("Q6_K", "bfloat16", 2, 256), UNIQUE_BUDGET, 1.5, "as above"),
+    (lambda: kt.gguf_dequantize("Q8_0", "float32", 3, 96), UNIQUE_BUDGET, 1.05, "two chunks, one scale"),
+    (lambda: kt.gguf_matvec("Q4_1", "float16", 1, 64, 576), UNIQUE_BUDGET, 5.0,
+     "each weight row's simdgroup reads the whole x (1 KB, cache-resident); weights once"),
+    (lambda: kt.gguf_matvec("Q4_1", "float16", 3, 20, 576), UNIQUE_BUDGET, 8.0, "as above, 3 x rows"),
+    (lambda: kt.gguf_matvec("Q4_K", "float16", 1, 16, 512), UNIQUE_BUDGET, 4.9, "as above"),
+    (lambda: kt.gguf_matvec("Q6_K", "float32", 2, 9, 256), UNIQUE_BUDGET, 5.9, "as above"),
+    (lambda: kt.paged_attention("float16", [1, 1], [37, 100], 9, 3, 64), UNIQUE_BUDGET, 1.15,
+     "block-table entries and lengths re-read by each simdgroup; K/V once per kv head"),
+    (lambda: kt.paged_attention("float16", [1], [100], 9, 3, 64, partition_size=32), UNIQUE_BUDGET, 1.55,
+     "split-KV: partials written then read by the reduce (the scratch term of the budget)"),
+    (lambda: kt.paged_attention("float16", [1, 5], [20, 30], 9, 3, 64), UNIQUE_BUDGET, 4.3,
+     "prefill: each 8-row query tile of each q head reads its context's K/V again"),
+]
+
+
+@pytest.fixture(scope="module", params=range(len(CASES)), ids=lambda i: str(i))
+def measured(request):
+    make, unique_budget, total_budget, why = CASES[request.param]
+    return kt.measure(make()), unique_budget, total_budget, why
+
+
+def test_unique_traffic_within_budget(measured):
+    m, unique_budget, _, why = measured
+    limit = unique_budget * m.case.minimum + m.case.scratch
+    assert m.unique <= limit, (
+        f"{m.case.name}: {m.unique} unique bytes > {limit:.0f} ({unique_budget} x minimum "
+        f"{m.case.minimum} + scratch {m.case.scratch}); per launch: {_per_buffer(m)}")
+
+
+def test_rereads_within_budget(measured):
+    m, _, budget, why = measured
+    assert m.simd <= budget * m.case.minimum, (
+        f"{m.case.name}: {m.simd} bytes through loads/stores (simdgroup broadcasts once) = "
+        f"{m.simd_ratio:.3f} x minimum, budget {budget} ({why}); per launch: {_per_buffer(m)}")
+
+
+def test_counts_are_plausible(measured):
+    m = measured[0]
+    for launch in m.launches:
+        assert launch.threads > 0 and launch.threadgroups > 0
+        assert launch.threadgroup_memory <= 32768
+        for b in launch.buffers.values():  # nothing unique exceeds its total
+            assert b.read_unique <= b.read_tg_unique <= b.read_simd <= b.read
+            assert b.written_unique <= b.written_tg_unique <= b.written_simd <= b.written
+
+
+def test_a_redundant_pass_breaks_the_budget():
+    """The budget check fails when a plan reads its input twice (the launch run twice)."""
+    case = kt.rms_norm("float16", 2, 100)
+    once = kt.measure(case)
+    case.plan = list(case.plan) * 2
+    twice = kt.measure(case)
+    assert twice.total == 2 * once.total and twice.unique == 2 * once.unique
+    assert twice.simd == 2 * once.simd
+    assert twice.unique > UNIQUE_BUDGET * case.minimum
+
+
+def test_paged_attention_reads_only_the_context():
+    """Unique K/V bytes equal the context's tokens: no padding slot of a last block is read."""
+    m = kt.measure(kt.paged_attention("float16", [1], [17], 9, 3, 64))  # 1 token in the 2nd block
+    (launch,) = m.launches
+    kv = 17 * 3 * 64 * 2
+    assert launch.buffers[1].read_unique == kv and launch.buffers[2].read_unique == kv
+
+
+def _per_buffer(m):
+    return [(l.kernel, {l.slots.get(i, "args"): (b.read, b.read_unique, b.written, b.written_unique)
+                        for i, b in l.buffers.items()}) for l in m.launches]
