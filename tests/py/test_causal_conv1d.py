@@ -84,7 +84,7 @@ def test_matches_mlx_depthwise_conv_as_in_mlx_lm():
                  "state vs mlx-lm")
 
 
-@pytest.mark.parametrize("steps", [(1, 1, 1, 1, 1, 1), (2, 7, 1, 3), (13,)],
+@pytest.mark.parametrize("steps", [(1,) * 13, (2, 7, 1, 3), (13,)],
                          ids=["one-by-one", "short-chunks", "whole"])
 def test_state_across_chunked_prefill_equals_one_prefill(backend, steps):
     ch, width = 10, 4
