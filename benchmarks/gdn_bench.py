@@ -85,9 +85,10 @@ def bench_gdn(shape, lengths, method, reps):
     holder = {"state": state}
 
     def step():
-        # the state is donated and updated in place, as a serving loop would
+        # the state is updated in place (inplace=True), as a serving loop would
         y, holder["state"] = ops.gated_delta_rule(**args, state=holder.pop("state"),
-                                                  cu_seqlens=cu, slots=slots, method=method)
+                                                  cu_seqlens=cu, slots=slots, method=method,
+                                                  inplace=True)
         return y, holder["state"]
 
     return timed(step, reps), len(lengths) * hv * dv * dk * 4
@@ -107,7 +108,7 @@ def bench_conv(shape, lengths, reps):
 
     def step():
         out, holder["state"] = ops.causal_conv1d(x, w, None, conv_state=holder.pop("state"),
-                                                 cu_seqlens=cu, slots=slots)
+                                                 cu_seqlens=cu, slots=slots, inplace=True)
         return out, holder["state"]
 
     return timed(step, reps), 2 * x.nbytes + 2 * holder["state"].nbytes

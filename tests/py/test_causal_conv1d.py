@@ -99,14 +99,21 @@ def test_state_across_chunked_prefill_equals_one_prefill(backend, steps):
     assert mx.array_equal(st, s_one).item()
 
 
-def test_old_state_is_intact_when_held(backend):
-    x, w, b, state, slots, _ = make((3, 2), 8, 4, True, "float32", seed=3)
+def test_state_is_copied_unless_inplace(backend):
+    x, w, b, state, slots, _ = make((3, 2), 64, 4, True, "float32", seed=3, num_slots=256)
     before = np.array(state)
     out1, s1 = run(x, w, b, state, (3, 2), slots)
     mx.eval(out1, s1)
-    np.testing.assert_array_equal(np.array(state), before)
-    out2, s2 = run(x, w, b, state * 1.0, (3, 2), slots)
+    np.testing.assert_array_equal(np.array(state), before)  # the old state is intact
+    old = state * 1.0
+    mx.eval(old)
+    mx.reset_peak_memory()
+    active = mx.get_active_memory()
+    out2, s2 = run(x, w, b, old, (3, 2), slots, inplace=True)
+    mx.eval(out2, s2)
+    assert mx.get_peak_memory() - active < old.nbytes / 2  # no second state buffer
     assert mx.array_equal(out1, out2).item() and mx.array_equal(s1, s2).item()
+    assert mx.array_equal(old, s2).item()
 
 
 def test_kernel_names_are_instantiated():

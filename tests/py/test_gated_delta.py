@@ -132,15 +132,22 @@ def test_state_across_chunked_prefill_steps_equals_one_prefill(backend, method):
     assert_close(st[2], to_numpy(s_one[2]), "float32", "stepped state")
 
 
-def test_old_state_is_intact_when_held_and_reused_when_not(backend):
+def test_state_is_copied_unless_inplace(backend):
     case = Case((4, 2), 1, 2, 32, 8)
-    inp, state, slots, _ = make_inputs(case, "float32", seed=5)
+    inp, state, slots, _ = make_inputs(case, "float32", seed=5, num_slots=64)
     before = np.array(state)
     y1, s1 = run(inp, state, case.lengths, slots)
     mx.eval(y1, s1)
-    np.testing.assert_array_equal(np.array(state), before)  # still referenced: copied
-    y2, s2 = run(inp, state * 1.0, case.lengths, slots)  # a temporary: updated in place
+    np.testing.assert_array_equal(np.array(state), before)  # the old state is intact
+    old = state * 1.0
+    mx.eval(old)
+    mx.reset_peak_memory()
+    active = mx.get_active_memory()
+    y2, s2 = run(inp, old, case.lengths, slots, inplace=True)
+    mx.eval(y2, s2)
+    assert mx.get_peak_memory() - active < old.nbytes / 2  # no second state buffer
     assert mx.array_equal(y1, y2).item() and mx.array_equal(s1, s2).item()
+    assert mx.array_equal(old, s2).item()  # the old buffer holds the new state
 
 
 def test_kernel_names_are_instantiated():

@@ -31,7 +31,8 @@ constexpr const char* kConvDoc =
     "(the last K-1 inputs per slot, oldest first), all one float dtype; cu_seqlens int32\n"
     "[N+1]; slots int32 [N] (distinct, in range); has_initial_state bool/int32 [N] or None\n"
     "(0: start from zeros). out[t] = silu(bias + sum_j weight[:, j] * in[t + j]) with in =\n"
-    "concat(state, x rows of the sequence). Returns (out [T, C], new conv_state).";
+    "concat(state, x rows of the sequence). Returns (out [T, C], new conv_state); the old\n"
+    "state is copied first unless inplace=True (then its buffer is updated: rebind it).";
 
 constexpr const char* kGdnDoc =
     "Gated delta rule (Qwen3-Next / Qwen3.5 linear attention) over packed rows.\n\n"
@@ -41,7 +42,8 @@ constexpr const char* kGdnDoc =
     "L2-normalized (q also / sqrt(Dk)), g = exp(-exp(A_log) softplus(a + dt_bias)), beta =\n"
     "sigmoid(b); per token S = g S + beta (v - g S k) k^T, y = S q, all float32.\n"
     "method: 'recurrent', 'chunked' (WY form, chunk_size tokens; CPU) or 'auto'.\n"
-    "Returns (y [T, Hv, Dv] in q's dtype, new state).";
+    "Returns (y [T, Hv, Dv] in q's dtype, new state); the old state is copied first unless\n"
+    "inplace=True (then its buffer is updated and the caller must rebind it).";
 
 constexpr const char* kMropeDoc =
     "Multimodal rotary embedding (Qwen2-VL sectioned, Qwen3-VL / Qwen3.5 interleaved).\n\n"
@@ -65,29 +67,31 @@ void bind_hybrid(nb::module_& m) {
       "causal_conv1d",
       [](const mx::array& x, const mx::array& weight, const std::optional<mx::array>& bias,
          const mx::array& conv_state, const mx::array& cu_seqlens, const mx::array& slots,
-         const std::optional<mx::array>& has_initial_state, bool silu, const StreamArg& s) {
+         const std::optional<mx::array>& has_initial_state, bool silu, bool inplace,
+         const StreamArg& s) {
         auto r = vm::causal_conv1d(x, weight, bias, conv_state, cu_seqlens, slots,
-                                   has_initial_state, silu, to_stream_or_device(s));
+                                   has_initial_state, silu, inplace, to_stream_or_device(s));
         return nb::make_tuple(r[0], r[1]);
       },
       "x"_a, "weight"_a, "bias"_a.none(), nb::kw_only(), "conv_state"_a, "cu_seqlens"_a,
-      "slots"_a, "has_initial_state"_a = nb::none(), "silu"_a = true, "stream"_a = nb::none(),
-      kConvDoc);
+      "slots"_a, "has_initial_state"_a = nb::none(), "silu"_a = true, "inplace"_a = false,
+      "stream"_a = nb::none(), kConvDoc);
   m.def(
       "gated_delta_rule",
       [](const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& a,
          const mx::array& b, const mx::array& A_log, const mx::array& dt_bias,
          const mx::array& state, const mx::array& cu_seqlens, const mx::array& slots,
          const std::optional<mx::array>& has_initial_state, const std::string& method,
-         int64_t chunk_size, float eps, const StreamArg& s) {
-        vm::GatedDeltaOptions o{method, chunk_size, eps};
+         int64_t chunk_size, float eps, bool inplace, const StreamArg& s) {
+        vm::GatedDeltaOptions o{method, chunk_size, eps, inplace};
         auto r = vm::gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, slots,
                                       has_initial_state, o, to_stream_or_device(s));
         return nb::make_tuple(r[0], r[1]);
       },
       "q"_a, "k"_a, "v"_a, "a"_a, "b"_a, "A_log"_a, "dt_bias"_a, nb::kw_only(), "state"_a,
       "cu_seqlens"_a, "slots"_a, "has_initial_state"_a = nb::none(), "method"_a = "auto",
-      "chunk_size"_a = 64, "eps"_a = 1e-6f, "stream"_a = nb::none(), kGdnDoc);
+      "chunk_size"_a = 64, "eps"_a = 1e-6f, "inplace"_a = false, "stream"_a = nb::none(),
+      kGdnDoc);
   m.def(
       "mrope",
       [](const mx::array& x, const mx::array& positions, std::array<int64_t, 3> sections,

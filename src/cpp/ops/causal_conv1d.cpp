@@ -40,7 +40,7 @@ std::vector<mx::array> causal_conv1d(const mx::array& x, const mx::array& weight
                                      const mx::array& conv_state, const mx::array& cu_seqlens,
                                      const mx::array& slots,
                                      const std::optional<mx::array>& has_initial_state,
-                                     bool silu, mx::StreamOrDevice s) {
+                                     bool silu, bool inplace, mx::StreamOrDevice s) {
   check_float_dtype(kOp, "x", x.dtype());
   if (x.ndim() != 2) fail("x must be [num_tokens, channels], got " + shape_string(x.shape()));
   const int t = x.shape(0), c = x.shape(1);
@@ -65,7 +65,7 @@ std::vector<mx::array> causal_conv1d(const mx::array& x, const mx::array& weight
       check_varlen(kOp, cu_seqlens, slots, has_initial_state, t, conv_state.shape(0), s);
   if (t == 0) return {mx::zeros({0, c}, x.dtype(), s), conv_state};
   auto prim = std::make_shared<CausalConv1d>(mx::to_stream(s), default_kernel_backend(),
-                                             bias.has_value(), silu);
+                                             bias.has_value(), silu, inplace);
   const mx::array xd = dense(x, s);
   return mx::array::make_arrays(
       {x.shape(), conv_state.shape()}, {x.dtype(), x.dtype()}, prim,
@@ -130,7 +130,7 @@ void CausalConv1d::allocate_outputs(const std::vector<mx::array>& inputs,
                                     std::vector<mx::array>& outputs) {
   outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
   const auto& state = inputs[6];
-  if (state.flags().row_contiguous && state.is_donatable()) {
+  if (state.flags().row_contiguous && (inplace_ || state.is_donatable())) {
     outputs[1].copy_shared_buffer(state);
   } else {
     outputs[1].set_data(mx::allocator::malloc(outputs[1].nbytes()));
@@ -144,7 +144,8 @@ KernelPlan CausalConv1d::plan(const std::vector<mx::array>& inputs,
 
 bool CausalConv1d::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const CausalConv1d&>(other);
-  return has_bias_ == o.has_bias_ && silu_ == o.silu_ && backend() == o.backend();
+  return has_bias_ == o.has_bias_ && silu_ == o.silu_ && inplace_ == o.inplace_ &&
+      backend() == o.backend();
 }
 
 void CausalConv1d::eval_native_cpu(const std::vector<mx::array>& inputs,

@@ -15,7 +15,9 @@
 // and the new state[slots[n]] = the last K - 1 entries of in, so a chunk
 // shorter than K - 1 keeps part of the old state and chunked prefill equals
 // one long prefill. float32 arithmetic, one rounding per output. Returns
-// {out [T, channels], the new conv_state} (buffer reused when not held).
+// {out [T, channels], the new conv_state}; the old state is copied first
+// unless `inplace` (then its buffer is written and the caller must rebind it:
+// MLX never donates an input of a two-output primitive).
 #pragma once
 
 #include <optional>
@@ -32,7 +34,8 @@ std::vector<mx::array> causal_conv1d(const mx::array& x, const mx::array& weight
                                      const mx::array& conv_state, const mx::array& cu_seqlens,
                                      const mx::array& slots,
                                      const std::optional<mx::array>& has_initial_state,
-                                     bool silu = true, mx::StreamOrDevice s = {});
+                                     bool silu = true, bool inplace = false,
+                                     mx::StreamOrDevice s = {});
 
 struct CausalConv1dProblem {
   mx::Dtype dtype = mx::float32;
@@ -53,8 +56,8 @@ KernelPlan plan_causal_conv1d(const CausalConv1dProblem& p);
 
 class CausalConv1d : public KernelPrimitive {
  public:
-  CausalConv1d(mx::Stream stream, KernelBackend backend, bool has_bias, bool silu)
-      : KernelPrimitive(stream, backend), has_bias_(has_bias), silu_(silu) {}
+  CausalConv1d(mx::Stream stream, KernelBackend backend, bool has_bias, bool silu, bool inplace)
+      : KernelPrimitive(stream, backend), has_bias_(has_bias), silu_(silu), inplace_(inplace) {}
 
   KernelPlan plan(const std::vector<mx::array>& inputs,
                   const std::vector<mx::array>& outputs) const override;
@@ -72,6 +75,7 @@ class CausalConv1d : public KernelPrimitive {
                               const std::vector<mx::array>& outputs) const;
   bool has_bias_;
   bool silu_;
+  bool inplace_;
 };
 
 }  // namespace vllm_metal

@@ -92,7 +92,7 @@ std::vector<mx::array> gated_delta_rule(const mx::array& q, const mx::array& k,
   const bool chunked =
       o.method == "chunked" || (o.method == "auto" && batch.max_len > o.chunk_size);
   auto prim = std::make_shared<GatedDelta>(mx::to_stream(s), default_kernel_backend(), o.eps,
-                                           chunked ? o.chunk_size : 0);
+                                           chunked ? o.chunk_size : 0, o.inplace);
   return mx::array::make_arrays(
       {{t, hv, dv}, state.shape()}, {q.dtype(), mx::float32}, prim,
       {dense(q, s), dense(k, s), dense(v, s), f32(a, s), f32(b, s), f32(A_log, s),
@@ -158,7 +158,7 @@ void GatedDelta::allocate_outputs(const std::vector<mx::array>& inputs,
                                   std::vector<mx::array>& outputs) {
   outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
   const auto& state = inputs[10];
-  if (state.flags().row_contiguous && state.is_donatable()) {
+  if (state.flags().row_contiguous && (inplace_ || state.is_donatable())) {
     outputs[1].copy_shared_buffer(state);  // update the slots in place
   } else {
     outputs[1].set_data(mx::allocator::malloc(outputs[1].nbytes()));
@@ -172,7 +172,8 @@ KernelPlan GatedDelta::plan(const std::vector<mx::array>& inputs,
 
 bool GatedDelta::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const GatedDelta&>(other);
-  return eps_ == o.eps_ && chunk_size_ == o.chunk_size_ && backend() == o.backend();
+  return eps_ == o.eps_ && chunk_size_ == o.chunk_size_ && inplace_ == o.inplace_ &&
+      backend() == o.backend();
 }
 
 void GatedDelta::eval_native_cpu(const std::vector<mx::array>& inputs,

@@ -15,8 +15,7 @@
 //   g    = exp(-exp(A_log) * softplus(a + dt_bias)),  beta = sigmoid(b)
 //   S    = g S + beta (v - g S k) k^T,  y = S q
 // Returns {y [T, hv, dv] in q's dtype, the new state}: the sequences' slots
-// updated, every other slot unchanged (the buffer is reused when the old state
-// is not held elsewhere, else copied).
+// updated, every other slot unchanged (copied first unless options.inplace).
 //
 // method: "recurrent" (token by token), "chunked" (WY form over chunk_size
 // tokens, CPU only; same result up to float32 rounding) or "auto" (chunked
@@ -38,6 +37,12 @@ struct GatedDeltaOptions {
   std::string method = "auto";
   int64_t chunk_size = 64;
   float eps = 1e-6f;
+  // Write the new state into the old state's buffer even when the old array is
+  // still held (it then shows the new contents: the caller must rebind it).
+  // MLX never donates an input of a two-output primitive (each output keeps
+  // its own reference to the inputs), so this is how a serving loop avoids
+  // copying every slot on every step.
+  bool inplace = false;
 };
 
 std::vector<mx::array> gated_delta_rule(const mx::array& q, const mx::array& k,
@@ -66,8 +71,9 @@ KernelPlan plan_gated_delta(const GatedDeltaProblem& p);
 
 class GatedDelta : public KernelPrimitive {
  public:
-  GatedDelta(mx::Stream stream, KernelBackend backend, float eps, int64_t chunk_size)
-      : KernelPrimitive(stream, backend), eps_(eps), chunk_size_(chunk_size) {}
+  GatedDelta(mx::Stream stream, KernelBackend backend, float eps, int64_t chunk_size,
+             bool inplace)
+      : KernelPrimitive(stream, backend), eps_(eps), chunk_size_(chunk_size), inplace_(inplace) {}
 
   KernelPlan plan(const std::vector<mx::array>& inputs,
                   const std::vector<mx::array>& outputs) const override;
@@ -85,6 +91,7 @@ class GatedDelta : public KernelPrimitive {
                             const std::vector<mx::array>& outputs) const;
   float eps_;
   int64_t chunk_size_;  // 0: recurrent
+  bool inplace_;
 };
 
 }  // namespace vllm_metal
