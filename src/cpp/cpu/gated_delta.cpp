@@ -117,10 +117,13 @@ Prepared prepare(const GatedDeltaRows& a) {
 
 // Rows of one (sequence, value head) are independent: each state row r evolves
 // alone, S[r] = g S[r] + beta (v[r] - g S[r].k) k, y[r] = S[r].q. So work items
-// are (sequence, head, block of rows); a row stays in L1 across the tokens.
+// are (sequence, head, block of rows): the block's rows stay in L1, and tokens
+// go in tiles whose q and k (L2) serve every row of the block before the next
+// tile -- row by row over a whole long prompt, q and k would stream from
+// memory once per row (7x slower at 2048 tokens).
 template <Elt E>
 void run_recurrent(const GatedDeltaRows& a, const Prepared& p) {
-  constexpr int64_t kRows = 8;
+  constexpr int64_t kRows = 16, kTile = 64;
   const int64_t blocks = (a.dv + kRows - 1) / kRows;
   const int64_t group = a.hv / a.hk;
   auto* y = static_cast<S<E>*>(a.y);
@@ -132,10 +135,12 @@ void run_recurrent(const GatedDeltaRows& a, const Prepared& p) {
       const int64_t r0 = (item % blocks) * kRows, r1 = std::min(a.dv, r0 + kRows);
       const int64_t kh = h / group;
       float* st = a.state + (int64_t(a.slots[n]) * a.hv + h) * a.dv * a.dk;
-      for (int64_t r = r0; r < r1; ++r) {
+      if (!a.has_initial_state[n]) std::fill(st + r0 * a.dk, st + r1 * a.dk, 0.0f);
+      for (int64_t t0 = a.cu_seqlens[n]; t0 < a.cu_seqlens[n + 1]; t0 += kTile) {
+       const int64_t t1 = std::min<int64_t>(a.cu_seqlens[n + 1], t0 + kTile);
+       for (int64_t r = r0; r < r1; ++r) {
         float* s = st + r * a.dk;
-        if (!a.has_initial_state[n]) std::fill(s, s + a.dk, 0.0f);
-        for (int64_t t = a.cu_seqlens[n]; t < a.cu_seqlens[n + 1]; ++t) {
+        for (int64_t t = t0; t < t1; ++t) {
           const float* kt = p.k.data() + (t * a.hk + kh) * a.dk;
           const float* qt = p.q.data() + (t * a.hk + kh) * a.dk;
           const float g = std::exp(p.log_g[t * a.hv + h]);
@@ -145,6 +150,7 @@ void run_recurrent(const GatedDeltaRows& a, const Prepared& p) {
           axpby_f32(s, g, delta, kt, a.dk);
           EltTraits<E>::store(y + (t * a.hv + h) * a.dv + r, dot_f32(s, qt, a.dk));
         }
+       }
       }
     }
   });

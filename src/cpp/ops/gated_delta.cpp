@@ -89,8 +89,10 @@ std::vector<mx::array> gated_delta_rule(const mx::array& q, const mx::array& k,
   VarlenBatch batch =
       check_varlen(kOp, cu_seqlens, slots, has_initial_state, t, state.shape(0), s);
   if (t == 0) return {mx::zeros({0, hv, dv}, q.dtype(), s), state};
-  const bool chunked =
-      o.method == "chunked" || (o.method == "auto" && batch.max_len > o.chunk_size);
+  // auto = recurrent: on the CPU the tiled recurrence is as fast as the chunked
+  // form built from dot products (docs/benchmarks.md); chunked pays off once its
+  // products run as GEMM tiles.
+  const bool chunked = o.method == "chunked";
   auto prim = std::make_shared<GatedDelta>(mx::to_stream(s), default_kernel_backend(), o.eps,
                                            chunked ? o.chunk_size : 0, o.inplace);
   return mx::array::make_arrays(

@@ -18,8 +18,8 @@
 // updated, every other slot unchanged (copied first unless options.inplace).
 //
 // method: "recurrent" (token by token), "chunked" (WY form over chunk_size
-// tokens, CPU only; same result up to float32 rounding) or "auto" (chunked
-// when some sequence is longer than chunk_size). The Metal kernel is the
+// tokens, CPU only; same result up to float32 rounding) or "auto" (currently
+// recurrent, the faster of the two on the CPU). The Metal kernel is the
 // recurrent one for every method.
 #pragma once
 
