@@ -70,6 +70,17 @@ def test_without_silu(backend):
     assert_close(out, out_ref, "float32", "no silu")
 
 
+def test_silu_at_large_magnitudes(backend):
+    # pre-activations far into both tails (the CPU's vector exp clamps its argument)
+    x, w, b, state, slots, _ = make((5, 4), 19, 4, True, "float32", seed=6)
+    x, w = x * 40.0, w * 2.0
+    out, _ = run(x, w, b, state, (5, 4), slots)
+    out_ref, _ = ref.causal_conv1d(to_numpy(x), to_numpy(w), to_numpy(b), to_numpy(state),
+                                   ref.cu_seqlens_of((5, 4)), slots)
+    assert np.abs(to_numpy(x)).max() > 90
+    assert_close(out, out_ref, "float32", "large |x|")
+
+
 def test_matches_mlx_depthwise_conv_as_in_mlx_lm():
     # mlx-lm Qwen3.5: conv_input = concat([conv_state [B, K-1, C], qkv]), then
     # silu(nn.Conv1d(groups=C, padding=0)) and the new state = conv_input[:, -(K-1):]
