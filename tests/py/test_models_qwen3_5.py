@@ -54,7 +54,8 @@ def greedy(model, cache, prompt, steps, chunks=None):
     return tokens, np.stack(logits)
 
 
-def test_greedy_tokens_match_mlx_lm(models):
+def test_greedy_tokens_match_mlx_lm(models, backend):
+    # backend "emulated": the linear-attention layers run the Metal kernels
     reference, model = models
     ref_tokens, ref_logits = greedy(reference, reference.make_cache(), PROMPT, STEPS)
     linear = [l.linear_attn for l in model.model.layers if l.is_linear]
