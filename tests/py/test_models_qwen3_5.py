@@ -60,6 +60,8 @@ def test_greedy_tokens_match_mlx_lm(models, backend):
     ref_tokens, ref_logits = greedy(reference, reference.make_cache(), PROMPT, STEPS)
     linear = [l.linear_attn for l in model.model.layers if l.is_linear]
     assert linear and all(isinstance(l, ours.GatedDeltaNet) for l in linear)
+    assert all(isinstance(l.self_attn.rope, ours.InterleavedMrope)
+               for l in model.model.layers if not l.is_linear)
     tokens, logits = greedy(model, model.make_cache(slot=2), PROMPT, STEPS)
     assert float(mx.abs(model.pools[0].ssm[2]).max().item()) > 0  # our state slot was used
     assert tokens == ref_tokens

@@ -3,8 +3,9 @@
 mlx-lm's architecture (``mlx_lm.models.qwen3_5.TextModel``) with every linear-attention
 layer running ``ops.causal_conv1d`` and ``ops.gated_delta_rule`` on per-request state
 slots (vLLM's mamba-style layout: conv state ``[slots, C, K-1]``, recurrent state
-``[slots, Hv, Dv, Dk]`` float32) instead of mlx-lm's per-batch arrays. Full-attention
-layers, MLPs and norms are mlx-lm's, with its KV cache. The parameter names are
+``[slots, Hv, Dv, Dk]`` float32) instead of mlx-lm's per-batch arrays, and the
+attention layers rotate with ``ops.mrope`` (interleaved sections, partial rotary).
+Attention itself, MLPs and norms are mlx-lm's, with its KV cache. The parameter names are
 mlx-lm's, so its sanitized checkpoints load unchanged.
 
 A forward takes one request's rows ([1, L] tokens) and that request's caches from
@@ -16,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models import qwen3_5 as mlx_qwen3_5
 from mlx_lm.models.cache import KVCache
 
@@ -75,14 +77,39 @@ class GatedDeltaNet(mlx_qwen3_5.GatedDeltaNet):
         return self.out_proj(out.reshape(1, length, -1))
 
 
+class InterleavedMrope(nn.Module):
+    """Stands in for mlx-lm's ``rope(x [1, H, L, D], offset)`` in the attention layers:
+    ``ops.mrope`` with Qwen3.5's interleaved sections and partial rotary. Text tokens
+    have the same temporal, height and width position (offset + i), where this is
+    mlx-lm's rope with exactly reduced angles."""
+
+    def __init__(self, rotary_dim: int, base: float, sections):
+        super().__init__()
+        self.rotary_dim, self.base, self.sections = rotary_dim, base, tuple(sections)
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        if x.shape[0] != 1:
+            raise ValueError("[qwen3_5] one request per forward")
+        length = x.shape[2]
+        positions = mx.broadcast_to(mx.arange(offset, offset + length, dtype=mx.int32),
+                                    (3, length))
+        y = ops.mrope(x[0].transpose(1, 0, 2), positions, sections=self.sections,
+                      interleaved=True, rotary_dim=self.rotary_dim, base=self.base)
+        return y.transpose(1, 0, 2)[None]
+
+
 class TextModel(mlx_qwen3_5.TextModel):
-    """mlx-lm's Qwen3.5 text model whose linear-attention layers use our ops."""
+    """mlx-lm's Qwen3.5 text model whose linear-attention layers and rope use our ops."""
 
     def __init__(self, args: mlx_qwen3_5.TextModelArgs, num_slots: int = 8):
         super().__init__(args)
+        sections = (args.rope_parameters or {}).get("mrope_section", [11, 11, 10])
+        rotary_dim = int(args.head_dim * args.partial_rotary_factor)
         for layer in self.model.layers:
             if layer.is_linear:
                 layer.linear_attn.__class__ = GatedDeltaNet  # same parameters, our __call__
+            else:
+                layer.self_attn.rope = InterleavedMrope(rotary_dim, args.rope_theta, sections)
         dtype = mx.float32
         self.pools = [StatePool(num_slots, l.linear_attn, dtype) if l.is_linear else None
                       for l in self.model.layers]
