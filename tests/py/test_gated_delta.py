@@ -36,6 +36,8 @@ CASES = [
     Case((3, 9), 1, 3, 48, 7, method="recurrent"),       # dk not a multiple of 32, odd dv
     Case((3, 4, 5, 9), 2, 2, 32, 12, chunk_size=4, method="chunked"),  # chunk edges +-1
     Case((0, 6, 2), 1, 1, 16, 5, chunk_size=3, method="chunked"),      # an empty sequence
+    Case((2, 3), 1, 2, 192, 4),                          # dk 192: 6 values per Metal lane
+    Case((1, 2), 2, 2, 256, 3),                          # dk 256: the Metal kernel's limit
 ]
 
 
@@ -71,7 +73,7 @@ def run(inp, state, lengths, slots, has_init=None, **kw):
         has_initial_state=None if has_init is None else ref.i32(has_init), **kw)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("case", CASES, ids=Case.id)
 def test_matches_reference(backend, case, dtype):
     inp, state, slots, has_init = make_inputs(case, dtype, seed=sum(case.lengths))
@@ -191,6 +193,8 @@ def _bad(**override):
         (_bad(cu_seqlens=ref.i32([0, 2, 4])), r"cu_seqlens\[-1\] must be the number of rows 3, got 4"),
         (_bad(cu_seqlens=ref.i32([0, 3, 2, 3]), slots=ref.i32([0, 1, 2])),
          r"cu_seqlens must be non-decreasing"),
+        (_bad(q=mx.zeros((3, 1, 272)), k=mx.zeros((3, 1, 272)), state=mx.zeros((5, 2, 4, 272))),
+         r"k_head_dim must be in \[1, 256\], got 272"),
         (_bad(method="parallel"), r"method must be 'auto', 'recurrent' or 'chunked', got 'parallel'"),
     ],
 )
