@@ -92,3 +92,19 @@ def test_mrope_launches(interleaved):
     assert guards_intact(back)
     np.testing.assert_allclose(out, ref.mrope(x, positions, sections, interleaved, rot),
                                atol=2e-5, rtol=2e-5)
+
+
+def test_plan_geometry():
+    copy, main = _core.plan_gated_delta("bfloat16", 3, 7, 2, 6, 128, 13, copy_state=True)
+    assert copy.kernel == "gated_delta_copy_state" and list(copy.grid) == [-(-7 * 6 * 13 * 128 // 256), 1, 1]
+    assert main.kernel == "gated_delta_recurrent_bfloat16"
+    assert list(main.grid) == [3 * 6, 4, 1] and list(main.threadgroup) == [32, 4, 1]  # 13 rows / 4
+    assert not main.threadgroup_memory
+    (conv,) = _core.plan_causal_conv1d("float16", 5, 9, 300, 4)
+    assert conv.kernel == "causal_conv1d_float16"
+    assert list(conv.grid) == [3, 5, 1] and list(conv.threadgroup) == [128, 1, 1]
+    (small,) = _core.plan_causal_conv1d("float32", 2, 2, 7, 2)
+    assert list(small.threadgroup) == [7, 1, 1]
+    (mr,) = _core.plan_mrope("float32", "int32", 9, 4, 256, sections=(11, 11, 10), rotary_dim=64)
+    assert mr.kernel == "mrope_float32_int32"
+    assert list(mr.grid) == [9, 1, 1] and list(mr.threadgroup) == [32, 4, 1]
