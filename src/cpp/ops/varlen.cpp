@@ -43,8 +43,14 @@ VarlenBatch check_varlen(const char* op, const mx::array& cu_seqlens, const mx::
   const int64_t n = cu_seqlens.shape(0) - 1;
   check_int_vector(op, "cu_seqlens", cu_seqlens, n + 1);
   check_int_vector(op, "slots", slots, n);
-  VarlenBatch b{mx::contiguous(cu_seqlens, false, s), mx::contiguous(slots, false, s),
-                mx::ones({static_cast<int>(n)}, mx::int32, s), n, 0};
+  // Host-made arrays (the usual case) are used as they are: no graph nodes, no eval.
+  auto dense = [&](const mx::array& a) {
+    if (a.status() == mx::array::Status::available && a.flags().row_contiguous) return a;
+    return mx::contiguous(a, false, s);
+  };
+  const std::vector<int32_t> ones(static_cast<size_t>(n), 1);
+  VarlenBatch b{dense(cu_seqlens), dense(slots),
+                mx::array(ones.begin(), {static_cast<int>(n)}, mx::int32), n, 0};
   if (has_initial_state) {
     const auto& h = *has_initial_state;
     if (h.dtype() != mx::bool_ && h.dtype() != mx::int32) {
@@ -54,7 +60,7 @@ VarlenBatch check_varlen(const char* op, const mx::array& cu_seqlens, const mx::
       fail(op, "has_initial_state must be [" + std::to_string(n) + "], got " +
                    shape_string(h.shape()));
     }
-    b.has_initial_state = mx::contiguous(mx::astype(h, mx::int32, s), false, s);
+    b.has_initial_state = h.dtype() == mx::int32 ? dense(h) : mx::astype(h, mx::int32, s);
   }
   mx::eval({b.cu_seqlens, b.slots, b.has_initial_state});
   const int32_t* cu = b.cu_seqlens.data<int32_t>();
