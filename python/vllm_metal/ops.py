@@ -42,3 +42,11 @@ def _configure_from_env() -> None:
 
 
 _configure_from_env()
+
+# Hybrid models (Qwen3-Next / Qwen3.5 linear attention, Qwen-VL multimodal rope);
+# equations in docs/kernels.md.
+causal_conv1d = _core.causal_conv1d  # causal_conv1d(x, weight, bias, *, conv_state, cu_seqlens, slots)
+gated_delta_rule = _core.gated_delta_rule  # (q, k, v, a, b, A_log, dt_bias, *, state, cu_seqlens, slots)
+mrope = _core.mrope  # mrope(x, positions [3, T], *, sections, interleaved, rotary_dim, base)
+
+__all__ += ["causal_conv1d", "gated_delta_rule", "mrope"]

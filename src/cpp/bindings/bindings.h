@@ -10,5 +10,6 @@ void bind_runtime_pool(nanobind::module_& m);
 void bind_rope(nanobind::module_& m);
 void bind_runtime_packer(nanobind::module_& m);
 void bind_gguf(nanobind::module_& m);
+void bind_hybrid(nanobind::module_& m);
 
 }  // namespace vllm_metal::bindings
