@@ -36,6 +36,7 @@ struct Acct {
   uintptr_t tg_ranges[MSLEMU_MAX_COUNTED_BUFFERS + 1][2] = {};  // threadgroup memory of the worker
   uint32_t n_tg_ranges = 0;
   uint32_t tg_id = 0;  // 1 + linear index of the running threadgroup
+  bool busy = false;   // inside acct_access (its own accesses do not count)
   ~Acct() {
     for (auto *p : seen_by_sg) free(p);
     for (uint32_t i = 0; i < n_bufs; ++i) {
@@ -46,21 +47,21 @@ struct Acct {
   }
 };
 
+// The library's only extra TLS (static TLS is scarce for dlopened libraries: runtime.h).
 inline thread_local Acct *tl_acct __attribute__((tls_model("initial-exec"))) = nullptr;
-inline thread_local bool tl_acct_busy __attribute__((tls_model("initial-exec"))) = false;
 
 // Called for every instrumented access.  Only accesses made by a kernel fiber count (the
 // scheduler's own bookkeeping runs with tl_fiber == nullptr); plain loops and pointers
 // only: anything instrumented called from here would recurse.
 MSLEMU_NOASAN inline void acct_access(uintptr_t a, size_t n, bool write) {
   Acct *A = tl_acct;
-  if (!A || !tl_fiber || tl_acct_busy) return;
+  if (!A || !tl_fiber || A->busy) return;
   const bool mute = tl_fiber->acct_mute;
-  tl_acct_busy = true;
+  A->busy = true;
   for (uint32_t i = 0; i < A->n_tg_ranges; ++i)
     if (a >= A->tg_ranges[i][0] && a < A->tg_ranges[i][1]) {
       if (!mute) (write ? A->c.threadgroup_written : A->c.threadgroup_read) += n;
-      tl_acct_busy = false;
+      A->busy = false;
       return;
     }
   for (uint32_t i = 0; i < A->n_bufs; ++i) {
@@ -106,7 +107,7 @@ MSLEMU_NOASAN inline void acct_access(uintptr_t a, size_t n, bool write) {
     }
     break;  // an address bound twice counts for the first binding
   }
-  tl_acct_busy = false;
+  A->busy = false;
 }
 
 // The buffers of a launch, with per-byte maps sized to them.

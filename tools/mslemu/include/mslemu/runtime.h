@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -262,7 +263,19 @@ const char *api_kernel_name(const KernelEntry *kernels, int i);
 const mslemu_counts *api_last_counts();
 
 #ifdef MSLEMU_IMPLEMENTATION
-static thread_local std::string tl_last_error;
+// Per-thread last error, kept off TLS: every dlopened kernel library's TLS block takes
+// glibc's small static-TLS reserve (initial-exec, see tl_worker), so it must stay tiny.
+static std::mutex g_errors_mutex;
+static std::deque<std::pair<std::thread::id, std::string>> g_errors;  // stable references
+
+static std::string &thread_error() {
+  std::lock_guard<std::mutex> lock(g_errors_mutex);
+  const std::thread::id me = std::this_thread::get_id();
+  for (auto &e : g_errors)
+    if (e.first == me) return e.second;
+  g_errors.emplace_back(me, std::string());
+  return g_errors.back().second;
+}
 #ifdef MSLEMU_ACCOUNTING
 // not thread_local: a library's static TLS must stay tiny (initial-exec, see tl_worker)
 static mslemu_counts tl_last_counts;
@@ -272,11 +285,11 @@ const mslemu_counts *api_last_counts() { return nullptr; }
 #endif
 
 static int set_error(int code, const std::string &msg) {
-  tl_last_error = msg;
+  thread_error() = msg;
   return code;
 }
 
-const char *last_error() { return tl_last_error.c_str(); }
+const char *last_error() { return thread_error().c_str(); }
 
 static bool env_flag(const char *n) {
   const char *e = getenv(n);
