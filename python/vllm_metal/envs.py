@@ -44,6 +44,12 @@ ENVIRONMENT: dict[str, tuple[Callable[[str], Any], Any, str]] = {
         0,
         "Threads used by the C++ CPU kernels; 0 means all cores.",
     ),
+    "VLLM_METAL_NATIVE_SAMPLING": (
+        _bool,
+        True,
+        "Sample with the native MLX sampler; 0 runs vLLM's own torch Sampler on the same "
+        "logits instead (for comparison).",
+    ),
     "VLLM_METAL_DISABLE": (
         _bool,
         False,

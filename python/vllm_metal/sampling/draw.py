@@ -1,0 +1,22 @@
+"""Draws one token per row from softmax(logits) by inverting the CDF with the
+row's own uniform (rng.py): one random number per request, no Gumbel noise
+over the vocabulary, and tokens masked to -inf can never be drawn."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+# keeps the target strictly below the row's total mass under float32 rounding
+_BELOW_ONE = 1.0 - 2.0**-20
+
+
+def draw(x: mx.array, u: np.ndarray) -> mx.array:
+    """x float32 [B, V] (masked tokens -inf), u float64 [B] in [0, 1) -> int32 [B]."""
+    cdf = mx.cumsum(mx.softmax(x, axis=-1), axis=-1)  # [B, V]
+    total = cdf[:, -1:]
+    target = mx.minimum(mx.array(u.astype(np.float32))[:, None] * total, total * _BELOW_ONE)
+    # first index whose cdf exceeds the target; a -inf token adds no mass, so
+    # it is never that index
+    idx = mx.sum(cdf <= target, axis=-1)
+    return mx.minimum(idx, x.shape[-1] - 1).astype(mx.int32)

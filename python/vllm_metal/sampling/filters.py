@@ -1,0 +1,73 @@
+"""Random-sampling filters on float32 logits [B, V], in vLLM's order:
+temperature, min_p, then top-k and top-p. Masked tokens become -inf.
+A filter no row of the batch uses builds no graph."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from vllm_metal.sampling.batch import SamplingBatch
+from vllm_metal.sampling.table import GREEDY_EPS
+
+NEG_INF = float("-inf")
+# top-k alone reads the k-th largest value through mx.topk below this k; above,
+# sorting the row is cheaper than a partial selection of that many.
+_TOPK_SELECT_MAX = 1024
+
+
+def apply_temperature(x: mx.array, b: SamplingBatch) -> mx.array:
+    t = np.where(b.temperature < GREEDY_EPS, 1.0, b.temperature).astype(np.float32)
+    if (t == 1.0).all():
+        return x
+    return x / mx.array(t)[:, None]
+
+
+def apply_min_p(x: mx.array, b: SamplingBatch) -> mx.array:
+    """Drops tokens whose probability is below min_p x the row's top probability,
+    i.e. whose logit is below max + log(min_p)."""
+    if not (b.min_p > 0).any():
+        return x
+    with np.errstate(divide="ignore"):
+        log_min_p = np.log(b.min_p).astype(np.float32)  # -inf where off
+    cut = mx.max(x, axis=-1, keepdims=True) + mx.array(log_min_p)[:, None]
+    return mx.where(x < cut, NEG_INF, x)
+
+
+def apply_top_k_top_p(x: mx.array, b: SamplingBatch) -> mx.array:
+    """Keeps tokens at or above a per-row threshold: the k-th largest logit
+    (ties kept, as vLLM), then the smallest logit of the nucleus: vLLM drops the
+    ascending-sorted prefix whose cumulative probability is <= 1 - top_p, and
+    always keeps the top token."""
+    v = x.shape[-1]
+    use_k = bool((b.top_k < v).any())
+    use_p = bool((b.top_p < 1.0).any())
+    if not use_k and not use_p:
+        return x
+    k = np.minimum(b.top_k, v).astype(np.int32)
+    kmax = int(k[b.top_k < v].max()) if use_k else v
+    if use_k and not use_p and kmax <= _TOPK_SELECT_MAX:
+        # rows without top-k select kmax too; their threshold is then ignored
+        top = mx.sort(mx.topk(x, kmax, axis=-1), axis=-1)  # [B, kmax] ascending
+        kth = mx.take_along_axis(top, mx.array(np.clip(kmax - k, 0, kmax - 1))[:, None], axis=-1)
+        kth = mx.where(mx.array(b.top_k < v)[:, None], kth, NEG_INF)
+        return mx.where(x < kth, NEG_INF, x)
+    xs = mx.sort(x, axis=-1)  # [B, V] ascending
+    if use_k:
+        kth = mx.take_along_axis(xs, mx.array(v - k)[:, None], axis=-1)
+        xs = mx.where(xs < kth, NEG_INF, xs)
+        x = mx.where(x < kth, NEG_INF, x)
+    if use_p:
+        cum = mx.cumsum(mx.softmax(xs, axis=-1), axis=-1)
+        drop = cum <= mx.array(1.0 - b.top_p)[:, None]
+        # number of dropped entries (a prefix, cum is non-decreasing), at most V-1
+        n_drop = mx.minimum(mx.sum(drop, axis=-1, keepdims=True), v - 1)
+        cut = mx.take_along_axis(xs, n_drop.astype(mx.int32), axis=-1)
+        x = mx.where(x < cut, NEG_INF, x)
+    return x
+
+
+def apply_filters(x: mx.array, b: SamplingBatch) -> mx.array:
+    x = apply_temperature(x, b)
+    x = apply_min_p(x, b)
+    return apply_top_k_top_p(x, b)
