@@ -1,9 +1,9 @@
 """vLLM's own torch Sampler on the same logits (VLLM_METAL_NATIVE_SAMPLING=0).
 
 For comparison and as a reference: the step's SamplingBatch becomes vLLM's
-SamplingMetadata. logit_bias and min_tokens are applied to the logits first
-(they are masks and additions, so they commute with vLLM's allowed-ids and
-bad-words masks and stay before its penalties); min_p runs inside the Sampler
+SamplingMetadata. logit_bias and min_tokens are applied
+inside the Sampler by a small processor (after the raw logprobs, before the
+penalties, where vLLM's own builtin processors run); min_p runs inside the Sampler
 through vLLM's own MinPLogitsProcessor, after temperature as in vLLM.
 """
 
@@ -28,13 +28,6 @@ class TorchSampler:
 
         x = torch.from_numpy(np.array(logits.astype(mx.float32)))
         meta = self.metadata(x, b)
-        if b.bias is not None:
-            rows, toks, vals = b.bias
-            x.index_put_((torch.from_numpy(rows).long(), torch.from_numpy(toks).long()),
-                         torch.from_numpy(vals), accumulate=True)
-        if b.banned is not None and b.num_generated is not None:
-            rows, toks = b.banned
-            x[torch.from_numpy(rows).long(), torch.from_numpy(toks).long()] = float("-inf")
         out = self.sampler(x, meta)
         tokens = mx.array(out.sampled_token_ids[:, 0].numpy().astype(np.int32))
         lp = None
@@ -58,6 +51,8 @@ class TorchSampler:
             minp.min_p_count = int((b.min_p > 0).sum())
             minp.min_p = torch.from_numpy(b.min_p.copy())[:, None]
             procs.append(minp)
+        if b.bias is not None or b.banned is not None:
+            procs.append(_Edits(b))
         generators = {}
         steps = b.num_generated if b.num_generated is not None else np.zeros(size, np.int32)
         for i, seed in enumerate(b.seeds):
@@ -89,3 +84,26 @@ class TorchSampler:
             bad_words_token_ids=bad,
             logitsprocs=LogitsProcessors(procs),
         )
+
+
+class _Edits:
+    """logit_bias and min_tokens' stop-token mask as a non-argmax-invariant
+    logits processor, so vLLM's Sampler applies them where its builtins do."""
+
+    def __init__(self, b: SamplingBatch) -> None:
+        self.b = b
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def apply(self, logits):
+        import torch
+
+        if self.b.bias is not None:
+            rows, toks, vals = self.b.bias
+            logits.index_put_((torch.from_numpy(rows).long(), torch.from_numpy(toks).long()),
+                              torch.from_numpy(vals), accumulate=True)
+        if self.b.banned is not None:
+            rows, toks = self.b.banned
+            logits[torch.from_numpy(rows).long(), torch.from_numpy(toks).long()] = float("-inf")
+        return logits
