@@ -76,3 +76,23 @@ def test_large_vocabulary_top_k_never_leaves_the_top_k():
     logits = rng.normal(size=49152).astype(np.float32)
     tokens = sample_many(SamplingParams(temperature=1.0, top_k=20), logits, draws=64)
     assert set(tokens) <= set(np.argsort(-logits)[:20])
+
+
+@pytest.mark.parametrize("vocab, scale, kw", [
+    (12, 1.0, dict(top_p=0.7)),            # nucleus among the candidates
+    (2000, 0.05, dict(top_p=0.9)),         # wide nucleus: the full-sort path
+    (2000, 0.05, dict(top_k=700, top_p=0.8)),
+    (2000, 3.0, dict(top_k=30, top_p=0.5)),
+])
+def test_top_k_top_p_keep_exactly_the_reference_support(vocab, scale, kw):
+    from vllm_metal.sampling.filters import apply_top_k_top_p
+
+    logits = (np.random.default_rng(vocab).normal(size=vocab) * scale).astype(np.float32)
+    table = SamplingTable(vocab, rows=2, seed=0)
+    table.add(0, "a", SamplingParams(temperature=1.0, **kw), [0], 1)
+    table.add(1, "b", SamplingParams(temperature=1.0), [0], 1)  # unfiltered neighbour
+    b = gather_batch(table, np.array([0, 1], np.int32), np.zeros(2, np.int32))
+    x = np.array(apply_top_k_top_p(mx.array(np.stack([logits, logits])), b))
+    want = filtered_probs(logits, 1.0, kw.get("top_k", 0), kw.get("top_p", 1.0)) > 0
+    assert (np.isfinite(x[0]) == want).all()
+    assert np.isfinite(x[1]).all()

@@ -14,6 +14,7 @@ NEG_INF = float("-inf")
 # top-k alone reads the k-th largest value through mx.topk below this k; above,
 # sorting the row is cheaper than a partial selection of that many.
 _TOPK_SELECT_MAX = 1024
+_TOPP_CANDIDATES = 512  # top-p looks for its nucleus among this many logits first
 
 
 def apply_temperature(x: mx.array, b: SamplingBatch) -> mx.array:
@@ -52,7 +53,13 @@ def apply_top_k_top_p(x: mx.array, b: SamplingBatch) -> mx.array:
         kth = mx.take_along_axis(top, mx.array(np.clip(kmax - k, 0, kmax - 1))[:, None], axis=-1)
         kth = mx.where(mx.array(b.top_k < v)[:, None], kth, NEG_INF)
         return mx.where(x < kth, NEG_INF, x)
-    xs = mx.sort(x, axis=-1)  # [B, V] ascending
+    if use_p and not use_k or kmax <= _TOPP_CANDIDATES:
+        if use_k:
+            x = apply_top_k_top_p(x, _only_top_k(b))
+        cut = _top_p_cut_in_candidates(x, b)
+        if cut is not None:
+            return mx.where(x < cut, NEG_INF, x)
+    xs = mx.sort(x, axis=-1)  # [B, V] ascending: the exact path for wide nuclei
     if use_k:
         kth = mx.take_along_axis(xs, mx.array(v - k)[:, None], axis=-1)
         xs = mx.where(xs < kth, NEG_INF, xs)
@@ -65,6 +72,32 @@ def apply_top_k_top_p(x: mx.array, b: SamplingBatch) -> mx.array:
         cut = mx.take_along_axis(xs, n_drop.astype(mx.int32), axis=-1)
         x = mx.where(x < cut, NEG_INF, x)
     return x
+
+
+def _only_top_k(b: SamplingBatch) -> SamplingBatch:
+    import dataclasses
+
+    return dataclasses.replace(b, top_p=np.ones_like(b.top_p))
+
+
+def _top_p_cut_in_candidates(x: mx.array, b: SamplingBatch) -> mx.array | None:
+    """The nucleus cut from the top _TOPP_CANDIDATES logits when they hold at
+    least top_p of each row's mass (then the nucleus lies among them); None
+    otherwise. A full sort of the row is ~10x the cost of this selection on
+    MLX's CPU backend. Reads one [B] flag back (a sync), only for top-p batches."""
+    c = min(_TOPP_CANDIDATES, x.shape[-1])
+    vs = -mx.sort(-mx.topk(x, c, axis=-1), axis=-1)  # [B, c] descending
+    p = mx.exp(vs - mx.logsumexp(x, axis=-1, keepdims=True))
+    before = mx.cumsum(p, axis=-1) - p  # mass of the larger candidates
+    top_p = mx.array(b.top_p)[:, None]
+    used = mx.array(b.top_p < 1.0)
+    covered = mx.logical_or(mx.sum(p, axis=-1) >= mx.array(b.top_p), mx.logical_not(used))
+    if not bool(mx.all(covered).item()):
+        return None
+    # vLLM drops token i when the ascending mass up to it, 1 - before_i, is <= 1 - top_p
+    keep = mx.sum(before < top_p, axis=-1, keepdims=True)  # a prefix, >= 1
+    cut = mx.take_along_axis(vs, mx.maximum(keep - 1, 0).astype(mx.int32), axis=-1)
+    return mx.where(used[:, None], cut, NEG_INF)
 
 
 def apply_filters(x: mx.array, b: SamplingBatch) -> mx.array:
