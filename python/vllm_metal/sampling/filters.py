@@ -53,10 +53,8 @@ def apply_top_k_top_p(x: mx.array, b: SamplingBatch) -> mx.array:
         kth = mx.take_along_axis(top, mx.array(np.clip(kmax - k, 0, kmax - 1))[:, None], axis=-1)
         kth = mx.where(mx.array(b.top_k < v)[:, None], kth, NEG_INF)
         return mx.where(x < kth, NEG_INF, x)
-    if use_p and not use_k or kmax <= _TOPP_CANDIDATES:
-        if use_k:
-            x = apply_top_k_top_p(x, _only_top_k(b))
-        cut = _top_p_cut_in_candidates(x, b)
+    if kmax <= _TOPP_CANDIDATES:
+        cut = _cut_in_candidates(x, b, k)
         if cut is not None:
             return mx.where(x < cut, NEG_INF, x)
     xs = mx.sort(x, axis=-1)  # [B, V] ascending: the exact path for wide nuclei
@@ -74,30 +72,32 @@ def apply_top_k_top_p(x: mx.array, b: SamplingBatch) -> mx.array:
     return x
 
 
-def _only_top_k(b: SamplingBatch) -> SamplingBatch:
-    import dataclasses
-
-    return dataclasses.replace(b, top_p=np.ones_like(b.top_p))
-
-
-def _top_p_cut_in_candidates(x: mx.array, b: SamplingBatch) -> mx.array | None:
-    """The nucleus cut from the top _TOPP_CANDIDATES logits when they hold at
-    least top_p of each row's mass (then the nucleus lies among them); None
-    otherwise. A full sort of the row is ~10x the cost of this selection on
-    MLX's CPU backend. Reads one [B] flag back (a sync), only for top-p batches."""
-    c = min(_TOPP_CANDIDATES, x.shape[-1])
+def _cut_in_candidates(x: mx.array, b: SamplingBatch, k: np.ndarray) -> mx.array | None:
+    """Both cuts from the top _TOPP_CANDIDATES logits (one selection, no full
+    sort, which costs ~10x on MLX's CPU backend): the k-th largest, then the
+    nucleus, when the candidates hold at least top_p of each row's top-k mass
+    (then the nucleus lies among them); None otherwise. Reads one [B] flag
+    back (a sync), only for top-p batches."""
+    v = x.shape[-1]
+    c = min(_TOPP_CANDIDATES, v)
     vs = -mx.sort(-mx.topk(x, c, axis=-1), axis=-1)  # [B, c] descending
-    p = mx.exp(vs - mx.logsumexp(x, axis=-1, keepdims=True))
-    before = mx.cumsum(p, axis=-1) - p  # mass of the larger candidates
-    top_p = mx.array(b.top_p)[:, None]
+    has_k = b.top_k < v
+    kth = mx.take_along_axis(vs, mx.array(np.clip(k - 1, 0, c - 1))[:, None], axis=-1)
+    kth = mx.where(mx.array(has_k)[:, None], kth, NEG_INF)
+    vs = mx.where(vs < kth, NEG_INF, vs)
+    # a top-k row's mass lies among the candidates; other rows need the full row's
+    lse = mx.where(mx.array(has_k)[:, None], mx.logsumexp(vs, axis=-1, keepdims=True),
+                   mx.logsumexp(x, axis=-1, keepdims=True))
+    p = mx.exp(vs - lse)
     used = mx.array(b.top_p < 1.0)
     covered = mx.logical_or(mx.sum(p, axis=-1) >= mx.array(b.top_p), mx.logical_not(used))
     if not bool(mx.all(covered).item()):
         return None
     # vLLM drops token i when the ascending mass up to it, 1 - before_i, is <= 1 - top_p
-    keep = mx.sum(before < top_p, axis=-1, keepdims=True)  # a prefix, >= 1
-    cut = mx.take_along_axis(vs, mx.maximum(keep - 1, 0).astype(mx.int32), axis=-1)
-    return mx.where(used[:, None], cut, NEG_INF)
+    before = mx.cumsum(p, axis=-1) - p  # mass of the larger candidates
+    keep = mx.sum(before < mx.array(b.top_p)[:, None], axis=-1, keepdims=True)  # prefix, >= 1
+    pcut = mx.take_along_axis(vs, mx.maximum(keep - 1, 0).astype(mx.int32), axis=-1)
+    return mx.maximum(kth, mx.where(used[:, None], pcut, NEG_INF))
 
 
 def apply_filters(x: mx.array, b: SamplingBatch) -> mx.array:
