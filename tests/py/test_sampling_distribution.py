@@ -78,14 +78,19 @@ def test_large_vocabulary_top_k_never_leaves_the_top_k():
     assert set(tokens) <= set(np.argsort(-logits)[:20])
 
 
+@pytest.mark.parametrize("tiers", [(), (16,), (512, 4096)], ids=["sort", "sort-after-16", "tiers"])
 @pytest.mark.parametrize("vocab, scale, kw", [
-    (12, 1.0, dict(top_p=0.7)),            # nucleus among the candidates
-    (2000, 0.05, dict(top_p=0.9)),         # wide nucleus: the full-sort path
+    (12, 1.0, dict(top_p=0.7)),
+    (2000, 0.05, dict(top_p=0.9)),         # wide nucleus: needs the second tier
+    (6000, 0.02, dict(top_p=0.9)),         # wider than every tier: the full sort
     (2000, 0.05, dict(top_k=700, top_p=0.8)),
     (2000, 3.0, dict(top_k=30, top_p=0.5)),
 ])
-def test_top_k_top_p_keep_exactly_the_reference_support(vocab, scale, kw):
+def test_top_k_top_p_keep_exactly_the_reference_support(vocab, scale, kw, tiers, monkeypatch):
+    from vllm_metal.sampling import filters
     from vllm_metal.sampling.filters import apply_top_k_top_p
+
+    monkeypatch.setattr(filters, "_TOPP_CANDIDATES", tiers)
 
     logits = (np.random.default_rng(vocab).normal(size=vocab) * scale).astype(np.float32)
     table = SamplingTable(vocab, rows=2, seed=0)
