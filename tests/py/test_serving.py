@@ -127,6 +127,15 @@ def test_seeded_sampling_is_reproducible_and_logprobs_come_back(server):
     assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"])
 
 
+def test_n_fans_out_and_prompt_logprobs_come_back(server):
+    r = server.complete(PROMPTS[0], max_tokens=4, n=2, temperature=0.8, seed=5, prompt_logprobs=1)
+    assert r["status"] == 200, r
+    assert len(r["choices"]) == 2
+    plp = r["choices"][0]["prompt_logprobs"]
+    assert len(plp) == r["usage"]["prompt_tokens"] and plp[0] is None
+    assert all(1 <= len(pos) <= 2 for pos in plp[1:])  # the prompt token, + the top 1
+
+
 def test_min_tokens_is_honoured(server):
     r = server.complete("Say OK.", max_tokens=20, min_tokens=15)
     assert r["status"] == 200 and r["usage"]["completion_tokens"] >= 15

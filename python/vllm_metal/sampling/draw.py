@@ -13,7 +13,8 @@ _BELOW_ONE = 1.0 - 2.0**-20
 
 def draw(x: mx.array, u: np.ndarray) -> mx.array:
     """x float32 [B, V] (masked tokens -inf), u float64 [B] in [0, 1) -> int32 [B]."""
-    cdf = mx.cumsum(mx.softmax(x, axis=-1), axis=-1)  # [B, V]
+    # unnormalized: the target below scales with the row's total instead
+    cdf = mx.cumsum(mx.exp(x - mx.max(x, axis=-1, keepdims=True)), axis=-1)  # [B, V]
     total = cdf[:, -1:]
     target = mx.minimum(mx.array(u.astype(np.float32))[:, None] * total, total * _BELOW_ONE)
     # first index whose cdf exceeds the target; a -inf token adds no mass, so
