@@ -57,7 +57,8 @@ class MetalModelRunner:
         self.sampling_table = SamplingTable(self.model_config.get_vocab_size(),
                                             rows=self.scheduler_config.max_num_seqs)
         self.prompt_logprobs = PromptLogprobs(self.sampling_table)
-        if envs.VLLM_METAL_NATIVE_SAMPLING:
+        self.native_sampling = envs.VLLM_METAL_NATIVE_SAMPLING
+        if self.native_sampling:
             self.sampler = Sampler(mode)
         else:
             from vllm_metal.sampling.torch_sampler import TorchSampler
@@ -140,7 +141,7 @@ class MetalModelRunner:
         rows = np.array(p.req_rows)  # [num_seqs] batch index -> request row
         num_generated = np.array(p.seq_lens) - table.prompt_len[rows]
         batch = gather_batch(table, rows, num_generated, p.token_ids,
-                             for_reference=not envs.VLLM_METAL_NATIVE_SAMPLING)
+                             for_reference=not self.native_sampling)
         # prompt-logprob positions are scored after the sampled rows
         extra = self.prompt_logprobs.plan(rows, np.array(p.cu_seqlens_q), p.positions[:p.num_tokens])
         logits = self._forward(extra)

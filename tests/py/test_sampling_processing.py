@@ -158,3 +158,19 @@ def test_native_and_vllm_torch_samplers_agree_on_deterministic_requests(kw):
     assert np.array(ours.tokens).tolist() == np.array(theirs.tokens).tolist()
     for a, c in zip(ours.logprobs, theirs.logprobs):
         np.testing.assert_allclose(np.array(a), np.array(c), atol=1e-5)
+
+
+def test_request_validation_passes_what_is_sampled_and_names_what_is_not():
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from vllm_metal.request_validation import validate_sampling_params
+
+    validate_sampling_params(SamplingParams(
+        temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, n=2, seed=1, logprobs=3,
+        prompt_logprobs=1, presence_penalty=0.5, frequency_penalty=0.1, repetition_penalty=1.1,
+        logit_bias={1: 2.0}, allowed_token_ids=[1, 2], min_tokens=2, bad_words=["x"]))
+    with pytest.raises(VLLMValidationError, match="structured outputs") as e:
+        validate_sampling_params(SamplingParams(
+            structured_outputs=StructuredOutputsParams(json_object=True)))
+    assert e.value.parameter == "response_format"
