@@ -1,4 +1,4 @@
-"""Draws one token per row from softmax(logits) by inverting the CDF with the
+"""Draws one token per row from its probabilities by inverting the CDF with the
 row's own uniform (rng.py): one random number per request, no Gumbel noise
 over the vocabulary, and tokens masked to -inf can never be drawn."""
 
@@ -11,13 +11,13 @@ import numpy as np
 _BELOW_ONE = 1.0 - 2.0**-20
 
 
-def draw(x: mx.array, u: np.ndarray) -> mx.array:
-    """x float32 [B, V] (masked tokens -inf), u float64 [B] in [0, 1) -> int32 [B]."""
-    # unnormalized: the target below scales with the row's total instead
-    cdf = mx.cumsum(mx.exp(x - mx.max(x, axis=-1, keepdims=True)), axis=-1)  # [B, V]
+def draw(weights: mx.array, u: np.ndarray) -> mx.array:
+    """weights float32 [B, V]: unnormalized probabilities (0 = masked);
+    u float64 [B] in [0, 1) -> int32 [B]."""
+    cdf = mx.cumsum(weights, axis=-1)  # [B, V]; the target scales with the row's total
     total = cdf[:, -1:]
     target = mx.minimum(mx.array(u.astype(np.float32))[:, None] * total, total * _BELOW_ONE)
-    # first index whose cdf exceeds the target; a -inf token adds no mass, so
-    # it is never that index
+    # first index whose cdf exceeds the target; a masked token adds no mass,
+    # so it is never that index
     idx = mx.sum(cdf <= target, axis=-1)
-    return mx.minimum(idx, x.shape[-1] - 1).astype(mx.int32)
+    return mx.minimum(idx, weights.shape[-1] - 1).astype(mx.int32)

@@ -47,8 +47,8 @@ class Sampler:
             tokens = mx.argmax(x, axis=-1).astype(mx.int32)
             final = x
         else:
-            final = apply_filters(x, b)
-            tokens = draw(final, b.uniforms)
+            final, weights = apply_filters(x, b)
+            tokens = draw(weights, b.uniforms)
             if greedy.any():
                 tokens = mx.where(mx.array(greedy), mx.argmax(x, axis=-1).astype(mx.int32), tokens)
         if not want_lp:
