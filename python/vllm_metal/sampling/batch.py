@@ -28,6 +28,7 @@ class SamplingBatch:
     presence_penalty: np.ndarray  # float32 [B]
     uniforms: np.ndarray  # float64 [B]: this step's draw of each request
     max_num_logprobs: int | None = None  # None: no row wants logprobs
+    logprob_rows: np.ndarray | None = None  # bool [B]: rows that asked for logprobs
     # (batch index, token) pairs whose logits become -inf: bad words, min_tokens stops
     banned: tuple[np.ndarray, np.ndarray] | None = None
     # (batch index, token, bias)
@@ -77,7 +78,7 @@ def gather_batch(table: SamplingTable, rows: np.ndarray, num_generated: np.ndarr
         frequency_penalty=t.frequency_penalty[rows], presence_penalty=t.presence_penalty[rows],
         uniforms=uniforms(t.seed[rows], num_generated),
         max_num_logprobs=int(nlp.max()) if (nlp != NO_LOGPROBS).any() else None,
-        num_generated=num_generated,
+        num_generated=num_generated, logprob_rows=nlp != NO_LOGPROBS,
     )
     size = len(rows)
     history: dict[int, list[int]] = {}  # batch index -> output tokens

@@ -7,6 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from vllm_metal.sampling import rows
 from vllm_metal.sampling.batch import SamplingBatch
 from vllm_metal.sampling.table import GREEDY_EPS
 
@@ -38,6 +39,18 @@ def apply_min_p(x: mx.array, b: SamplingBatch) -> mx.array:
 
 
 def apply_top_k_top_p(x: mx.array, b: SamplingBatch, lse: mx.array | None = None) -> mx.array:
+    """Runs on the rows that use top-k or top-p only (see _top_k_top_p)."""
+    v = x.shape[-1]
+    used = (b.top_k < v) | (b.top_p < 1.0)
+    if not used.any():
+        return x
+    idx = rows.subset(used)
+    sub = _top_k_top_p(rows.take(x, idx), rows.batch_rows(b, idx),
+                       None if lse is None else rows.take(lse, idx))
+    return rows.put(sub, idx, x)
+
+
+def _top_k_top_p(x: mx.array, b: SamplingBatch, lse: mx.array | None = None) -> mx.array:
     """Keeps tokens at or above a per-row threshold: the k-th largest logit
     (ties kept, as vLLM), then the smallest logit of the nucleus: vLLM drops the
     ascending-sorted prefix whose cumulative probability is <= 1 - top_p, and

@@ -7,6 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from vllm_metal.sampling import rows
 from vllm_metal.sampling.batch import SamplingBatch
 
 NEG_INF = float("-inf")
@@ -53,6 +54,12 @@ def apply_penalties(x: mx.array, b: SamplingBatch) -> mx.array:
     over output tokens."""
     if not b.uses_penalties:
         return x
+    idx = rows.subset((b.repetition_penalty != 1.0) | (b.frequency_penalty != 0.0)
+                      | (b.presence_penalty != 0.0))
+    return rows.put(_penalize(rows.take(x, idx), rows.batch_rows(b, idx)), idx, x)
+
+
+def _penalize(x: mx.array, b: SamplingBatch) -> mx.array:
     v = x.shape[-1]
     out_counts = token_counts(b.output_tokens, v)
     seen_out = out_counts > 0

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from vllm_metal.sampling import rows
 from vllm_metal.sampling.batch import SamplingBatch
 from vllm_metal.sampling.draw import draw
 from vllm_metal.sampling.filters import apply_filters
@@ -36,11 +37,14 @@ class Sampler:
 
     def __call__(self, logits: mx.array, b: SamplingBatch) -> SampleResult:
         want_lp = b.max_num_logprobs is not None
+        # logprobs only for the rows that asked (the others' rows stay zero and
+        # are never read by vLLM's output processor)
+        lp_idx = rows.subset(b.logprob_rows) if want_lp else None
         scores = None
         if want_lp and self.logprobs_mode == "raw_logprobs":
-            scores = log_softmax(logits)
+            scores = log_softmax(rows.take(logits, lp_idx))
         elif want_lp and self.logprobs_mode == "raw_logits":
-            scores = logits.astype(mx.float32)
+            scores = rows.take(logits, lp_idx).astype(mx.float32)
         x = process(logits.astype(mx.float32), b)
         greedy = b.greedy
         if greedy.all():
@@ -54,5 +58,7 @@ class Sampler:
         if not want_lp:
             return SampleResult(tokens)
         if scores is None:  # processed_*: what the tokens were drawn from
+            final = rows.take(final, lp_idx)
             scores = log_softmax(final) if self.logprobs_mode == "processed_logprobs" else final
-        return SampleResult(tokens, gather_logprobs(scores, b.max_num_logprobs, tokens))
+        sub = gather_logprobs(scores, b.max_num_logprobs, rows.take(tokens, lp_idx))
+        return SampleResult(tokens, tuple(rows.put_new(a, lp_idx, b.size) for a in sub))
