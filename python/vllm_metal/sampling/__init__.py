@@ -2,7 +2,8 @@
 
 table.py keeps each request's parameters by row; batch.py gathers a step;
 processors.py, filters.py, draw.py and logprobs.py are the stages that
-sampler.py chains; prompt_logprobs.py collects prompt logprobs over chunks;
+sampler.py chains (rows.py runs a stage on the rows that use it);
+prompt_logprobs.py collects prompt logprobs over chunks;
 torch_sampler.py runs vLLM's own Sampler on the same logits for comparison.
 """
 
