@@ -225,7 +225,8 @@ class MetalModelRunner:
                                 prompt_len=prompt_len, replace=True)
             self.prompt_logprobs.drop([new.req_id])
             self.sampling_table.add(row, new.req_id, new.sampling_params,
-                                    new.prompt_token_ids or tokens, prompt_len)
+                                    new.prompt_token_ids or tokens, prompt_len,
+                                    resumed=len(tokens) > prompt_len)
         cached = so.scheduled_cached_reqs
         if cached.req_ids:
             p.update_requests(

@@ -175,3 +175,11 @@ def test_request_validation_passes_what_is_sampled_and_names_what_is_not():
         validate_sampling_params(SamplingParams(
             structured_outputs=StructuredOutputsParams(json_object=True)))
     assert e.value.parameter == "response_format"
+
+
+def test_a_resumed_request_does_not_send_its_prompt_logprobs_again():
+    table = SamplingTable(V, rows=1)
+    table.add(0, "a", SamplingParams(prompt_logprobs=2), [5, 9, 1], 3, resumed=True)
+    pl = PromptLogprobs(table)
+    extra = pl.plan(np.array([0], np.int32), np.array([0, 5], np.int32), np.arange(5, dtype=np.int32))
+    assert len(extra) == 0 and pl.collect(pl.score(None, "raw_logprobs")) == {}

@@ -65,8 +65,11 @@ class SamplingTable:
         self.extras += [None] * (rows - old)
 
     # ---- request lifetime ---------------------------------------------------------
-    def add(self, row: int, req_id: str, params, prompt_token_ids, prompt_len: int) -> None:
-        """Writes the request's parameters at ``row`` (its BatchPacker row)."""
+    def add(self, row: int, req_id: str, params, prompt_token_ids, prompt_len: int,
+            *, resumed: bool = False) -> None:
+        """Writes the request's parameters at ``row`` (its BatchPacker row).
+        resumed: it comes back with outputs (V2 preemption), its prompt
+        logprobs went out already."""
         self._grow(max(row + 1, 2 * len(self.req_ids)) if row >= len(self.req_ids) else 0)
         old = self.req_ids[row]
         if old is not None and old != req_id:
@@ -88,7 +91,7 @@ class SamplingTable:
         self.min_tokens[row] = int(params.min_tokens or 0)
         n = params.logprobs
         self.num_logprobs[row] = NO_LOGPROBS if n is None else (v if n == -1 else int(n))
-        n = params.prompt_logprobs
+        n = None if resumed else params.prompt_logprobs
         self.num_prompt_logprobs[row] = NO_LOGPROBS if n is None else (v if n == -1 else int(n))
         self.seed[row] = fresh_seed(self._rng) if params.seed is None else int(params.seed) % 2**64
 
