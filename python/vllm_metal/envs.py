@@ -51,6 +51,12 @@ ENVIRONMENT: dict[str, tuple[Callable[[str], Any], Any, str]] = {
         "scheme: about 2x faster decode, results differ from float32 by that rounding). Off: "
         "float32 sums, as the Metal kernels compute.",
     ),
+    "VLLM_METAL_NATIVE_SAMPLING": (
+        _bool,
+        True,
+        "Sample with the native MLX sampler; 0 runs vLLM's own torch Sampler on the same "
+        "logits instead (for comparison).",
+    ),
     "VLLM_METAL_DISABLE": (
         _bool,
         False,

@@ -3,7 +3,8 @@
 Per step: apply the scheduler's deltas to the C++ request table, pack the
 scheduled requests into flat arrays (BatchPacker, no per-step allocation),
 build the attention context, and submit the forward lazily (execute_model);
-sample_tokens then evaluates, picks the tokens and records them in the table.
+sample_tokens then waits for it and the sampler (sampling/, per-request
+parameters kept in a table by request row), and records the tokens.
 The paged KV cache is one (key, value) pair of MLX arrays per layer, updated
 in place by the attention layers through reshape_and_cache.
 """
@@ -15,8 +16,10 @@ import logging
 import mlx.core as mx
 import numpy as np
 
-from vllm_metal import _core
+from vllm_metal import _core, envs
 from vllm_metal.models import AttentionContext, load_model
+from vllm_metal.sampling import Sampler, SamplingTable, gather_batch
+from vllm_metal.sampling.prompt_logprobs import PromptLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +37,10 @@ class MetalModelRunner:
         self.model = None
         self.kv_caches: list[tuple[mx.array, mx.array]] = []
         self.packer = None
-        self._pending = None  # (req_ids, discard, next_tokens) of the step in flight
+        self._pending = None  # (req_ids, discard, SampleResult, prompt scores) in flight
+        self.sampling_table: SamplingTable | None = None
+        self.prompt_logprobs: PromptLogprobs | None = None
+        self.sampler = None
 
     # ---- setup ------------------------------------------------------------------
     def load_model(self) -> None:
@@ -44,6 +50,21 @@ class MetalModelRunner:
         spec = self.loaded.spec
         logger.info("vllm-metal loaded %s: %d layers, %d kv heads x %d, cache %s",
                     spec.architecture, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype)
+        self._init_sampling()
+
+    def _init_sampling(self) -> None:
+        mode = str(getattr(self.model_config, "logprobs_mode", "raw_logprobs"))
+        self.sampling_table = SamplingTable(self.model_config.get_vocab_size(),
+                                            rows=self.scheduler_config.max_num_seqs)
+        self.prompt_logprobs = PromptLogprobs(self.sampling_table)
+        self.native_sampling = envs.VLLM_METAL_NATIVE_SAMPLING
+        if self.native_sampling:
+            self.sampler = Sampler(mode)
+        else:
+            from vllm_metal.sampling.torch_sampler import TorchSampler
+
+            self.sampler = TorchSampler(mode)
+        self.logprobs_mode = mode
 
     def layer_names(self) -> list[str]:
         return [f"model.layers.{i}.self_attn.attn" for i in range(self.loaded.spec.num_layers)]
@@ -114,32 +135,55 @@ class MetalModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             self._pending = None
             return None
-        self.packer.pack(dict(scheduler_output.num_scheduled_tokens))
-        logits = self._forward()
-        next_tokens = mx.argmax(logits, axis=-1).astype(mx.int32)  # greedy (issue 8 adds sampling)
-        mx.async_eval(next_tokens)
-        self._pending = (list(self.packer.req_ids), np.array(self.packer.discard_sampled), next_tokens)
+        p = self.packer
+        p.pack(dict(scheduler_output.num_scheduled_tokens))
+        table = self.sampling_table
+        rows = np.array(p.req_rows)  # [num_seqs] batch index -> request row
+        num_generated = np.array(p.seq_lens) - table.prompt_len[rows]
+        batch = gather_batch(table, rows, num_generated, p.token_ids,
+                             for_reference=not self.native_sampling)
+        # prompt-logprob positions are scored after the sampled rows
+        extra = self.prompt_logprobs.plan(rows, np.array(p.cu_seqlens_q), p.positions[:p.num_tokens])
+        logits = self._forward(extra)
+        n = p.num_seqs
+        result = self.sampler(logits[:n] if len(extra) else logits, batch)
+        prompt_scores = self.prompt_logprobs.score(logits[n:] if len(extra) else None,
+                                                   self.logprobs_mode)
+        mx.async_eval(result.tokens, *(result.logprobs or ()),
+                      *[a for _, _, part in prompt_scores if part for a in part])
+        self._pending = (list(p.req_ids), np.array(p.discard_sampled), result, prompt_scores)
         return None
 
     def sample_tokens(self, grammar_output):
-        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
 
         if self._pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        req_ids, discard, next_tokens = self._pending
+        req_ids, discard, result, prompt_scores = self._pending
         self._pending = None
-        tokens = np.array(next_tokens, dtype=np.int32)  # [num_seqs]: waits for the forward
+        tokens = np.array(result.tokens, dtype=np.int32)  # [num_seqs]: waits for the forward
         self.packer.append_sampled(tokens)
         sampled = [[] if discard[i] else [int(tokens[i])] for i in range(len(req_ids))]
+        logprobs = None
+        if result.logprobs is not None:
+            ids, lps, ranks = (np.array(a) for a in result.logprobs)
+            logprobs = LogprobsLists(ids, lps, ranks)
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
+            logprobs=logprobs,
+            prompt_logprobs_dict=self.prompt_logprobs.collect(prompt_scores),
         )
 
-    def _forward(self) -> mx.array:
+    def _forward(self, extra_logits_indices: np.ndarray | None = None) -> mx.array:
+        """extra_logits_indices: packed tokens whose logits are also wanted,
+        returned after the sampled rows."""
         p = self.packer
         t = p.num_tokens
+        logits_indices = p.logits_indices
+        if extra_logits_indices is not None and len(extra_logits_indices):
+            logits_indices = np.concatenate([logits_indices, extra_logits_indices])
         ctx = AttentionContext(
             positions=mx.array(p.positions[:t]),
             slot_mapping=mx.array(p.slot_mapping[:t]),
@@ -149,7 +193,7 @@ class MetalModelRunner:
             num_decode_seqs=p.num_decodes,
             max_seq_len=p.max_seq_len,
             max_query_len=p.max_query_len,
-            logits_indices=mx.array(p.logits_indices),
+            logits_indices=mx.array(logits_indices),
             kv_caches=self.kv_caches,
         )
         logits = self.model(mx.array(p.input_ids[:t]), ctx)
@@ -169,13 +213,20 @@ class MetalModelRunner:
             gone |= set(so.preempted_req_ids)
         if gone:
             p.remove_requests(sorted(gone))
+            self.sampling_table.remove(gone)
+            self.prompt_logprobs.drop(gone)
         for new in so.scheduled_new_reqs:
             tokens = new.prefill_token_ids if new.prefill_token_ids is not None else new.prompt_token_ids
             if tokens is None:
                 raise ValueError("[vllm-metal] prompt embeddings are not supported")
-            p.add_request(new.req_id, list(tokens), num_computed_tokens=new.num_computed_tokens,
-                          block_ids=[list(b) for b in new.block_ids],
-                          prompt_len=len(new.prompt_token_ids or tokens), replace=True)
+            prompt_len = len(new.prompt_token_ids or tokens)
+            row = p.add_request(new.req_id, list(tokens), num_computed_tokens=new.num_computed_tokens,
+                                block_ids=[list(b) for b in new.block_ids],
+                                prompt_len=prompt_len, replace=True)
+            self.prompt_logprobs.drop([new.req_id])
+            self.sampling_table.add(row, new.req_id, new.sampling_params,
+                                    new.prompt_token_ids or tokens, prompt_len,
+                                    resumed=len(tokens) > prompt_len)
         cached = so.scheduled_cached_reqs
         if cached.req_ids:
             p.update_requests(

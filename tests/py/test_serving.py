@@ -113,10 +113,7 @@ def test_prefix_cache_hits_give_the_same_tokens(server):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"temperature": 0.7}, "temperature"),
-    ({"n": 2}, "n"),
-    ({"logprobs": 2}, "logprobs"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_unsupported_parameters_get_a_400_naming_them(server, body, param):
     r = server.client.post("/v1/completions", json={
@@ -124,6 +121,33 @@ def test_unsupported_parameters_get_a_400_naming_them(server, body, param):
     assert r.status_code == 400, r.text
     assert param in r.json()["error"]["message"]
     assert server.complete("Hi", max_tokens=2)["status"] == 200  # still serving
+
+
+def test_seeded_sampling_is_reproducible_and_logprobs_come_back(server):
+    kw = dict(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=42, logprobs=2,
+              presence_penalty=0.3)
+    first = server.complete(PROMPTS[3], **kw)
+    again = server.complete(PROMPTS[3], **kw)
+    assert first["status"] == 200, first
+    assert first["choices"][0]["text"] == again["choices"][0]["text"]
+    lp = first["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == first["usage"]["completion_tokens"]
+    assert all(x <= 0 for x in lp["token_logprobs"])
+    assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"])
+
+
+def test_n_fans_out_and_prompt_logprobs_come_back(server):
+    r = server.complete(PROMPTS[0], max_tokens=4, n=2, temperature=0.8, seed=5, prompt_logprobs=1)
+    assert r["status"] == 200, r
+    assert len(r["choices"]) == 2
+    plp = r["choices"][0]["prompt_logprobs"]
+    assert len(plp) == r["usage"]["prompt_tokens"] and plp[0] is None
+    assert all(1 <= len(pos) <= 2 for pos in plp[1:])  # the prompt token, + the top 1
+
+
+def test_min_tokens_is_honoured(server):
+    r = server.complete("Say OK.", max_tokens=20, min_tokens=15)
+    assert r["status"] == 200 and r["usage"]["completion_tokens"] >= 15
 
 
 def test_too_long_prompt_gets_a_400_and_the_server_keeps_serving(server):

@@ -1,0 +1,137 @@
+"""One step's sampling parameters: the table's rows gathered in batch order.
+
+Everything per request is a NumPy array gathered with the step's rows (no
+Python loop); only rows flagged in the table for list-valued features
+(logit_bias, allowed_token_ids, bad_words, penalties, min_tokens) are visited,
+and a stage whose flag is off for the whole batch is skipped by the sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm_metal.sampling.rng import uniforms
+from vllm_metal.sampling.table import GREEDY_EPS, NO_LOGPROBS, SamplingTable
+
+
+@dataclass
+class SamplingBatch:
+    vocab_size: int
+    temperature: np.ndarray  # float32 [B]; < GREEDY_EPS: greedy
+    top_k: np.ndarray  # int32 [B]; vocab_size: off
+    top_p: np.ndarray  # float32 [B]; 1: off
+    min_p: np.ndarray  # float32 [B]; 0: off
+    repetition_penalty: np.ndarray  # float32 [B]
+    frequency_penalty: np.ndarray  # float32 [B]
+    presence_penalty: np.ndarray  # float32 [B]
+    uniforms: np.ndarray  # float64 [B]: this step's draw of each request
+    max_num_logprobs: int | None = None  # None: no row wants logprobs
+    logprob_rows: np.ndarray | None = None  # bool [B]: rows that asked for logprobs
+    # (batch index, token) pairs whose logits become -inf: bad words, min_tokens stops
+    banned: tuple[np.ndarray, np.ndarray] | None = None
+    # (batch index, token, bias)
+    bias: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    # (batch index, token) pairs allowed; rows without allowed_token_ids are all allowed
+    allowed: tuple[np.ndarray, np.ndarray] | None = None
+    allowed_rows: np.ndarray | None = None  # bool [B]: rows restricted to their allowed ids
+    # penalties: tokens padded with vocab_size, [B, Lp] and [B, Lo]
+    prompt_tokens: np.ndarray | None = None
+    output_tokens: np.ndarray | None = None
+    # for the torch reference sampler
+    seeds: list[int | None] = field(default_factory=list)
+    extras: list = field(default_factory=list)
+    output_lists: list[list[int]] = field(default_factory=list)
+    num_generated: np.ndarray | None = None  # int32 [B]
+
+    @property
+    def size(self) -> int:
+        return len(self.temperature)
+
+    @property
+    def greedy(self) -> np.ndarray:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool(self.greedy.all())
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.prompt_tokens is not None
+
+
+def gather_batch(table: SamplingTable, rows: np.ndarray, num_generated: np.ndarray,
+                 token_ids_of=None, *, for_reference: bool = False) -> SamplingBatch:
+    """rows: int32 [B] table rows in batch order; num_generated: int32 [B]
+    output tokens each request has so far (the index of the token drawn now);
+    token_ids_of(req_id) -> prompt + output ids, read only for rows that need
+    their history (penalties, bad words)."""
+    t = table
+    num_generated = np.maximum(num_generated, 0).astype(np.int32)
+    nlp = t.num_logprobs[rows]
+    b = SamplingBatch(
+        vocab_size=t.vocab_size,
+        temperature=t.temperature[rows], top_k=t.top_k[rows], top_p=t.top_p[rows],
+        min_p=t.min_p[rows], repetition_penalty=t.repetition_penalty[rows],
+        frequency_penalty=t.frequency_penalty[rows], presence_penalty=t.presence_penalty[rows],
+        uniforms=uniforms(t.seed[rows], num_generated),
+        max_num_logprobs=int(nlp.max()) if (nlp != NO_LOGPROBS).any() else None,
+        num_generated=num_generated, logprob_rows=nlp != NO_LOGPROBS,
+    )
+    size = len(rows)
+    history: dict[int, list[int]] = {}  # batch index -> output tokens
+    prompts: dict[int, list[int]] = {}
+    for i in np.flatnonzero(t.needs_history[rows]):
+        row = rows[i]
+        ids = list(token_ids_of(t.req_ids[row])) if token_ids_of is not None else []
+        plen = int(t.prompt_len[row])
+        prompts[i], history[i] = ids[:plen], ids[plen:]
+
+    banned_b, banned_t = [], []
+    for i in np.flatnonzero(t.has_bad_words[rows]):
+        past = history.get(i, [])
+        for word in t.extras[rows[i]].bad_words:
+            prefix = word[:-1]
+            if len(prefix) <= len(past) and (not prefix or past[-len(prefix):] == prefix):
+                banned_b.append(i)
+                banned_t.append(word[-1])
+    for i in np.flatnonzero(num_generated < t.min_tokens[rows]):
+        stops = t.extras[rows[i]].stop_ids
+        banned_b += [i] * len(stops)
+        banned_t += stops.tolist()
+    if banned_b:
+        b.banned = (np.array(banned_b, np.int32), np.array(banned_t, np.int32))
+
+    bias_rows = np.flatnonzero(t.has_bias[rows])
+    if len(bias_rows):
+        ex = [t.extras[rows[i]] for i in bias_rows]
+        b.bias = (np.repeat(bias_rows, [len(x.bias_ids) for x in ex]).astype(np.int32),
+                  np.concatenate([x.bias_ids for x in ex]),
+                  np.concatenate([x.bias_values for x in ex]))
+    allowed_rows = np.flatnonzero(t.has_allowed[rows])
+    if len(allowed_rows):
+        ex = [t.extras[rows[i]] for i in allowed_rows]
+        b.allowed = (np.repeat(allowed_rows, [len(x.allowed_ids) for x in ex]).astype(np.int32),
+                     np.concatenate([x.allowed_ids for x in ex]))
+        b.allowed_rows = t.has_allowed[rows].copy()
+
+    pen = ((b.repetition_penalty != 1.0) | (b.frequency_penalty != 0.0)
+           | (b.presence_penalty != 0.0))
+    if pen.any():
+        b.prompt_tokens = _pad([prompts.get(i, []) for i in range(size)], t.vocab_size)
+        b.output_tokens = _pad([history.get(i, []) for i in range(size)], t.vocab_size)
+    if for_reference:
+        b.extras = [t.extras[r] for r in rows]
+        b.seeds = [x.seed for x in b.extras]
+        b.output_lists = [history.get(i, []) for i in range(size)]
+    return b
+
+
+def _pad(lists: list[list[int]], pad: int) -> np.ndarray:
+    width = max(1, max(len(x) for x in lists))
+    out = np.full((len(lists), width), pad, np.int32)
+    for i, x in enumerate(lists):
+        out[i, :len(x)] = x
+    return out

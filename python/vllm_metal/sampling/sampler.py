@@ -1,0 +1,64 @@
+"""The native sampler: logits [B, V] -> tokens [B] (+ logprobs), lazily in MLX.
+
+vLLM's order: raw logprobs of the unmodified logits; allowed ids, bad words,
+min_tokens, logit_bias, penalties; greedy rows take the argmax there; random
+rows go on through temperature, min_p, top-k/top-p and draw from the rest.
+An all-greedy batch without edits is one argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from vllm_metal.sampling import rows
+from vllm_metal.sampling.batch import SamplingBatch
+from vllm_metal.sampling.draw import draw
+from vllm_metal.sampling.filters import apply_filters
+from vllm_metal.sampling.logprobs import gather_logprobs, log_softmax
+from vllm_metal.sampling.processors import process
+
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
+@dataclass
+class SampleResult:
+    tokens: mx.array  # int32 [B]
+    logprobs: tuple[mx.array, mx.array, mx.array] | None = None  # ids, logprobs, ranks
+
+
+class Sampler:
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"[vllm-metal] logprobs_mode {logprobs_mode!r} is not supported")
+        self.logprobs_mode = logprobs_mode
+
+    def __call__(self, logits: mx.array, b: SamplingBatch) -> SampleResult:
+        want_lp = b.max_num_logprobs is not None
+        # logprobs only for the rows that asked (the others' rows stay zero and
+        # are never read by vLLM's output processor)
+        lp_idx = rows.subset(b.logprob_rows) if want_lp else None
+        scores = None
+        if want_lp and self.logprobs_mode == "raw_logprobs":
+            scores = log_softmax(rows.take(logits, lp_idx))
+        elif want_lp and self.logprobs_mode == "raw_logits":
+            scores = rows.take(logits, lp_idx).astype(mx.float32)
+        x = process(logits.astype(mx.float32), b)
+        greedy = b.greedy
+        if greedy.all():
+            tokens = mx.argmax(x, axis=-1).astype(mx.int32)
+            final = x
+        else:
+            final, weights = apply_filters(x, b)
+            tokens = draw(weights, b.uniforms)
+            if greedy.any():
+                tokens = mx.where(mx.array(greedy), mx.argmax(x, axis=-1).astype(mx.int32), tokens)
+        if not want_lp:
+            return SampleResult(tokens)
+        if scores is None:  # processed_*: what the tokens were drawn from
+            final = rows.take(final, lp_idx)
+            scores = log_softmax(final) if self.logprobs_mode == "processed_logprobs" else final
+        sub = gather_logprobs(scores, b.max_num_logprobs, rows.take(tokens, lp_idx))
+        return SampleResult(tokens, tuple(rows.put_new(a, lp_idx, b.size) for a in sub))
