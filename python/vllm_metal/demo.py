@@ -72,7 +72,9 @@ def main() -> int:
         return 0
     finally:
         if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
+            # The API server alone: it stops its engine process itself (a signal to
+            # the whole group would kill the engine first and log a dead engine).
+            server.send_signal(signal.SIGINT)
             try:
                 server.wait(timeout=30)
             except subprocess.TimeoutExpired:
