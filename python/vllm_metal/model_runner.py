@@ -187,7 +187,8 @@ class MetalModelRunner:
         ctx = AttentionContext(
             positions=mx.array(p.positions[:t]),
             slot_mapping=mx.array(p.slot_mapping[:t]),
-            block_tables=mx.array(p.block_table),
+            # only the columns this step's contexts reach (the table is max-model-len wide)
+            block_tables=mx.array(p.block_table[:, :max(1, p.block_table_used_widths[0])]),
             seq_lens=mx.array(p.seq_lens),
             cu_seqlens_q=mx.array(p.cu_seqlens_q),
             num_decode_seqs=p.num_decodes,
