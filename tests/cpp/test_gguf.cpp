@@ -3,6 +3,7 @@
 // arm64 cross-build (tests/py/test_arm64_cpu_kernels.py) runs it for NEON.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -13,6 +14,7 @@
 
 #include "cpu/gguf_kernels.h"
 #include "cpu/gguf_matmul.h"
+#include "cpu/gguf_pool.h"
 #include "cpu/gguf_quants.h"
 #include "cpu/parallel.h"
 #include "runtime/gguf_reader.h"
@@ -480,6 +482,26 @@ TEST(GgufCpu, EveryIsaMatchesTheScalarIntegerPath) {
       });
     }
   }
+}
+
+// Back-to-back jobs on more threads than cores (workers descheduled mid-claim): every
+// item runs exactly once, and all of them before gguf_parallel_for returns. A worker
+// late from one job once claimed a chunk of the next and ended a call early.
+TEST(GgufPool, EveryItemRunsOnceBeforeTheCallReturns) {
+  c::set_num_threads(4);
+  std::mt19937 rng(3);
+  std::vector<std::atomic<int>> runs(64);
+  for (int iter = 0; iter < 20000; ++iter) {
+    const int64_t n = 2 + static_cast<int64_t>(rng() % 63);
+    for (int64_t i = 0; i < n; ++i) runs[i].store(0, std::memory_order_relaxed);
+    c::gguf_parallel_for(n, 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) runs[i].fetch_add(1, std::memory_order_relaxed);
+    });
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_EQ(runs[i].load(), 1) << "item " << i << " of " << n << ", call " << iter;
+    }
+  }
+  c::set_num_threads(0);
 }
 
 TEST(GgufCpu, IsaSelection) {

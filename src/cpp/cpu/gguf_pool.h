@@ -76,6 +76,10 @@ class Pool {
       cpu_relax();
       if (spins % kYieldEvery == 0) std::this_thread::yield();
     }
+    // Close the generation before the next job's fields are written: a worker that read
+    // this ticket (gen, num_chunks) and then the next job's larger num_chunks_ must fail
+    // its claim, or it would run a chunk that does not exist and count it as done.
+    ticket_.store((gen << 32) | kClosed, std::memory_order_seq_cst);
   }
 
  private:
@@ -94,8 +98,10 @@ class Pool {
     }
   }
   // job_ / ctx_ are read only after a successful claim, when the caller cannot be
-  // publishing the next job; num_chunks_ is read before one, where a value of the
-  // next job can only make the claim fail (the ticket moved on) or stop a late worker.
+  // publishing the next job; num_chunks_ is read before one: a value of the next job
+  // can only make the claim fail (run() closed the ticket before writing it) or stop
+  // a late worker.
+  static constexpr uint64_t kClosed = 0xffffffffu;  // chunk index of a finished generation
 
   void work() {
     uint64_t seen = ticket_.load(std::memory_order_acquire) >> 32;
