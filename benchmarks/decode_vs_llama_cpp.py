@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from doc_sections import write_section  # noqa: E402
 from model_decode import decode_rate  # noqa: E402
 
 from vllm_metal import _core  # noqa: E402
@@ -34,7 +34,6 @@ from vllm_metal.models.offline import OFFLINE_GGUF  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_BENCH = ROOT / "build" / "peers" / "llama.cpp" / "bin" / "llama-bench"
-BEGIN, END = "<!-- decode-vs-llama.cpp:begin -->", "<!-- decode-vs-llama.cpp:end -->"
 
 
 def llama_bench_tg(gguf: str, tokens: int, threads: int) -> float:
@@ -84,14 +83,8 @@ def main() -> None:
     text = "\n".join(table)
     print(text)
     if not args.no_docs:
-        path = ROOT / "docs" / "benchmarks.md"
-        doc = path.read_text()
-        block = f"{BEGIN}\n{text}\n{END}"
-        if BEGIN in doc:
-            doc = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, doc, flags=re.S)
-        else:
-            doc += f"\n## Single-stream decode against llama.cpp (benchmarks/decode_vs_llama_cpp.py)\n\n{block}\n"
-        path.write_text(doc)
+        write_section(ROOT / "docs" / "benchmarks.md", "decode-vs-llama.cpp", text,
+                      "Single-stream decode against llama.cpp (benchmarks/decode_vs_llama_cpp.py)")
 
 
 if __name__ == "__main__":

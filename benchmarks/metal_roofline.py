@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,10 @@ from vllm_metal import kernel_traffic as kt
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "kernels.md"
-BEGIN, END = "<!-- metal_roofline:begin -->", "<!-- metal_roofline:end -->"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from doc_sections import markers, write_section  # noqa: E402
+
+BEGIN, END = markers("metal_roofline")
 
 # (name, memory GB/s, fp16 TFLOP/s). Bandwidths: Apple's specifications. FP16 rate: Apple
 # GPUs issue fp16 FMAs at the fp32 rate (philipturner/metal-benchmarks), so GPU cores x 128
@@ -138,13 +140,7 @@ def table(rows, context: int) -> str:
 
 
 def write_doc(text: str) -> None:
-    doc = DOC.read_text()
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in doc and END in doc:
-        doc = re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _: block, doc, flags=re.S)
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + block + "\n"
-    DOC.write_text(doc)
+    write_section(DOC, "metal_roofline", text)
 
 
 def main(argv=None) -> int:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import re
+import sys
 from pathlib import Path
 
-BEGIN, END = "<!-- compare:begin -->", "<!-- compare:end -->"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from doc_sections import write_section  # noqa: E402
 
 
 def _f(v, fmt):
@@ -63,11 +64,4 @@ def plots(run: dict, img_dir: Path) -> list[str]:
 
 def write_docs(run: dict, docs: Path) -> None:
     body = table(run) + "\n\n" + "\n".join(f"![{n}](img/{n})" for n in plots(run, docs / "img"))
-    path = docs / "benchmarks.md"
-    text = path.read_text()
-    block = f"{BEGIN}\n{body}\n{END}"
-    if BEGIN in text:
-        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
-    else:
-        text += f"\n## Serving against the peers (benchmarks/compare)\n\n{block}\n"
-    path.write_text(text)
+    write_section(docs / "benchmarks.md", "compare", body, "Serving against the peers (benchmarks/compare)")
