@@ -160,6 +160,13 @@ float* scratch_floats(std::vector<float>& v, size_t n) {
   return v.data();
 }
 
+// The integer path (x rounded to 8-bit blocks) serves the types with an integer kernel,
+// unless the caller asked for exact float sums.
+bool int8_path(const GgufKernels& kern, GGMLType type, bool exact) {
+  const int tid = static_cast<int>(type);
+  return !exact && kern.float_dot[tid] == nullptr && kern.q8_dot[tid] != nullptr;
+}
+
 // ---- decode rows: m <= kGgufMatvecMaxRows, or kGgufInt8MaxRows on the integer path ------------
 
 // Rows i0 .. i0 + rows of x.
@@ -179,7 +186,7 @@ void matvec(const GgufKernels& kern, const GgufMatmul& a, const float* xf) {
   const auto* w = static_cast<const uint8_t*>(a.w);
   const int tid = static_cast<int>(a.type);
   const GgufFloatDotFn fdot = kern.float_dot[tid];
-  const GgufQ8DotFn qdot = fdot || a.exact ? nullptr : kern.q8_dot[tid];
+  const GgufQ8DotFn qdot = int8_path(kern, a.type, a.exact) ? kern.q8_dot[tid] : nullptr;
 
   GgufQ8Rows xq;
   static thread_local std::vector<int8_t> q_buf;
@@ -316,8 +323,7 @@ void gguf_matmul(const GgufMatmul& a) {
     load_rows(a.elt, a.x, a.m * a.k, xbuf.data());
     xf = xbuf.data();
   }
-  const int tid = static_cast<int>(a.type);
-  const bool int8 = !a.exact && kern.float_dot[tid] == nullptr && kern.q8_dot[tid] != nullptr;
+  const bool int8 = int8_path(kern, a.type, a.exact);
   if (a.m <= kGgufMatvecMaxRows || (int8 && a.m <= kGgufInt8MaxRows)) {
     matvec(kern, a, xf);
     return;
@@ -335,8 +341,7 @@ void gguf_matmul(const GgufMatmul& a) {
 }
 
 bool gguf_matmul_int8_activations(GGMLType type) {
-  const int tid = static_cast<int>(type);
-  return tid < kGgufNumTypeIds && kernels().q8_dot[tid] != nullptr;
+  return static_cast<int>(type) < kGgufNumTypeIds && int8_path(kernels(), type, false);
 }
 
 std::vector<std::string> gguf_matmul_isas() {
