@@ -51,6 +51,12 @@ ENVIRONMENT: dict[str, tuple[Callable[[str], Any], Any, str]] = {
         "scheme: about 2x faster decode, results differ from float32 by that rounding). Off: "
         "float32 sums, as the Metal kernels compute.",
     ),
+    "VLLM_METAL_FUSED_LAYERS": (
+        _bool,
+        True,
+        "CPU only: run each llama-family decoder layer as one fused C++ op (ops.decoder_layer) "
+        "instead of ~20 MLX ops; 0 runs the per-op path (same kernels, same numbers, slower).",
+    ),
     "VLLM_METAL_NATIVE_SAMPLING": (
         _bool,
         True,

@@ -24,8 +24,11 @@ from vllm_metal.models.testing import (GGUF_LOGITS_TOLERANCE, SCHEDULES, TINY_CO
 
 BLOCK_SIZE = 4
 
+@pytest.mark.parametrize("fused", ["1", "0"], ids=["fused_layers", "per_op"])
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
-def test_packed_paged_forward_matches_mlx_lm(tmp_path, name):
+def test_packed_paged_forward_matches_mlx_lm(tmp_path, monkeypatch, name, fused):
+    """Both execution paths of the llama family: fused C++ layers and per-op MLX graphs."""
+    monkeypatch.setenv("VLLM_METAL_FUSED_LAYERS", fused)
     cfg = tiny_config(name)
     ckpt = write_random_checkpoint(cfg, tmp_path / name, seed=1)
     ours = load_model(str(ckpt), "float32")

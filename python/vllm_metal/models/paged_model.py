@@ -75,11 +75,17 @@ class PagedCausalLM(nn.Module):
         """Float parameters to `dtype` (block-form weights are uint8 and stay);
         block-form embeddings then look rows up in `dtype`."""
         super().set_dtype(dtype, predicate)
+        self.reset_fused_layers()
         for _, m in self.named_modules():
             if isinstance(m, GGUFEmbedding):
                 m.out_dtype = dtype if m.is_blocks else m.weight.dtype
 
+    def reset_fused_layers(self) -> None:
+        """Forget the fused layers (rebuilt from the current weights on the next forward)."""
+        object.__setattr__(self, "_fused_plan", None)
+
     def fold_norm_offsets(self) -> None:
+        self.reset_fused_layers()
         for _, m in self.named_modules():
             if isinstance(m, RMSNorm):
                 m.fold_offset()
@@ -94,16 +100,23 @@ class PagedCausalLM(nn.Module):
         if self.embed_scale is not None:
             h = h * mx.array(self.embed_scale, mx.bfloat16).astype(h.dtype)
         query_scale = self._llama4_query_scale(ctx.positions)
-        if self.sandwich:
+        fused = self._fused_layers()
+        if fused:
+            for layer in fused:
+                h = layer(h, ctx)
+            h, residual = h, None  # the residual stream, already summed
+        elif self.sandwich:
             h, residual = self._sandwich_layers(h, ctx)
         else:
             h, residual = self._pre_norm_layers(h, ctx, query_scale)
 
         # Only the rows whose logits are wanted go through the final norm and lm_head.
         h = h[ctx.logits_indices]
-        residual = residual[ctx.logits_indices]
         norm = body.norm
-        out, _ = ops.add_rms_norm(h, residual, norm.multiplier(), norm.eps)
+        if residual is None:
+            out = ops.rms_norm(h, norm.multiplier(), norm.eps)
+        else:
+            out, _ = ops.add_rms_norm(h, residual[ctx.logits_indices], norm.multiplier(), norm.eps)
         if "lm_head" in self.lm:
             logits = self.lm.lm_head(out)
         else:
@@ -111,6 +124,18 @@ class PagedCausalLM(nn.Module):
         if self.final_softcap:
             logits = mx.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+    def _fused_layers(self):
+        """The layers as fused C++ ops (fused_layers.py), built on the first forward
+        (after the weights and dtype are final), or None: the per-op path."""
+        plan = self.__dict__.get("_fused_plan")
+        if plan is None:
+            from vllm_metal.models.fused_layers import fused_layers
+
+            plan = fused_layers(self) or []
+            # a plain attribute: nn.Module would file a list under its parameters
+            object.__setattr__(self, "_fused_plan", plan)
+        return plan
 
     def _pre_norm_layers(self, h, ctx, query_scale):
         """llama family: x = norm1(h); h += attn(x); h += mlp(norm2(h)).

@@ -1,0 +1,122 @@
+"""Llama-family decoder layers run as one fused C++ op each on the CPU.
+
+`fused_layers(model)` returns, for a PagedCausalLM whose layers all qualify, one
+`FusedDecoderLayer` per layer; each calls `_core.decoder_layer` (the same kernels the
+per-op path runs, rounded at the same points) with the layer's weights collected once.
+MLX's CPU backend pays ~10 us per graph node, and a layer is ~20 nodes of a few
+microseconds of work each at decode sizes, so this is most of a decode step's time.
+On Apple GPUs, in the emulated backend, and for layers it cannot express (sandwich
+norms, position-scaled queries, rope types our kernel lacks, MLX-quantized or biased
+MLPs) the model keeps the per-op path; `why_not_fused` says which.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from vllm_metal import _core, envs, ops
+from vllm_metal.models.context import AttentionContext
+from vllm_metal.models.gguf_linear import GGUFLinear
+from vllm_metal.models.layers import PagedAttention, RMSNorm
+
+# GGML type ids of dense weights (gguf_linear names them by string)
+_DENSE_TYPE_IDS = {"F32": 0, "F16": 1, "BF16": 30}
+_SWIGLU_MLP_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
+
+
+class FusedDecoderLayer:
+    """One pre-norm layer: the residual stream x [T, hidden] in, x + attn + mlp out."""
+
+    def __init__(self, layer: nn.Module, layer_idx: int):
+        attn: PagedAttention = layer.self_attn
+        mlp = layer.mlp
+        spec = _core.DecoderLayerSpec()
+        q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        projections = [q, k, v, o, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        spec.hidden = q.in_features
+        spec.num_heads = attn.num_heads
+        spec.num_kv_heads = attn.num_kv_heads
+        spec.head_dim = attn.head_dim
+        spec.intermediate = mlp.gate_proj.out_features
+        n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+        spec.norm_eps = n1.eps
+        spec.qkv_bias = "bias" in q
+        spec.o_bias = "bias" in o
+        spec.qk_norm = "q_norm" in attn
+        if spec.qk_norm:
+            spec.qk_norm_eps = attn.q_norm.eps
+        args = [p.matmul_args() for p in projections]
+        spec.types = [_type_id(qtype) for _, qtype, _ in args]
+        rope = attn.rope
+        spec.rotary_dim = rope.rotary_dim
+        spec.neox = rope.is_neox
+        self.rope_table, spec.rope_mscale = _core.rope_turn_table(
+            rope.rotary_dim, base=rope.base, scaling=rope.scaling)
+        spec.scale = attn.scale
+        spec.sliding_window = attn.sliding_window
+        spec.softcap = attn.softcap
+        self.weights = [n1.multiplier(), n2.multiplier()] + [blocks for blocks, _, _ in args]
+        if spec.qkv_bias:
+            self.weights += [q.bias, k.bias, v.bias]
+        if spec.o_bias:
+            self.weights.append(o.bias)
+        if spec.qk_norm:
+            self.weights += [attn.q_norm.multiplier(), attn.k_norm.multiplier()]
+        self.spec = spec
+        self.projection = q  # its `exact` flag is read each call (set_exact_activations)
+        self.layer_idx = layer_idx
+
+    def __call__(self, x: mx.array, ctx: AttentionContext) -> mx.array:
+        self.spec.exact = self.projection.exact
+        key_cache, value_cache = ctx.kv_caches[self.layer_idx]
+        out, key_cache, value_cache = _core.decoder_layer(
+            x, ctx.positions, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q,
+            key_cache, value_cache, self.rope_table, self.weights, self.spec)
+        ctx.kv_caches[self.layer_idx] = (key_cache, value_cache)
+        return out
+
+
+def _type_id(qtype) -> int:
+    return _DENSE_TYPE_IDS[qtype] if isinstance(qtype, str) else int(qtype)
+
+
+def why_not_fused(model) -> str | None:
+    """None when every layer of `model` (a PagedCausalLM) can run fused, else why not."""
+    if not envs.VLLM_METAL_FUSED_LAYERS:
+        return "VLLM_METAL_FUSED_LAYERS=0"
+    if mx.default_device() != mx.cpu or ops.kernel_backend() != "native":
+        return "fused layers run on the native CPU backend only"
+    if model.arch.block_style != "pre_norm" or model.llama4_beta is not None:
+        return f"{model.arch.model_type} layers are not plain pre-norm llama layers"
+    dtype = None
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(attn, PagedAttention) or attn.rope.fallback is not None:
+            return f"layer {i}: its rope runs on the mlx-lm fallback"
+        if type(mlp).__module__ not in _SWIGLU_MLP_MODULES or not all(
+                isinstance(getattr(mlp, n, None), GGUFLinear) for n in ("gate_proj", "up_proj", "down_proj")):
+            return f"layer {i}: the MLP is not a SwiGLU of GGUFLinear layers"
+        projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+        if not all(isinstance(p, GGUFLinear) for p in projections):
+            return f"layer {i}: attention projections are not GGUFLinear"
+        biases = ["bias" in p for p in projections[:3]]
+        if any("bias" in getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")) \
+                or (any(biases) and not all(biases)):
+            return f"layer {i}: biases on the MLP or on some of q, k, v only"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if "q_norm" in attn:
+            norms += [attn.q_norm, attn.k_norm]
+        if not all(isinstance(n, RMSNorm) and n.offset == 0 for n in norms):
+            return f"layer {i}: norms are not plain RMSNorm"
+        dtype = dtype or layer.input_layernorm.weight.dtype
+        if any(n.weight.dtype != dtype for n in norms):
+            return f"layer {i}: norms of different dtypes"
+    return None
+
+
+def fused_layers(model) -> list[FusedDecoderLayer] | None:
+    """One FusedDecoderLayer per layer, or None when the model keeps the per-op path."""
+    if why_not_fused(model) is not None:
+        return None
+    return [FusedDecoderLayer(layer, i) for i, layer in enumerate(model.layers)]

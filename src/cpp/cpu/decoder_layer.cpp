@@ -1,0 +1,218 @@
+#include "cpu/decoder_layer.h"
+
+#include <vector>
+
+#include "cpu/reshape_and_cache.h"
+#include "cpu/rms_norm.h"
+#include "cpu/rope.h"
+#include "cpu/silu_and_mul.h"
+
+namespace vllm_metal::cpu {
+
+namespace {
+
+template <Elt E>
+using S = typename EltTraits<E>::Storage;
+
+int64_t elt_size(Elt e) { return e == Elt::kF32 ? 4 : 2; }
+
+// y[r, :] += b (rounded to E), as MLX's `y + bias` after the matmul.
+template <Elt E>
+void add_bias_rows(void* yv, const void* bv, int64_t rows, int64_t n) {
+  auto* y = static_cast<S<E>*>(yv);
+  auto* b = static_cast<const S<E>*>(bv);
+  for (int64_t r = 0; r < rows; ++r) {
+    S<E>* yr = y + r * n;
+    for (int64_t i = 0; i < n; ++i) {
+      EltTraits<E>::store(yr + i, EltTraits<E>::load(yr + i) + EltTraits<E>::load(b + i));
+    }
+  }
+}
+
+#if defined(__x86_64__)
+template <Elt E>
+VLLM_METAL_AVX2 int64_t add_rows_avx2(const S<E>* a, const S<E>* b, S<E>* out, int64_t count) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) store8<E>(out + i, _mm256_add_ps(load8<E>(a + i), load8<E>(b + i)));
+  return i;
+}
+#endif
+
+// out = a + b, rounded to E (the residual add).
+template <Elt E>
+void add_rows(const void* av, const void* bv, void* outv, int64_t count) {
+  auto* a = static_cast<const S<E>*>(av);
+  auto* b = static_cast<const S<E>*>(bv);
+  auto* out = static_cast<S<E>*>(outv);
+  int64_t i = 0;
+#if defined(__x86_64__)
+  if (has_avx2_fma()) i = add_rows_avx2<E>(a, b, out, count);
+#endif
+  for (; i < count; ++i) {
+    EltTraits<E>::store(out + i, EltTraits<E>::load(a + i) + EltTraits<E>::load(b + i));
+  }
+}
+
+void add_bias(Elt e, void* y, const void* b, int64_t rows, int64_t n) {
+  switch (e) {
+    case Elt::kF32: return add_bias_rows<Elt::kF32>(y, b, rows, n);
+    case Elt::kF16: return add_bias_rows<Elt::kF16>(y, b, rows, n);
+    case Elt::kBF16: return add_bias_rows<Elt::kBF16>(y, b, rows, n);
+  }
+}
+
+void add(Elt e, const void* a, const void* b, void* out, int64_t count) {
+  switch (e) {
+    case Elt::kF32: return add_rows<Elt::kF32>(a, b, out, count);
+    case Elt::kF16: return add_rows<Elt::kF16>(a, b, out, count);
+    case Elt::kBF16: return add_rows<Elt::kBF16>(a, b, out, count);
+  }
+}
+
+void project(const DecoderLayerRows& a, const LayerLinear& l, const void* x, void* y) {
+  GgufMatmul m;
+  m.type = l.type;
+  m.w = l.w;
+  m.n = l.n;
+  m.k = l.k;
+  m.elt = a.elt;
+  m.x = x;
+  m.m = a.tokens;
+  m.y = y;
+  m.exact = a.exact;
+  gguf_matmul(m);
+  if (l.bias) add_bias(a.elt, y, l.bias, a.tokens, l.n);
+}
+
+// Per-head RMSNorm (in place), then rope (in place) of [tokens, heads, head_dim].
+void norm_and_rotate(const DecoderLayerRows& a, void* x, int64_t heads, const void* norm) {
+  if (norm) {
+    RmsNormRows n;
+    n.elt = a.elt;
+    n.x = x;
+    n.weight = norm;
+    n.out = x;
+    n.rows = a.tokens * heads;
+    n.hidden = a.head_dim;
+    n.x_row_stride = a.head_dim;
+    n.eps = a.qk_norm_eps;
+    rms_norm_rows(n);
+  }
+  RopeRows r;
+  r.elt = a.elt;
+  r.x = x;
+  r.out = x;
+  r.positions = a.positions;
+  r.table = a.rope_table;
+  r.tokens = a.tokens;
+  r.heads = heads;
+  r.head_size = a.head_dim;
+  r.rotary_dim = a.rotary_dim;
+  r.x_token_stride = heads * a.head_dim;
+  r.x_head_stride = a.head_dim;
+  r.neox = a.neox;
+  r.mscale = a.rope_mscale;
+  rope_rows(r);
+}
+
+}  // namespace
+
+void decoder_layer(const DecoderLayerRows& a) {
+  const int64_t t = a.tokens, hidden = a.hidden, d = a.head_dim;
+  if (t == 0) return;
+  const int64_t q_width = a.num_heads * d, kv_width = a.num_kv_heads * d;
+  const int64_t es = elt_size(a.elt);
+  // scratch: xn [t, hidden] | q | k | v | attn | mlp [t, hidden] | gate [t, I] | up [t, I]
+  static thread_local std::vector<uint8_t> scratch;
+  const int64_t widths[] = {hidden, q_width, kv_width, kv_width, q_width, hidden,
+                            a.intermediate, a.intermediate};
+  int64_t total = 0;
+  for (int64_t w : widths) total += t * w * es;
+  if (static_cast<int64_t>(scratch.size()) < total) scratch.resize(total);
+  uint8_t* p = scratch.data();
+  auto take = [&](int64_t width) {
+    void* r = p;
+    p += t * width * es;
+    return r;
+  };
+  void* xn = take(hidden);
+  void* q = take(q_width);
+  void* k = take(kv_width);
+  void* v = take(kv_width);
+  void* attn = take(q_width);
+  void* mlp = take(hidden);
+  void* gate = take(a.intermediate);
+  void* up = take(a.intermediate);
+
+  RmsNormRows n1;
+  n1.elt = a.elt;
+  n1.x = a.x;
+  n1.weight = a.input_norm;
+  n1.out = xn;
+  n1.rows = t;
+  n1.hidden = hidden;
+  n1.x_row_stride = hidden;
+  n1.eps = a.norm_eps;
+  rms_norm_rows(n1);
+
+  project(a, a.q, xn, q);
+  project(a, a.k, xn, k);
+  project(a, a.v, xn, v);
+  norm_and_rotate(a, q, a.num_heads, a.q_norm);
+  norm_and_rotate(a, k, a.num_kv_heads, a.k_norm);
+
+  CacheScatter c;
+  c.key = k;
+  c.value = v;
+  c.slot_mapping = a.slot_mapping;
+  c.key_cache = a.key_cache;
+  c.value_cache = a.value_cache;
+  const int64_t strides[3] = {kv_width, d, 1};
+  for (int i = 0; i < 3; ++i) c.key_strides[i] = c.value_strides[i] = strides[i];
+  c.num_tokens = t;
+  c.num_heads = a.num_kv_heads;
+  c.head_size = d;
+  c.num_slots = a.attention.num_blocks * a.attention.block_size;
+  c.itemsize = es;
+  scatter_into_cache(c);
+
+  PagedAttentionParams at = a.attention;
+  at.elt = a.elt;
+  at.q = q;
+  at.q_token_stride = q_width;
+  at.q_head_stride = d;
+  at.key_cache = a.key_cache;
+  at.value_cache = a.value_cache;
+  at.out = attn;
+  at.num_tokens = t;
+  at.num_q_heads = a.num_heads;
+  at.num_kv_heads = a.num_kv_heads;
+  at.head_size = d;
+  paged_attention(at);
+
+  project(a, a.o, attn, mlp);
+  // h = x + o (kept in out), xn = norm2(h)
+  RmsNormRows n2 = n1;
+  n2.x = mlp;
+  n2.residual = a.x;
+  n2.residual_row_stride = hidden;
+  n2.weight = a.post_norm;
+  n2.residual_out = a.out;
+  rms_norm_rows(n2);
+
+  project(a, a.gate, xn, gate);
+  project(a, a.up, xn, up);
+  SiluAndMulRows s;
+  s.elt = a.elt;
+  s.gate = gate;
+  s.up = up;
+  s.out = gate;
+  s.rows = t;
+  s.cols = a.intermediate;
+  s.gate_row_stride = s.up_row_stride = a.intermediate;
+  silu_and_mul_rows(s);
+  project(a, a.down, gate, mlp);
+  add(a.elt, a.out, mlp, a.out, t * hidden);
+}
+
+}  // namespace vllm_metal::cpu

@@ -1,0 +1,70 @@
+// One pre-norm decoder layer of the llama family on the CPU (no MLX):
+//
+//   h   = x + o_proj(attention(rope(q_norm(q)), rope(k_norm(k)), v))   q, k, v = proj(norm1(x))
+//   out = h + down(silu(gate(norm2(h))) * up(norm2(h)))
+//
+// It runs the very kernels the per-op model runs (rms_norm, gguf_matmul, rope,
+// the cache scatter, paged_attention, silu_and_mul) and rounds to `elt` at the same
+// points, so a model evaluated layer by layer gives the same numbers with one MLX
+// dispatch per layer instead of ~20 (the per-node cost dominates decode on the CPU).
+#pragma once
+
+#include <cstdint>
+
+#include "cpu/gguf_matmul.h"
+#include "cpu/paged_attention.h"
+#include "cpu/vec.h"
+
+namespace vllm_metal::cpu {
+
+// A projection: its weight (block form or F32/F16/BF16) and an optional bias [n] in elt.
+struct LayerLinear {
+  gguf::GGMLType type = gguf::GGMLType::kF32;
+  const void* w = nullptr;
+  const void* bias = nullptr;
+  int64_t n = 0;
+  int64_t k = 0;
+};
+
+struct DecoderLayerRows {
+  Elt elt = Elt::kF32;  // of x, out, the norms, the biases and the caches
+  const void* x = nullptr;  // [tokens, hidden]
+  void* out = nullptr;      // [tokens, hidden]; may be x itself
+  int64_t tokens = 0;
+  int64_t hidden = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t intermediate = 0;
+  bool exact = true;  // gguf_matmul's `exact` for every projection
+
+  const void* input_norm = nullptr;  // [hidden]
+  const void* post_norm = nullptr;   // [hidden]
+  float norm_eps = 1e-6f;
+  const void* q_norm = nullptr;  // [head_dim] or null (qwen3)
+  const void* k_norm = nullptr;
+  float qk_norm_eps = 1e-6f;
+  LayerLinear q, k, v, o, gate, up, down;
+
+  // rope: see cpu/rope.h
+  const int32_t* positions = nullptr;  // [tokens]
+  const uint32_t* rope_table = nullptr;
+  int64_t rotary_dim = 0;
+  bool neox = true;
+  float rope_mscale = 1.0f;
+
+  // the step's keys and values go to slot_mapping (negative: skipped) of the caches,
+  // [num_blocks, block_size, num_kv_heads, head_dim] each, updated in place
+  const int64_t* slot_mapping = nullptr;
+  void* key_cache = nullptr;
+  void* value_cache = nullptr;
+
+  // attention: q, caches, out and the head counts are filled in here; the metadata,
+  // scale, window and softcap come from the caller (already checked)
+  PagedAttentionParams attention;
+};
+
+// Threaded inside each kernel. Scratch is per thread and kept across calls.
+void decoder_layer(const DecoderLayerRows& a);
+
+}  // namespace vllm_metal::cpu

@@ -1,0 +1,253 @@
+#include "ops/decoder_layer.h"
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "cpu/decoder_layer.h"
+#include "cpu/paged_attention.h"
+#include "cpu/reshape_and_cache.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "ops/dtype_names.h"
+#include "ops/kernel_backend.h"
+
+namespace vllm_metal {
+
+namespace {
+
+constexpr const char* kOp = "decoder_layer";
+constexpr int kNumMeta = 9;  // x .. rope_table: the weights follow
+
+[[noreturn]] void fail(const std::string& what) {
+  throw std::invalid_argument(std::string("[") + kOp + "] " + what);
+}
+
+std::string shape_str(const mx::Shape& s) {
+  std::string r = "[";
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+  return r + "]";
+}
+
+void expect(const mx::array& a, const char* what, mx::Dtype dtype, const mx::Shape& shape) {
+  if (a.dtype() != dtype) {
+    fail(std::string(what) + " must be " + dtype_name(dtype) + ", got " + dtype_name(a.dtype()));
+  }
+  if (a.shape() != shape) {
+    fail(std::string(what) + " must have shape " + shape_str(shape) + ", got " +
+         shape_str(a.shape()));
+  }
+}
+
+// A projection's weight: uint8 blocks of `type` for [n, k], or a dense [n, k] float
+// array whose dtype is the F32/F16/BF16 type named.
+void expect_weight(const mx::array& w, const std::string& name, gguf::GGMLType type, int64_t n,
+                   int64_t k) {
+  gguf::TypeInfo ti = gguf::type_info(type);
+  if (!ti.name || !ti.supported) {
+    fail(name + ": type " + gguf::type_name(static_cast<uint32_t>(type)) + " is not supported");
+  }
+  if (k % ti.block_size != 0) {
+    fail(name + ": " + std::to_string(k) + " columns are not a multiple of the " + ti.name +
+         " block size");
+  }
+  const int64_t want = n * gguf::row_bytes(type, k);
+  if (static_cast<int64_t>(w.nbytes()) != want) {
+    fail(name + " must hold " + std::to_string(want) + " bytes for " + ti.name + " [" +
+         std::to_string(n) + ", " + std::to_string(k) + "], got " + std::to_string(w.nbytes()));
+  }
+}
+
+void check(const std::vector<mx::array>& in, const DecoderLayerSpec& s) {
+  const mx::array& x = in[0];
+  if (x.ndim() != 2 || x.shape(1) != s.hidden) {
+    fail("x must be [tokens, " + std::to_string(s.hidden) + "], got " + shape_str(x.shape()));
+  }
+  check_float_dtype(kOp, "x", x.dtype());
+  const int t = x.shape(0);
+  expect(in[1], "positions", mx::int32, {t});
+  expect(in[2], "slot_mapping", mx::int64, {t});
+  if (in[3].dtype() != mx::int32 || in[3].ndim() != 2) fail("block_tables must be int32 [seqs, blocks]");
+  const int seqs = in[3].shape(0);
+  expect(in[4], "seq_lens", mx::int32, {seqs});
+  expect(in[5], "cu_seqlens_q", mx::int32, {seqs + 1});
+  const mx::array& kc = in[6];
+  if (kc.ndim() != 4 || kc.shape(2) != s.num_kv_heads || kc.shape(3) != s.head_dim) {
+    fail("key_cache must be [blocks, block_size, " + std::to_string(s.num_kv_heads) + ", " +
+         std::to_string(s.head_dim) + "], got " + shape_str(kc.shape()));
+  }
+  expect(kc, "key_cache", x.dtype(), kc.shape());
+  expect(in[7], "value_cache", x.dtype(), kc.shape());
+  expect(in[8], "rope_table", mx::uint32, {2, static_cast<int>(s.rotary_dim / 2)});
+  if (s.rotary_dim <= 0 || s.rotary_dim % 2 || s.rotary_dim > s.head_dim) {
+    fail("rotary_dim must be even and in (0, head_dim], got " + std::to_string(s.rotary_dim));
+  }
+  if (s.num_kv_heads <= 0 || s.num_heads % s.num_kv_heads) {
+    fail("num_heads must be a multiple of num_kv_heads");
+  }
+  const auto names = s.weight_names();
+  if (in.size() != kNumMeta + names.size()) {
+    fail("expected " + std::to_string(names.size()) + " weights, got " +
+         std::to_string(in.size() - kNumMeta));
+  }
+  if (s.types.size() != 7) fail("types must name the 7 projections' GGML types");
+  const int hid = static_cast<int>(s.hidden), q = static_cast<int>(s.num_heads * s.head_dim);
+  const int kv = static_cast<int>(s.num_kv_heads * s.head_dim);
+  const int64_t proj[7][2] = {{q, hid}, {kv, hid}, {kv, hid}, {hid, q},
+                              {s.intermediate, hid}, {s.intermediate, hid}, {hid, s.intermediate}};
+  const mx::array* w = in.data() + kNumMeta;
+  expect(w[0], "input_norm", x.dtype(), {hid});
+  expect(w[1], "post_norm", x.dtype(), {hid});
+  for (int i = 0; i < 7; ++i) expect_weight(w[2 + i], names[2 + i], s.types[i], proj[i][0], proj[i][1]);
+  int next = 9;
+  if (s.qkv_bias) {
+    expect(w[next++], "q_bias", x.dtype(), {q});
+    expect(w[next++], "k_bias", x.dtype(), {kv});
+    expect(w[next++], "v_bias", x.dtype(), {kv});
+  }
+  if (s.o_bias) expect(w[next++], "o_bias", x.dtype(), {hid});
+  if (s.qk_norm) {
+    expect(w[next++], "q_norm", x.dtype(), {static_cast<int>(s.head_dim)});
+    expect(w[next++], "k_norm", x.dtype(), {static_cast<int>(s.head_dim)});
+  }
+}
+
+// Outputs 1 and 2 (the caches) take the input caches' buffers when nothing else holds
+// them; else they start as copies.
+void share_or_copy(const mx::array& in, mx::array& out) {
+  if (in.is_donatable() && in.flags().row_contiguous) {
+    out.copy_shared_buffer(in);
+  } else {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  }
+}
+
+}  // namespace
+
+std::vector<std::string> DecoderLayerSpec::weight_names() const {
+  std::vector<std::string> n = {"input_norm", "post_norm", "q_proj", "k_proj", "v_proj",
+                                "o_proj",     "gate_proj", "up_proj", "down_proj"};
+  if (qkv_bias) n.insert(n.end(), {"q_bias", "k_bias", "v_bias"});
+  if (o_bias) n.push_back("o_bias");
+  if (qk_norm) n.insert(n.end(), {"q_norm", "k_norm"});
+  return n;
+}
+
+std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& positions,
+                                     const mx::array& slot_mapping,
+                                     const mx::array& block_tables, const mx::array& seq_lens,
+                                     const mx::array& cu_seqlens_q, const mx::array& key_cache,
+                                     const mx::array& value_cache, const mx::array& rope_table,
+                                     const std::vector<mx::array>& weights,
+                                     const DecoderLayerSpec& spec, mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) {
+    fail("runs on the CPU only (on the GPU the per-op kernels are used)");
+  }
+  if (default_kernel_backend() != KernelBackend::kNative) {
+    fail("runs on the native CPU backend only (the emulated backend runs the per-op kernels)");
+  }
+  std::vector<mx::array> in = {x, positions, slot_mapping, block_tables, seq_lens,
+                               cu_seqlens_q, key_cache, value_cache, rope_table};
+  in.insert(in.end(), weights.begin(), weights.end());
+  check(in, spec);
+  for (auto& a : in) a = mx::contiguous(a, false, stream);
+  return mx::array::make_arrays({x.shape(), key_cache.shape(), value_cache.shape()},
+                                {x.dtype(), key_cache.dtype(), value_cache.dtype()},
+                                std::make_shared<DecoderLayer>(stream, spec), in);
+}
+
+void DecoderLayer::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  fail("has no Metal plan; on the GPU models run the per-op kernels");
+}
+
+void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs,
+                            std::vector<mx::array>& outputs) {
+  const DecoderLayerSpec& s = spec_;
+  outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+  share_or_copy(inputs[6], outputs[1]);
+  share_or_copy(inputs[7], outputs[2]);
+
+  cpu::DecoderLayerRows a;
+  a.elt = elt_of(inputs[0].dtype());
+  a.tokens = inputs[0].shape(0);
+  a.hidden = s.hidden;
+  a.num_heads = s.num_heads;
+  a.num_kv_heads = s.num_kv_heads;
+  a.head_dim = s.head_dim;
+  a.intermediate = s.intermediate;
+  a.exact = s.exact;
+  a.norm_eps = s.norm_eps;
+  a.qk_norm_eps = s.qk_norm_eps;
+  a.rotary_dim = s.rotary_dim;
+  a.neox = s.neox;
+  a.rope_mscale = s.rope_mscale;
+  const mx::array& kc = inputs[6];
+  cpu::PagedAttentionParams& at = a.attention;
+  at.num_seqs = inputs[4].shape(0);
+  at.max_blocks = inputs[3].shape(1);
+  at.num_blocks = kc.shape(0);
+  at.block_size = kc.shape(1);
+  at.scale = s.scale;
+  at.sliding_window = s.sliding_window;
+  at.softcap = s.softcap;
+
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) encoder.set_input_array(in);
+  for (auto& out : outputs) encoder.set_output_array(out);
+  encoder.dispatch([a, inputs, outputs, s]() mutable {
+    const int64_t num_slots = a.attention.num_blocks * a.attention.block_size;
+    a.slot_mapping = inputs[2].data<int64_t>();
+    const int64_t bad = cpu::find_out_of_range_slot(a.slot_mapping, a.tokens, num_slots);
+    if (bad >= 0) {
+      throw std::out_of_range(std::string("[") + kOp + "] slot_mapping[" + std::to_string(bad) +
+                              "] = " + std::to_string(a.slot_mapping[bad]) +
+                              " is outside the cache's " + std::to_string(num_slots) + " slots");
+    }
+    cpu::PagedAttentionParams& at = a.attention;
+    at.block_tables = inputs[3].data<int32_t>();
+    at.seq_lens = inputs[4].data<int32_t>();
+    at.cu_seqlens_q = inputs[5].data<int32_t>();
+    std::string err = cpu::check_paged_metadata(at.block_tables, at.seq_lens, at.cu_seqlens_q,
+                                                at.num_seqs, at.max_blocks, at.num_blocks,
+                                                at.block_size, a.tokens);
+    if (!err.empty()) fail(err);
+    for (int i = 1; i <= 2; ++i) {
+      if (outputs[i].data<char>() != inputs[5 + i].data<char>()) {
+        std::memcpy(outputs[i].data<char>(), inputs[5 + i].data<char>(), outputs[i].nbytes());
+      }
+    }
+    a.x = inputs[0].data<void>();
+    a.out = outputs[0].data<void>();
+    a.positions = inputs[1].data<int32_t>();
+    a.rope_table = inputs[8].data<uint32_t>();
+    a.key_cache = outputs[1].data<void>();
+    a.value_cache = outputs[2].data<void>();
+    const mx::array* w = inputs.data() + kNumMeta;
+    a.input_norm = w[0].data<void>();
+    a.post_norm = w[1].data<void>();
+    const int64_t hid = s.hidden, q = s.num_heads * s.head_dim, kv = s.num_kv_heads * s.head_dim;
+    const int64_t dims[7][2] = {{q, hid}, {kv, hid}, {kv, hid}, {hid, q},
+                                {s.intermediate, hid}, {s.intermediate, hid},
+                                {hid, s.intermediate}};
+    cpu::LayerLinear* proj[7] = {&a.q, &a.k, &a.v, &a.o, &a.gate, &a.up, &a.down};
+    for (int i = 0; i < 7; ++i) {
+      *proj[i] = {s.types[i], w[2 + i].data<void>(), nullptr, dims[i][0], dims[i][1]};
+    }
+    int next = 9;
+    if (s.qkv_bias) {
+      a.q.bias = w[next++].data<void>();
+      a.k.bias = w[next++].data<void>();
+      a.v.bias = w[next++].data<void>();
+    }
+    if (s.o_bias) a.o.bias = w[next++].data<void>();
+    if (s.qk_norm) {
+      a.q_norm = w[next++].data<void>();
+      a.k_norm = w[next++].data<void>();
+    }
+    cpu::decoder_layer(a);
+  });
+}
+
+}  // namespace vllm_metal

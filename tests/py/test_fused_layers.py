@@ -1,0 +1,142 @@
+"""The fused CPU decoder layer (ops.decoder_layer via models/fused_layers.py).
+
+Its numbers are proven against mlx-lm by the parity tests (test_models_parity,
+test_models_gguf run with fused layers on by default); here: which models take
+it, that it agrees with the per-op path it replaces (same kernels), and that bad
+input is refused with a message."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+
+from vllm_metal import _core
+from vllm_metal.models import load_model
+from vllm_metal.models.fused_layers import why_not_fused
+from vllm_metal.models.testing import SCHEDULES, run_packed, tiny_config, write_random_checkpoint
+
+FUSED = ["llama", "llama3", "mistral", "ministral", "qwen2", "qwen3"]
+PER_OP = {"ministral3": "not plain pre-norm", "gemma3": "not plain pre-norm"}
+
+
+def _load(tmp_path, name, dtype="float32", seed=1):
+    return load_model(str(write_random_checkpoint(tiny_config(name), tmp_path / name, seed=seed)),
+                      dtype)
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_llama_family_runs_fused(tmp_path, name):
+    model = _load(tmp_path, name).model
+    assert why_not_fused(model) is None
+    assert len(model._fused_layers()) == len(model.layers)
+
+
+@pytest.mark.parametrize("name", sorted(PER_OP))
+def test_other_layouts_keep_the_per_op_path(tmp_path, name):
+    model = _load(tmp_path, name).model
+    assert PER_OP[name] in why_not_fused(model)
+    assert model._fused_layers() == []
+
+
+def test_switch_and_emulated_backend_keep_the_per_op_path(tmp_path, monkeypatch):
+    from vllm_metal import ops
+
+    model = _load(tmp_path, "llama").model
+    monkeypatch.setenv("VLLM_METAL_FUSED_LAYERS", "0")
+    assert why_not_fused(model) == "VLLM_METAL_FUSED_LAYERS=0"
+    monkeypatch.delenv("VLLM_METAL_FUSED_LAYERS")
+    previous = ops.kernel_backend()
+    ops.set_kernel_backend("emulated")
+    try:
+        assert "native CPU backend" in why_not_fused(model)
+    finally:
+        ops.set_kernel_backend(previous)
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 2e-6), ("float16", 2e-2), ("bfloat16", 6e-2)])
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3", "ministral"])
+def test_fused_equals_per_op(tmp_path, monkeypatch, name, dtype, tol):
+    """Packed prefill chunks and decode rows over scattered cache blocks. The same kernels
+    run in both; only silu * up is rounded once instead of after each MLX op, so the
+    reduced-precision dtypes differ by a few of their ulps (relative to the logit scale)."""
+    rng = np.random.default_rng(3)
+    sequences = [rng.integers(3, 300, sum(s)).tolist() for s in SCHEDULES]
+    got = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("VLLM_METAL_FUSED_LAYERS", fused)
+        loaded = _load(tmp_path / fused, name, dtype)
+        assert (why_not_fused(loaded.model) is None) == (fused == "1")
+        got[fused] = run_packed(loaded, sequences, SCHEDULES)
+    for a, b in zip(got["1"], got["0"]):
+        np.testing.assert_allclose(a, b, rtol=0, atol=tol * max(np.abs(b).max(), 1.0))
+
+
+def test_smollm2_greedy_tokens_equal_per_op(monkeypatch):
+    """The served default model (float16, Q4_1/Q8_0 blocks, float32 sums): the fused path
+    picks the same greedy tokens as the per-op path, alone and batched."""
+    from vllm_metal.models.generate import greedy_generate
+    from vllm_metal.models.offline import smollm2_gguf
+
+    prompts = [[1, 504, 3458, 282, 4649, 314, 30, 2], list(range(1, 13))]
+    out = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("VLLM_METAL_FUSED_LAYERS", fused)
+        loaded = load_model(str(smollm2_gguf()), int8_activations=False)
+        out[fused] = greedy_generate(loaded, prompts, 16)
+    assert out["1"] == out["0"]
+
+
+# ---- the op's own checks ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def layer_call(tmp_path_factory):
+    """(args, kwargs) of one valid decoder_layer call on a tiny llama layer."""
+    loaded = _load(tmp_path_factory.mktemp("op"), "llama")
+    layer = loaded.model._fused_layers()[0]
+    spec = layer.spec
+    t, blocks, block_size = 3, 4, 4
+    cache = mx.zeros((blocks, block_size, spec.num_kv_heads, spec.head_dim))
+    args = dict(x=mx.random.normal((t, spec.hidden)), positions=mx.arange(t, dtype=mx.int32),
+                slot_mapping=mx.array([0, 1, 2], mx.int64),
+                block_tables=mx.array([[0]], mx.int32), seq_lens=mx.array([t], mx.int32),
+                cu_seqlens_q=mx.array([0, t], mx.int32), key_cache=cache, value_cache=cache,
+                rope_table=layer.rope_table, weights=list(layer.weights), spec=spec)
+    return args
+
+
+def test_valid_call_runs(layer_call):
+    out, k, v = _core.decoder_layer(**layer_call)
+    mx.eval(out, k, v)
+    assert out.shape == layer_call["x"].shape and np.isfinite(np.array(out)).all()
+    assert np.abs(np.array(k)[0, :3]).sum() > 0  # the step's keys were written
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda a: a.update(weights=a["weights"][:-1]), "expected 9 weights"),
+    (lambda a: a.update(x=a["x"].astype(mx.int32)), "x must be float32"),
+    (lambda a: a.update(positions=a["positions"].astype(mx.int64)), "positions must be int32"),
+    (lambda a: a.update(key_cache=a["key_cache"].astype(mx.float16)), "key_cache must be float32"),
+    (lambda a: a.update(weights=[a["weights"][0][:-1]] + a["weights"][1:]), "input_norm must have shape"),
+    (lambda a: a.update(weights=a["weights"][:2] + [a["weights"][2][:-1]] + a["weights"][3:]),
+     "q_proj must hold"),
+])
+def test_bad_input_is_refused(layer_call, change, message):
+    args = dict(layer_call)
+    change(args)
+    with pytest.raises(ValueError, match=message):
+        _core.decoder_layer(**args)
+
+
+def test_out_of_range_slot_is_refused_at_eval(layer_call):
+    args = dict(layer_call, slot_mapping=mx.array([0, 1, 99], mx.int64))
+    with pytest.raises(Exception, match=r"slot_mapping\[2\] = 99 is outside"):
+        mx.eval(*_core.decoder_layer(**args))
+
+
+@pytest.mark.skipif(not mx.metal.is_available(), reason="needs MLX's Metal backend (Apple)")
+def test_gpu_stream_is_refused(layer_call):
+    with pytest.raises(ValueError, match="CPU only"):
+        _core.decoder_layer(**layer_call, stream=mx.gpu)
