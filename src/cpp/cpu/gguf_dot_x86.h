@@ -521,6 +521,89 @@ void float_dot(const uint8_t* w, int64_t rb, int64_t rows, const float* x, int64
   }
 }
 
+// ---- exact float dots of the 32-weight block types ----------------------------------------
+
+// The block's 32 weights as floats, w = d * u + add (Q8_0: d * q), in four vectors.
+template <GGMLType T>
+inline void exact_weights(const uint8_t* b, __m256* w) {
+  __m128i lo, hi;
+  __m256 d, add;
+  if constexpr (T == GGMLType::kQ8_0) {
+    d = f16_bcast(b);
+    add = _mm256_setzero_ps();
+    lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+    hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+  } else {
+    const LegacyBlock wb = Legacy<T>::load(b);
+    d = wb.d;
+    add = _mm256_set1_ps(wb.add);
+    lo = _mm256_castsi256_si128(wb.u);
+    hi = _mm256_extracti128_si256(wb.u, 1);
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(w[j], d, add);
+}
+
+template <GGMLType T>
+constexpr int64_t exact_block_bytes() {
+  if constexpr (T == GGMLType::kQ8_0) {
+    return 34;
+  } else {
+    return Legacy<T>::kBytes;
+  }
+}
+
+// `exact` decode rows: the weights decoded in registers and dotted with float x, the sums
+// in float32 (no 8-bit activations), straight from the blocks like the integer path.
+template <GGMLType T, int M>
+void exact_rows(const uint8_t* w, int64_t rb, int64_t rows, const float* x, int64_t k, float* y,
+                int64_t ldy) {
+  const int64_t nb = k / 32;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* src = w + r * rb;
+    __m256 acc[M][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256 wv[4];
+      exact_weights<T>(src + b * exact_block_bytes<T>(), wv);
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) {
+        const float* xb = x + i * k + 32 * b;
+        acc[i][0] = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(xb), acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(xb + 8), acc[i][1]);
+        acc[i][0] = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xb + 16), acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xb + 24), acc[i][1]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) y[i * ldy + r] = hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
+  }
+}
+
+template <GGMLType T>
+void exact_dot(const uint8_t* w, int64_t rb, int64_t rows, const float* x, int64_t m, int64_t k,
+               float* y, int64_t ldy) {
+  switch (m) {
+    case 1: return exact_rows<T, 1>(w, rb, rows, x, k, y, ldy);
+    case 2: return exact_rows<T, 2>(w, rb, rows, x, k, y, ldy);
+    case 3: return exact_rows<T, 3>(w, rb, rows, x, k, y, ldy);
+    case 4: return exact_rows<T, 4>(w, rb, rows, x, k, y, ldy);
+    case 5: return exact_rows<T, 5>(w, rb, rows, x, k, y, ldy);
+    case 6: return exact_rows<T, 6>(w, rb, rows, x, k, y, ldy);
+    case 7: return exact_rows<T, 7>(w, rb, rows, x, k, y, ldy);
+    default: return exact_rows<T, 8>(w, rb, rows, x, k, y, ldy);
+  }
+}
+
 // ---- prefill panels: 16 activation rows x NR weight rows ---------------------------------
 
 #if GGUF_X86_AVX512
@@ -602,6 +685,11 @@ GgufKernels make_x86_kernels(const char* name) {
   t.float_dot[static_cast<int>(GGMLType::kF32)] = float_dot<GGMLType::kF32>;
   t.float_dot[static_cast<int>(GGMLType::kF16)] = float_dot<GGMLType::kF16>;
   t.float_dot[static_cast<int>(GGMLType::kBF16)] = float_dot<GGMLType::kBF16>;
+  t.exact_dot[static_cast<int>(GGMLType::kQ4_0)] = exact_dot<GGMLType::kQ4_0>;
+  t.exact_dot[static_cast<int>(GGMLType::kQ4_1)] = exact_dot<GGMLType::kQ4_1>;
+  t.exact_dot[static_cast<int>(GGMLType::kQ5_0)] = exact_dot<GGMLType::kQ5_0>;
+  t.exact_dot[static_cast<int>(GGMLType::kQ5_1)] = exact_dot<GGMLType::kQ5_1>;
+  t.exact_dot[static_cast<int>(GGMLType::kQ8_0)] = exact_dot<GGMLType::kQ8_0>;
   t.panel = panel;
   t.panel_rows = kPanelRows;
   return t;

@@ -59,6 +59,9 @@ struct GgufKernels {
   GgufQuantizeQ8Fn quantize_q8 = nullptr;
   GgufQ8DotFn q8_dot[kGgufNumTypeIds] = {};       // null: no integer path for the type
   GgufFloatDotFn float_dot[kGgufNumTypeIds] = {}; // F32, F16, BF16
+  // Quantized weights dotted with float x in float32 (gguf_matmul's `exact` decode rows)
+  // without decoding rows to memory first; null: decode 16 rows to float, then float_dot.
+  GgufFloatDotFn exact_dot[kGgufNumTypeIds] = {};
   GgufPanelFn panel = nullptr;
   int panel_rows = 0;                             // weight rows per panel call
 };

@@ -187,6 +187,7 @@ void matvec(const GgufKernels& kern, const GgufMatmul& a, const float* xf) {
   const int tid = static_cast<int>(a.type);
   const GgufFloatDotFn fdot = kern.float_dot[tid];
   const GgufQ8DotFn qdot = int8_path(kern, a.type, a.exact) ? kern.q8_dot[tid] : nullptr;
+  const GgufFloatDotFn edot = fdot || qdot ? nullptr : kern.exact_dot[tid];
 
   GgufQ8Rows xq;
   static thread_local std::vector<int8_t> q_buf;
@@ -208,13 +209,13 @@ void matvec(const GgufKernels& kern, const GgufMatmul& a, const float* xf) {
     for (int64_t r0 = begin; r0 < end;) {
       // float results go straight into y; the rest through a buffer of 16 rows,
       // as do the weights of types decoded to float first
-      const bool whole = direct && (fdot || qdot);
+      const bool whole = direct && (fdot || qdot || edot);
       const int64_t nr = whole ? end - r0 : std::min(kDecodeRows, end - r0);
       float* y = direct ? static_cast<float*>(a.y) + r0 : scratch_floats(ybuf, m * nr);
       const int64_t ldy = direct ? n : nr;
       const uint8_t* wr = w + r0 * rb;
-      if (fdot) {
-        fdot(wr, rb, nr, xf, m, k, y, ldy);
+      if (fdot || edot) {
+        (fdot ? fdot : edot)(wr, rb, nr, xf, m, k, y, ldy);
       } else if (qdot) {
         // x rows in passes of up to 8 over the same (cached) weight rows
         for (int64_t i0 = 0; i0 < m; i0 += kGgufMatvecMaxRows) {
