@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "cpu/attention_vec.h"
+#include "cpu/paged_attention_blocked.h"
 #include "cpu/parallel.h"
 
 namespace vllm_metal::cpu {
@@ -157,12 +158,14 @@ struct Task {
 
 template <Elt E>
 void run(const PagedAttentionParams& p) {
+  const bool blocked = blocked_attention_available(p.head_size);
+  const int64_t tile = blocked ? kBlockedQueryTile : kQueryTile;
   std::vector<Task> tasks;
   for (int64_t s = 0; s < p.num_seqs; ++s) {
     const int64_t q_len = p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s];
     for (int64_t h = 0; h < p.num_kv_heads; ++h) {
-      for (int64_t r = 0; r < q_len; r += kQueryTile) {
-        tasks.push_back({s, h, r, std::min(q_len, r + kQueryTile)});
+      for (int64_t r = 0; r < q_len; r += tile) {
+        tasks.push_back({s, h, r, std::min(q_len, r + tile)});
       }
     }
   }
@@ -171,7 +174,11 @@ void run(const PagedAttentionParams& p) {
     std::vector<float> work;
     for (int64_t i = begin; i < end; ++i) {
       const Task& t = tasks[i];
-      attend_tile<E>(p, ops, t.seq, t.kv_head, t.row_begin, t.row_end, work);
+      if (blocked) {
+        attend_tile_blocked<E>(p, t.seq, t.kv_head, t.row_begin, t.row_end, work);
+      } else {
+        attend_tile<E>(p, ops, t.seq, t.kv_head, t.row_begin, t.row_end, work);
+      }
     }
   });
 }

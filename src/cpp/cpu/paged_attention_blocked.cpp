@@ -1,0 +1,216 @@
+#include "cpu/paged_attention_blocked.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "cpu/vec_exp.h"
+
+namespace vllm_metal::cpu {
+
+#if defined(__x86_64__)
+
+namespace {
+
+template <Elt E>
+using S = typename EltTraits<E>::Storage;
+
+constexpr int64_t KB = kAttentionKeyBlock;
+constexpr int kLanes = 8;
+constexpr int kKeyVecs = KB / kLanes;  // score vectors per query row and block
+
+VLLM_METAL_AVX2 inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// The block's keys as kt [d][KB] (transposed: a row of 8 keys per vector) and its
+// values as vb [KB][d], in float; keys past nk are zero.
+template <Elt E>
+VLLM_METAL_AVX2 void load_block(const PagedAttentionParams& p, const int32_t* table,
+                                int64_t kv_head, int64_t j0, int64_t nk, float* kt, float* vb) {
+  const int64_t d = p.head_size, row_elems = p.num_kv_heads * d;
+  const auto* kc = static_cast<const S<E>*>(p.key_cache);
+  const auto* vc = static_cast<const S<E>*>(p.value_cache);
+  if (nk < KB) std::fill(kt, kt + d * KB, 0.0f);
+  alignas(32) float tmp[kLanes];
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    const int64_t j = j0 + jj;
+    const int64_t slot = int64_t(table[j / p.block_size]) * p.block_size + j % p.block_size;
+    const S<E>* k = kc + slot * row_elems + kv_head * d;
+    const S<E>* v = vc + slot * row_elems + kv_head * d;
+    for (int64_t i = 0; i < d; i += kLanes) {
+      _mm256_store_ps(tmp, load8<E>(k + i));
+      for (int t = 0; t < kLanes; ++t) kt[(i + t) * KB + jj] = tmp[t];
+      _mm256_storeu_ps(vb + jj * d + i, load8<E>(v + i));
+    }
+  }
+}
+
+// acc [d] = acc * rescale + sum_jj probs[jj] * vb[jj], 64 dims at a time in registers.
+VLLM_METAL_AVX2 void accumulate(float* acc, float rescale, const float* probs, const float* vb,
+                                int64_t nk, int64_t d) {
+  const __m256 r = _mm256_set1_ps(rescale);
+  for (int64_t c0 = 0; c0 < d; c0 += 64) {
+    const int nv = static_cast<int>(std::min<int64_t>(64, d - c0) / kLanes);
+    __m256 a[8];
+    for (int c = 0; c < nv; ++c) a[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + c0 + c * kLanes), r);
+    for (int64_t jj = 0; jj < nk; ++jj) {
+      const __m256 pj = _mm256_set1_ps(probs[jj]);
+      const float* v = vb + jj * d + c0;
+      for (int c = 0; c < nv; ++c) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + c * kLanes), a[c]);
+    }
+    for (int c = 0; c < nv; ++c) _mm256_storeu_ps(acc + c0 + c * kLanes, a[c]);
+  }
+}
+
+template <Elt E>
+VLLM_METAL_AVX2 void tile_avx2(const PagedAttentionParams& p, int64_t seq, int64_t kv_head,
+                               int64_t row_begin, int64_t row_end, std::vector<float>& work) {
+  const int64_t d = p.head_size;
+  const int64_t groups = p.num_q_heads / p.num_kv_heads;
+  const int64_t q_start = p.cu_seqlens_q[seq];
+  const int64_t q_len = p.cu_seqlens_q[seq + 1] - q_start;
+  const int64_t ctx = p.seq_lens[seq];
+  const int64_t rows = row_end - row_begin;
+  const int64_t pairs = rows * groups;  // (query row, q head) pairs, row-major
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  // work: q [pairs, d] | acc [pairs, d] | m, l [pairs] | kt [d, KB] | vb [KB, d] | probs [KB]
+  work.resize(size_t(pairs) * (2 * d + 2) + 2 * d * KB + KB + kLanes);
+  float* q = work.data();
+  float* acc = q + pairs * d;
+  float* m = acc + pairs * d;
+  float* l = m + pairs;
+  float* kt = l + pairs;
+  float* vb = kt + d * KB;
+  float* probs = vb + KB * d;
+
+  const auto* qsrc = static_cast<const S<E>*>(p.q);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t head = kv_head * groups + g, pair = r * groups + g;
+      const S<E>* src = qsrc + (q_start + row_begin + r) * p.q_token_stride + head * p.q_head_stride;
+      for (int64_t i = 0; i < d; i += kLanes) _mm256_storeu_ps(q + pair * d + i, load8<E>(src + i));
+      // a sink is one more logit whose value row is zero
+      m[pair] = p.sinks ? p.sinks[head] : neg_inf;
+      l[pair] = p.sinks ? 1.0f : 0.0f;
+    }
+  }
+  std::fill(acc, acc + pairs * d, 0.0f);
+
+  const int64_t first_pos = ctx - q_len + row_begin;
+  const int64_t last_pos = ctx - q_len + row_end - 1;
+  int64_t key_begin = 0;
+  if (p.sliding_window > 0) key_begin = std::max<int64_t>(0, first_pos - p.sliding_window + 1);
+  const int64_t key_end = last_pos + 1;
+  const int32_t* table = p.block_tables + seq * p.max_blocks;
+  const __m256 scale = _mm256_set1_ps(p.scale), ninf = _mm256_set1_ps(neg_inf);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+
+  for (int64_t j0 = key_begin; j0 < key_end; j0 += KB) {
+    const int64_t nk = std::min(KB, key_end - j0);
+    load_block<E>(p, table, kv_head, j0, nk, kt, vb);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = first_pos + r;
+      // keys j of the block this row sees: j <= pos, j > pos - window, j < j0 + nk
+      const int64_t hi = std::min(pos, j0 + nk - 1);
+      const int64_t lo = p.sliding_window > 0 ? std::max(j0, pos - p.sliding_window + 1) : j0;
+      if (hi < lo) continue;  // nothing visible: p = 0, rescale = 1 leaves the row as is
+      const __m256i vlo = _mm256_set1_epi32(static_cast<int>(lo - j0));
+      const __m256i vhi = _mm256_set1_epi32(static_cast<int>(hi - j0));
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t pair = r * groups + g;
+        const float* qp = q + pair * d;
+        __m256 s[kKeyVecs];
+        for (int c = 0; c < kKeyVecs; ++c) s[c] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; ++i) {
+          const __m256 qi = _mm256_broadcast_ss(qp + i);
+          const float* krow = kt + i * KB;
+          for (int c = 0; c < kKeyVecs; ++c) s[c] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(krow + c * kLanes), s[c]);
+        }
+        __m256 bmax = ninf;
+        __m256 visible[kKeyVecs];
+        for (int c = 0; c < kKeyVecs; ++c) {
+          s[c] = _mm256_mul_ps(s[c], scale);
+          if (p.softcap > 0.0f) {
+            alignas(32) float t[kLanes];
+            _mm256_store_ps(t, s[c]);
+            for (float& v : t) v = p.softcap * std::tanh(v / p.softcap);
+            s[c] = _mm256_load_ps(t);
+          }
+          const __m256i jj = _mm256_add_epi32(lane, _mm256_set1_epi32(c * kLanes));
+          const __m256i out = _mm256_or_si256(_mm256_cmpgt_epi32(vlo, jj), _mm256_cmpgt_epi32(jj, vhi));
+          visible[c] = _mm256_castsi256_ps(_mm256_xor_si256(out, _mm256_set1_epi32(-1)));
+          s[c] = _mm256_blendv_ps(ninf, s[c], visible[c]);
+          bmax = _mm256_max_ps(bmax, s[c]);
+        }
+        const float m_new = std::max(m[pair], hmax8(bmax));
+        const float rescale = std::exp(m[pair] - m_new);  // exp(-inf) = 0 on the first keys
+        const __m256 mn = _mm256_set1_ps(m_new);
+        __m256 sum = _mm256_setzero_ps();
+        for (int c = 0; c < kKeyVecs; ++c) {
+          // masked lanes are exactly 0 (exp8 clamps, so its -inf would be ~1e-38)
+          const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(s[c], mn)), visible[c]);
+          sum = _mm256_add_ps(sum, e);
+          _mm256_storeu_ps(probs + c * kLanes, e);
+        }
+        l[pair] = l[pair] * rescale + hsum8(sum);
+        m[pair] = m_new;
+        accumulate(acc + pair * d, rescale, probs, vb, nk, d);
+      }
+    }
+  }
+
+  auto* out = static_cast<S<E>*>(p.out);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t pair = r * groups + g;
+      const __m256 inv = _mm256_set1_ps(l[pair] > 0.0f ? 1.0f / l[pair] : 0.0f);
+      S<E>* dst = out + ((q_start + row_begin + r) * p.num_q_heads + kv_head * groups + g) * d;
+      for (int64_t i = 0; i < d; i += kLanes) {
+        store8<E>(dst + i, _mm256_mul_ps(_mm256_loadu_ps(acc + pair * d + i), inv));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+bool blocked_attention_available(int64_t head_size) {
+  return head_size % kLanes == 0 && has_avx2_fma();
+}
+
+template <Elt E>
+void attend_tile_blocked(const PagedAttentionParams& p, int64_t seq, int64_t kv_head,
+                         int64_t row_begin, int64_t row_end, std::vector<float>& work) {
+  tile_avx2<E>(p, seq, kv_head, row_begin, row_end, work);
+}
+
+template void attend_tile_blocked<Elt::kF32>(const PagedAttentionParams&, int64_t, int64_t,
+                                             int64_t, int64_t, std::vector<float>&);
+template void attend_tile_blocked<Elt::kF16>(const PagedAttentionParams&, int64_t, int64_t,
+                                             int64_t, int64_t, std::vector<float>&);
+template void attend_tile_blocked<Elt::kBF16>(const PagedAttentionParams&, int64_t, int64_t,
+                                              int64_t, int64_t, std::vector<float>&);
+
+#else  // not x86-64: the per-key kernel serves every head size
+
+bool blocked_attention_available(int64_t) { return false; }
+
+template <Elt E>
+void attend_tile_blocked(const PagedAttentionParams&, int64_t, int64_t, int64_t, int64_t,
+                         std::vector<float>&) {}
+
+template void attend_tile_blocked<Elt::kF32>(const PagedAttentionParams&, int64_t, int64_t,
+                                             int64_t, int64_t, std::vector<float>&);
+template void attend_tile_blocked<Elt::kF16>(const PagedAttentionParams&, int64_t, int64_t,
+                                             int64_t, int64_t, std::vector<float>&);
+template void attend_tile_blocked<Elt::kBF16>(const PagedAttentionParams&, int64_t, int64_t,
+                                              int64_t, int64_t, std::vector<float>&);
+
+#endif
+
+}  // namespace vllm_metal::cpu
