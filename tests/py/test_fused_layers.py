@@ -107,11 +107,27 @@ def layer_call(tmp_path_factory):
     return args
 
 
-def test_valid_call_runs(layer_call):
-    out, k, v = _core.decoder_layer(**layer_call)
-    mx.eval(out, k, v)
-    assert out.shape == layer_call["x"].shape and np.isfinite(np.array(out)).all()
-    assert np.abs(np.array(k)[0, :3]).sum() > 0  # the step's keys were written
+def test_valid_call_writes_the_caches_in_place(layer_call):
+    args = dict(layer_call, key_cache=mx.zeros_like(layer_call["key_cache"]),
+                value_cache=mx.zeros_like(layer_call["value_cache"]))
+    mx.eval(args["key_cache"], args["value_cache"])
+    out = _core.decoder_layer(**args)
+    mx.eval(out)
+    assert out.shape == args["x"].shape and np.isfinite(np.array(out)).all()
+    for cache in (args["key_cache"], args["value_cache"]):
+        written = np.abs(np.array(cache)).sum(axis=(2, 3))  # [blocks, block_size]
+        assert (written[0, :3] > 0).all() and written[0, 3:].sum() == 0 and written[1:].sum() == 0
+
+
+def test_a_cache_shared_with_another_array_is_refused(layer_call):
+    """In-place writes must not show through another array: a slice of a bigger buffer
+    (or a buffer a view also holds) is refused at eval, before anything is written."""
+    big = mx.zeros((2 * layer_call["key_cache"].shape[0],) + layer_call["key_cache"].shape[1:])
+    mx.eval(big)
+    args = dict(layer_call, key_cache=big[: layer_call["key_cache"].shape[0]])
+    with pytest.raises(Exception, match="key_cache is updated in place"):
+        mx.eval(_core.decoder_layer(**args))
+    assert np.array(big).sum() == 0
 
 
 @pytest.mark.parametrize("change,message", [
@@ -133,7 +149,7 @@ def test_bad_input_is_refused(layer_call, change, message):
 def test_out_of_range_slot_is_refused_at_eval(layer_call):
     args = dict(layer_call, slot_mapping=mx.array([0, 1, 99], mx.int64))
     with pytest.raises(Exception, match=r"slot_mapping\[2\] = 99 is outside"):
-        mx.eval(*_core.decoder_layer(**args))
+        mx.eval(_core.decoder_layer(**args))
 
 
 @pytest.mark.skipif(not mx.metal.is_available(), reason="needs MLX's Metal backend (Apple)")

@@ -68,13 +68,12 @@ class FusedDecoderLayer:
         self.layer_idx = layer_idx
 
     def __call__(self, x: mx.array, ctx: AttentionContext) -> mx.array:
+        """The layer's caches in ctx.kv_caches are written in place (the op's contract)."""
         self.spec.exact = self.projection.exact
         key_cache, value_cache = ctx.kv_caches[self.layer_idx]
-        out, key_cache, value_cache = _core.decoder_layer(
+        return _core.decoder_layer(
             x, ctx.positions, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q,
             key_cache, value_cache, self.rope_table, self.weights, self.spec)
-        ctx.kv_caches[self.layer_idx] = (key_cache, value_cache)
-        return out
 
 
 def _type_id(qtype) -> int:

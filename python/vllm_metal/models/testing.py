@@ -358,7 +358,9 @@ def write_dense_checkpoint(config: dict, weights: dict[str, np.ndarray], out_dir
 # activations (Q2_K, Q3_K, IQ*: measured 1e-6) are held to FLOAT_SUMS_TOLERANCE
 # until they move to 8 bits (probed at run time: uses_8bit_activations), then
 # to their entry here.
-FLOAT_SUMS_TOLERANCE = 1e-5   # reordered float32 sums only; worst measured 4e-6 (Q2_K)
+# reordered float32 sums only: worst measured 1.1e-5 (llama Q4_K; the CPU attention sums
+# q.k and P.V in key blocks, another order than mlx-lm's; 4e-6 with the per-key kernel)
+FLOAT_SUMS_TOLERANCE = 3e-5
 GGUF_LOGITS_TOLERANCE = {
     "F32": FLOAT_SUMS_TOLERANCE,    # 1.2e-6
     "F16": FLOAT_SUMS_TOLERANCE,    # 9.7e-7

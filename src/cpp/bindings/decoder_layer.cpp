@@ -60,19 +60,19 @@ void bind_decoder_layer(nb::module_& m) {
          const mx::array& key_cache, const mx::array& value_cache, const mx::array& rope_table,
          const std::vector<mx::array>& weights, const vm::DecoderLayerSpec& spec,
          const StreamArg& s) {
-        auto out = vm::decoder_layer(x, positions, slot_mapping, block_tables, seq_lens,
-                                     cu_seqlens_q, key_cache, value_cache, rope_table, weights,
-                                     spec, to_stream_or_device(s));
-        return nb::make_tuple(out[0], out[1], out[2]);
+        return vm::decoder_layer(x, positions, slot_mapping, block_tables, seq_lens,
+                                 cu_seqlens_q, key_cache, value_cache, rope_table, weights, spec,
+                                 to_stream_or_device(s));
       },
       "x"_a, "positions"_a, "slot_mapping"_a, "block_tables"_a, "seq_lens"_a, "cu_seqlens_q"_a,
       "key_cache"_a, "value_cache"_a, "rope_table"_a, "weights"_a, "spec"_a, nb::kw_only(),
       "stream"_a = nb::none(),
       "One pre-norm llama-family decoder layer on the CPU as one node:\n"
-      "x [T, hidden] -> (out [T, hidden], key_cache, value_cache). The residual stream in,\n"
-      "the residual stream out (x + attention + MLP). Metadata as paged_attention and\n"
-      "reshape_and_cache take it; weights in spec.weight_names() order. Native CPU\n"
-      "backend only.");
+      "x [T, hidden] -> out [T, hidden]: the residual stream in, the residual stream out\n"
+      "(x + attention + MLP). The step's keys and values are written into key_cache and\n"
+      "value_cache IN PLACE at eval (vLLM's KV-cache contract; each cache must own its\n"
+      "buffer alone). Metadata as paged_attention and reshape_and_cache take it; weights\n"
+      "in spec.weight_names() order. Native CPU backend only.");
 }
 
 }  // namespace vllm_metal::bindings

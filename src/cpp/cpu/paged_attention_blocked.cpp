@@ -124,13 +124,19 @@ VLLM_METAL_AVX2 void tile_avx2(const PagedAttentionParams& p, int64_t seq, int64
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t pair = r * groups + g;
         const float* qp = q + pair * d;
-        __m256 s[kKeyVecs];
-        for (int c = 0; c < kKeyVecs; ++c) s[c] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < d; ++i) {
-          const __m256 qi = _mm256_broadcast_ss(qp + i);
+        // two chains over the head dimension (even and odd i): half the FMA latency
+        // chain, and float sums half as long
+        __m256 s[kKeyVecs], s2[kKeyVecs];
+        for (int c = 0; c < kKeyVecs; ++c) s[c] = s2[c] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 2) {
+          const __m256 qi = _mm256_broadcast_ss(qp + i), qj = _mm256_broadcast_ss(qp + i + 1);
           const float* krow = kt + i * KB;
-          for (int c = 0; c < kKeyVecs; ++c) s[c] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(krow + c * kLanes), s[c]);
+          for (int c = 0; c < kKeyVecs; ++c) {
+            s[c] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(krow + c * kLanes), s[c]);
+            s2[c] = _mm256_fmadd_ps(qj, _mm256_loadu_ps(krow + KB + c * kLanes), s2[c]);
+          }
         }
+        for (int c = 0; c < kKeyVecs; ++c) s[c] = _mm256_add_ps(s[c], s2[c]);
         __m256 bmax = ninf;
         __m256 visible[kKeyVecs];
         for (int c = 0; c < kKeyVecs; ++c) {

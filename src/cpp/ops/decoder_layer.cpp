@@ -1,6 +1,5 @@
 #include "ops/decoder_layer.h"
 
-#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -113,13 +112,18 @@ void check(const std::vector<mx::array>& in, const DecoderLayerSpec& s) {
   }
 }
 
-// Outputs 1 and 2 (the caches) take the input caches' buffers when nothing else holds
-// them; else they start as copies.
-void share_or_copy(const mx::array& in, mx::array& out) {
-  if (in.is_donatable() && in.flags().row_contiguous) {
-    out.copy_shared_buffer(in);
-  } else {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
+// The caches are updated in place, vLLM's contract for its KV cache: a buffer the
+// runner owns and keeps, never a value. (Returning them as outputs would need MLX to
+// donate them, which it never does for a primitive with several outputs: each output
+// holds its own reference to the inputs.) So a cache must be a whole buffer of its own:
+// no view, broadcast or slice shares it, and nothing could see the write but holders
+// of this very array.
+void check_cache_is_writable(const mx::array& cache, const char* what) {
+  const auto& data = cache.data_shared_ptr();
+  if (!cache.flags().row_contiguous || cache.data_size() != cache.size() || !data ||
+      !data->is_owned() || data.use_count() != 1) {
+    fail(std::string(what) + " is updated in place, so it must be a row-contiguous array " +
+         "that owns its buffer alone (not a view, slice or broadcast of another array)");
   }
 }
 
@@ -134,7 +138,7 @@ std::vector<std::string> DecoderLayerSpec::weight_names() const {
   return n;
 }
 
-std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& positions,
+mx::array decoder_layer(const mx::array& x, const mx::array& positions,
                                      const mx::array& slot_mapping,
                                      const mx::array& block_tables, const mx::array& seq_lens,
                                      const mx::array& cu_seqlens_q, const mx::array& key_cache,
@@ -152,10 +156,10 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& positi
                                cu_seqlens_q, key_cache, value_cache, rope_table};
   in.insert(in.end(), weights.begin(), weights.end());
   check(in, spec);
-  for (auto& a : in) a = mx::contiguous(a, false, stream);
-  return mx::array::make_arrays({x.shape(), key_cache.shape(), value_cache.shape()},
-                                {x.dtype(), key_cache.dtype(), value_cache.dtype()},
-                                std::make_shared<DecoderLayer>(stream, spec), in);
+  for (size_t i = 0; i < in.size(); ++i) {
+    if (i != 6 && i != 7) in[i] = mx::contiguous(in[i], false, stream);  // caches: as given
+  }
+  return mx::array(x.shape(), x.dtype(), std::make_shared<DecoderLayer>(stream, spec), in);
 }
 
 void DecoderLayer::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
@@ -165,9 +169,9 @@ void DecoderLayer::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array
 void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs,
                             std::vector<mx::array>& outputs) {
   const DecoderLayerSpec& s = spec_;
+  check_cache_is_writable(inputs[6], "key_cache");
+  check_cache_is_writable(inputs[7], "value_cache");
   outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
-  share_or_copy(inputs[6], outputs[1]);
-  share_or_copy(inputs[7], outputs[2]);
 
   cpu::DecoderLayerRows a;
   a.elt = elt_of(inputs[0].dtype());
@@ -213,17 +217,12 @@ void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs,
                                                 at.num_seqs, at.max_blocks, at.num_blocks,
                                                 at.block_size, a.tokens);
     if (!err.empty()) fail(err);
-    for (int i = 1; i <= 2; ++i) {
-      if (outputs[i].data<char>() != inputs[5 + i].data<char>()) {
-        std::memcpy(outputs[i].data<char>(), inputs[5 + i].data<char>(), outputs[i].nbytes());
-      }
-    }
     a.x = inputs[0].data<void>();
     a.out = outputs[0].data<void>();
     a.positions = inputs[1].data<int32_t>();
     a.rope_table = inputs[8].data<uint32_t>();
-    a.key_cache = outputs[1].data<void>();
-    a.value_cache = outputs[2].data<void>();
+    a.key_cache = const_cast<void*>(inputs[6].data<void>());  // in place, see above
+    a.value_cache = const_cast<void*>(inputs[7].data<void>());
     const mx::array* w = inputs.data() + kNumMeta;
     a.input_norm = w[0].data<void>();
     a.post_norm = w[1].data<void>();

@@ -50,10 +50,11 @@ struct DecoderLayerSpec {
 
 // x [T, hidden] float; positions int32 [T]; slot_mapping int64 [T]; block_tables,
 // seq_lens, cu_seqlens_q int32 as paged_attention takes them; key/value caches
-// [num_blocks, block_size, num_kv_heads, head_dim] in x's dtype; rope_table uint32
-// [2, rotary_dim / 2] (rope_turn_table). Returns {out [T, hidden], key_cache,
-// value_cache}: the caches updated in place when nothing else holds them.
-std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& positions,
+// [num_blocks, block_size, num_kv_heads, head_dim] in x's dtype, updated IN PLACE at
+// eval (vLLM's KV-cache contract: buffers the runner owns; each must own its buffer
+// alone, else the eval raises); rope_table uint32 [2, rotary_dim / 2]
+// (rope_turn_table). Returns out [T, hidden]: the residual stream after the layer.
+mx::array decoder_layer(const mx::array& x, const mx::array& positions,
                                      const mx::array& slot_mapping,
                                      const mx::array& block_tables, const mx::array& seq_lens,
                                      const mx::array& cu_seqlens_q, const mx::array& key_cache,
