@@ -169,8 +169,18 @@ void run(const PagedAttentionParams& p) {
       }
     }
   }
+  // A fan-out to the pool costs ~6 us (far more on a loaded machine), more than a decode
+  // step's few keys take: chunks get at least kMinTaskMacs multiply-adds.
+  constexpr int64_t kMinTaskMacs = 256 << 10;
+  const int64_t groups = p.num_q_heads / p.num_kv_heads;
+  int64_t macs = 0;
+  for (const Task& t : tasks) macs += (t.row_end - t.row_begin) * groups * p.seq_lens[t.seq];
+  macs *= 2 * p.head_size;  // q.k and p.v
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const int64_t grain =
+      std::max<int64_t>(1, kMinTaskMacs * num_tasks / std::max<int64_t>(1, macs));
   const auto ops = attention_vec_ops<E>(static_cast<int>(p.head_size));
-  parallel_for(static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+  parallel_for(num_tasks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> work;
     for (int64_t i = begin; i < end; ++i) {
       const Task& t = tasks[i];
