@@ -520,3 +520,43 @@ TEST(GgufCpu, IsaSelection) {
 }
 
 }  // namespace
+
+// Several matrices of different types times one x in one call give, bit for bit, what
+// one call per matrix gives: decode rows (one pool job, x rounded once) and prefill sizes.
+TEST(GgufCpu, GroupedMatmulEqualsOneCallPerMatrix) {
+  const int64_t k = 512;
+  const g::GGMLType types[] = {g::GGMLType::kQ4_1, g::GGMLType::kQ8_0, g::GGMLType::kQ4_K,
+                               g::GGMLType::kF16};
+  const int64_t rows[] = {200, 64, 37, 90};
+  std::vector<std::vector<uint8_t>> ws;
+  for (int i = 0; i < 4; ++i) ws.push_back(random_weights(types[i], rows[i], k, 40 + i));
+  for (bool exact : {false, true}) {
+    for (int64_t m : {1, 5, 100, 300}) {
+      std::vector<uint16_t> xh;
+      const std::vector<float> x = random_x(m, k, c::Elt::kF32, 9, &xh);
+      std::vector<std::vector<float>> ys(4);
+      c::GgufMatmul mats[4];
+      for (int i = 0; i < 4; ++i) {
+        ys[i].assign(m * rows[i], 0.0f);
+        mats[i].type = types[i];
+        mats[i].w = ws[i].data();
+        mats[i].n = rows[i];
+        mats[i].k = k;
+        mats[i].x = x.data();
+        mats[i].m = m;
+        mats[i].y = ys[i].data();
+        mats[i].exact = exact;
+      }
+      c::gguf_matmul_group(mats, 4);
+      for (int i = 0; i < 4; ++i) {
+        const auto want = run_matmul(types[i], ws[i], rows[i], k, x, xh, m, c::Elt::kF32, exact);
+        ASSERT_EQ(ys[i], want) << case_name(types[i], m, rows[i], k, c::Elt::kF32)
+                               << " exact=" << exact;
+      }
+    }
+  }
+  c::GgufMatmul bad[2];
+  bad[0].k = 32;
+  bad[1].k = 64;
+  EXPECT_THROW(c::gguf_matmul_group(bad, 2), std::invalid_argument);
+}

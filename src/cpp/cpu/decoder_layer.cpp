@@ -69,7 +69,7 @@ void add(Elt e, const void* a, const void* b, void* out, int64_t count) {
   }
 }
 
-void project(const DecoderLayerRows& a, const LayerLinear& l, const void* x, void* y) {
+GgufMatmul matmul_of(const DecoderLayerRows& a, const LayerLinear& l, const void* x, void* y) {
   GgufMatmul m;
   m.type = l.type;
   m.w = l.w;
@@ -80,8 +80,24 @@ void project(const DecoderLayerRows& a, const LayerLinear& l, const void* x, voi
   m.m = a.tokens;
   m.y = y;
   m.exact = a.exact;
-  gguf_matmul(m);
+  return m;
+}
+
+void project(const DecoderLayerRows& a, const LayerLinear& l, const void* x, void* y) {
+  gguf_matmul(matmul_of(a, l, x, y));
   if (l.bias) add_bias(a.elt, y, l.bias, a.tokens, l.n);
+}
+
+// Projections of the same x in one pool job (q/k/v; gate/up).
+template <int N>
+void project_all(const DecoderLayerRows& a, const LayerLinear* const (&ls)[N], const void* x,
+                 void* const (&ys)[N]) {
+  GgufMatmul mats[N];
+  for (int i = 0; i < N; ++i) mats[i] = matmul_of(a, *ls[i], x, ys[i]);
+  gguf_matmul_group(mats, N);
+  for (int i = 0; i < N; ++i) {
+    if (ls[i]->bias) add_bias(a.elt, ys[i], ls[i]->bias, a.tokens, ls[i]->n);
+  }
 }
 
 // Per-head RMSNorm (in place), then rope (in place) of [tokens, heads, head_dim].
@@ -155,9 +171,7 @@ void decoder_layer(const DecoderLayerRows& a) {
   n1.eps = a.norm_eps;
   rms_norm_rows(n1);
 
-  project(a, a.q, xn, q);
-  project(a, a.k, xn, k);
-  project(a, a.v, xn, v);
+  project_all<3>(a, {&a.q, &a.k, &a.v}, xn, {q, k, v});
   norm_and_rotate(a, q, a.num_heads, a.q_norm);
   norm_and_rotate(a, k, a.num_kv_heads, a.k_norm);
 
@@ -200,8 +214,7 @@ void decoder_layer(const DecoderLayerRows& a) {
   n2.residual_out = a.out;
   rms_norm_rows(n2);
 
-  project(a, a.gate, xn, gate);
-  project(a, a.up, xn, up);
+  project_all<2>(a, {&a.gate, &a.up}, xn, {gate, up});
   SiluAndMulRows s;
   s.elt = a.elt;
   s.gate = gate;

@@ -180,38 +180,31 @@ GgufQ8Rows q8_rows(const GgufQ8Rows& x, int64_t i0, int64_t rows) {
 constexpr int64_t kMinTaskBytes = 48 << 10;
 constexpr int64_t kDecodeRows = 16;  // rows decoded to float together (types without int path)
 
-void matvec(const GgufKernels& kern, const GgufMatmul& a, const float* xf) {
-  const int64_t m = a.m, n = a.n, k = a.k;
-  const int64_t rb = gguf::row_bytes(a.type, k);
-  const auto* w = static_cast<const uint8_t*>(a.w);
-  const int tid = static_cast<int>(a.type);
-  const GgufFloatDotFn fdot = kern.float_dot[tid];
-  const GgufQ8DotFn qdot = int8_path(kern, a.type, a.exact) ? kern.q8_dot[tid] : nullptr;
-  const GgufFloatDotFn edot = fdot || qdot ? nullptr : kern.exact_dot[tid];
-
+// One weight matrix's decode rows: which kernel dots them and with what x.
+struct MatvecPlan {
+  const GgufMatmul* a = nullptr;
+  const GgufKernels* kern = nullptr;
+  const float* xf = nullptr;
   GgufQ8Rows xq;
-  static thread_local std::vector<int8_t> q_buf;
-  static thread_local std::vector<float> d_buf;
-  static thread_local std::vector<int16_t> s16_buf;
-  if (qdot) {
-    const int64_t nb = m * k / 32;
-    if (static_cast<int64_t>(q_buf.size()) < m * k) q_buf.resize(m * k);
-    if (static_cast<int64_t>(d_buf.size()) < 2 * nb) d_buf.resize(2 * nb);
-    if (static_cast<int64_t>(s16_buf.size()) < 2 * nb) s16_buf.resize(2 * nb);
-    kern.quantize_q8(xf, m, k, q_buf.data(), d_buf.data(), d_buf.data() + nb, s16_buf.data());
-    xq = {m, k, q_buf.data(), d_buf.data(), d_buf.data() + nb, s16_buf.data()};
-  }
+  int64_t rb = 0;
+  GgufFloatDotFn fdot = nullptr;  // float weights
+  GgufQ8DotFn qdot = nullptr;     // integer path (x rounded to 8 bits)
+  GgufFloatDotFn edot = nullptr;  // `exact` straight from the blocks
 
-  const bool direct = a.elt == Elt::kF32;  // results straight into y
-  const int64_t grain = std::max<int64_t>(1, kMinTaskBytes / std::max<int64_t>(1, rb));
-  gguf_parallel_for(n, grain, [&](int64_t begin, int64_t end) {
+  // Weight rows one pool task should take at least (kMinTaskBytes of them).
+  int64_t grain() const { return std::max<int64_t>(1, kMinTaskBytes / std::max<int64_t>(1, rb)); }
+
+  void rows(int64_t begin, int64_t end) const {
+    const int64_t m = a->m, n = a->n, k = a->k;
+    const auto* w = static_cast<const uint8_t*>(a->w);
+    const bool direct = a->elt == Elt::kF32;  // results straight into y
     static thread_local std::vector<float> ybuf, wbuf;
     for (int64_t r0 = begin; r0 < end;) {
       // float results go straight into y; the rest through a buffer of 16 rows,
       // as do the weights of types decoded to float first
       const bool whole = direct && (fdot || qdot || edot);
       const int64_t nr = whole ? end - r0 : std::min(kDecodeRows, end - r0);
-      float* y = direct ? static_cast<float*>(a.y) + r0 : scratch_floats(ybuf, m * nr);
+      float* y = direct ? static_cast<float*>(a->y) + r0 : scratch_floats(ybuf, m * nr);
       const int64_t ldy = direct ? n : nr;
       const uint8_t* wr = w + r0 * rb;
       if (fdot || edot) {
@@ -224,14 +217,52 @@ void matvec(const GgufKernels& kern, const GgufMatmul& a, const float* xf) {
         }
       } else {
         float* wf = scratch_floats(wbuf, nr * k);
-        gguf_decode_row(a.type, wr, nr * k, wf);
-        kern.float_dot[static_cast<int>(GGMLType::kF32)](reinterpret_cast<const uint8_t*>(wf),
-                                                         4 * k, nr, xf, m, k, y, ldy);
+        gguf_decode_row(a->type, wr, nr * k, wf);
+        kern->float_dot[static_cast<int>(GGMLType::kF32)](reinterpret_cast<const uint8_t*>(wf),
+                                                          4 * k, nr, xf, m, k, y, ldy);
       }
-      if (!direct) store_block(a.elt, y, ldy, m, nr, a.y, n, r0);
+      if (!direct) store_block(a->elt, y, ldy, m, nr, a->y, n, r0);
       r0 += nr;
     }
-  });
+  }
+};
+
+// x rounded to 8-bit blocks, in per-thread buffers kept across calls.
+GgufQ8Rows quantize_x(const GgufKernels& kern, const float* xf, int64_t m, int64_t k) {
+  static thread_local std::vector<int8_t> q_buf;
+  static thread_local std::vector<float> d_buf;
+  static thread_local std::vector<int16_t> s16_buf;
+  const int64_t nb = m * k / 32;
+  if (static_cast<int64_t>(q_buf.size()) < m * k) q_buf.resize(m * k);
+  if (static_cast<int64_t>(d_buf.size()) < 2 * nb) d_buf.resize(2 * nb);
+  if (static_cast<int64_t>(s16_buf.size()) < 2 * nb) s16_buf.resize(2 * nb);
+  kern.quantize_q8(xf, m, k, q_buf.data(), d_buf.data(), d_buf.data() + nb, s16_buf.data());
+  return {m, k, q_buf.data(), d_buf.data(), d_buf.data() + nb, s16_buf.data()};
+}
+
+// `xq` may already hold x rounded to 8 bits (xq.q != null), else it is made when needed.
+MatvecPlan plan_matvec(const GgufKernels& kern, const GgufMatmul& a, const float* xf,
+                       GgufQ8Rows& xq) {
+  MatvecPlan p;
+  p.a = &a;
+  p.kern = &kern;
+  p.xf = xf;
+  p.rb = gguf::row_bytes(a.type, a.k);
+  const int tid = static_cast<int>(a.type);
+  p.fdot = kern.float_dot[tid];
+  p.qdot = int8_path(kern, a.type, a.exact) ? kern.q8_dot[tid] : nullptr;
+  p.edot = p.fdot || p.qdot ? nullptr : kern.exact_dot[tid];
+  if (p.qdot) {
+    if (xq.q == nullptr) xq = quantize_x(kern, xf, a.m, a.k);
+    p.xq = xq;
+  }
+  return p;
+}
+
+void matvec(const GgufKernels& kern, const GgufMatmul& a, const float* xf) {
+  GgufQ8Rows xq;
+  const MatvecPlan p = plan_matvec(kern, a, xf, xq);
+  gguf_parallel_for(a.n, p.grain(), [&](int64_t begin, int64_t end) { p.rows(begin, end); });
 }
 
 // x [m, k] -> d * q, the values the integer decode path multiplies.
@@ -339,6 +370,54 @@ void gguf_matmul(const GgufMatmul& a) {
     return;
   }
   prefill(kern, a, xf);
+}
+
+void gguf_matmul_group(const GgufMatmul* mats, int count) {
+  if (count <= 0) return;
+  const GgufMatmul& a0 = mats[0];
+  const GgufKernels& kern = kernels();
+  bool decode_rows = a0.m > 0;
+  for (int i = 0; i < count; ++i) {
+    const GgufMatmul& a = mats[i];
+    if (a.x != a0.x || a.m != a0.m || a.k != a0.k || a.elt != a0.elt) {
+      throw std::invalid_argument("gguf_matmul_group: the matrices must share x, m, k and elt");
+    }
+    const bool int8 = int8_path(kern, a.type, a.exact);
+    decode_rows = decode_rows && a.n > 0 &&
+                  (a.m <= kGgufMatvecMaxRows || (int8 && a.m <= kGgufInt8MaxRows));
+  }
+  if (!decode_rows) {  // prefill sizes: each call already fills the pool
+    for (int i = 0; i < count; ++i) gguf_matmul(mats[i]);
+    return;
+  }
+  std::vector<float> xbuf;
+  const float* xf;
+  if (a0.elt == Elt::kF32) {
+    xf = static_cast<const float*>(a0.x);
+  } else {
+    xbuf.resize(a0.m * a0.k);
+    load_rows(a0.elt, a0.x, a0.m * a0.k, xbuf.data());
+    xf = xbuf.data();
+  }
+  GgufQ8Rows xq;  // rounded once, shared by every matrix on the integer path
+  std::vector<MatvecPlan> plans;
+  struct Segment {
+    int plan;
+    int64_t begin, end;
+  };
+  std::vector<Segment> segments;
+  for (int i = 0; i < count; ++i) {
+    plans.push_back(plan_matvec(kern, mats[i], xf, xq));
+    const int64_t grain = plans.back().grain();
+    for (int64_t r = 0; r < mats[i].n; r += grain) {
+      segments.push_back({i, r, std::min(mats[i].n, r + grain)});
+    }
+  }
+  gguf_parallel_for(static_cast<int64_t>(segments.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      plans[segments[s].plan].rows(segments[s].begin, segments[s].end);
+    }
+  });
 }
 
 bool gguf_matmul_int8_activations(GGMLType type) {

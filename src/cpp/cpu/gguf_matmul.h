@@ -43,6 +43,11 @@ struct GgufMatmul {
 
 void gguf_matmul(const GgufMatmul& a);
 
+// Several weights times the same x (a layer's q/k/v, or gate/up): the matrices must share
+// x, m, k and elt. Decode rows run as one pool job over every matrix's rows, x rounded
+// once; larger m runs the calls one after the other. Results equal gguf_matmul's.
+void gguf_matmul_group(const GgufMatmul* mats, int count);
+
 // True when gguf_matmul rounds this type's activations to 8 bits (unless `exact`).
 bool gguf_matmul_int8_activations(gguf::GGMLType type);
 
