@@ -17,8 +17,8 @@ from vllm_metal.models import load_model
 from vllm_metal.models.fused_layers import why_not_fused
 from vllm_metal.models.testing import SCHEDULES, run_packed, tiny_config, write_random_checkpoint
 
-FUSED = ["llama", "llama3", "mistral", "ministral", "qwen2", "qwen3"]
-PER_OP = {"ministral3": "not plain pre-norm", "gemma3": "not plain pre-norm"}
+FUSED = ["llama", "llama3", "mistral", "ministral", "qwen2", "qwen3", "gemma3"]
+PER_OP = {"ministral3": "scales queries by position"}
 
 
 def _load(tmp_path, name, dtype="float32", seed=1):
@@ -40,6 +40,12 @@ def test_other_layouts_keep_the_per_op_path(tmp_path, name):
     assert model._fused_layers() == []
 
 
+def test_float16_gemma_keeps_the_per_op_path(tmp_path):
+    """float16 gemma clips its residual adds; the fused layer does not."""
+    model = _load(tmp_path, "gemma3", "float16").model
+    assert "clip" in why_not_fused(model)
+
+
 def test_switch_and_emulated_backend_keep_the_per_op_path(tmp_path, monkeypatch):
     from vllm_metal import ops
 
@@ -56,10 +62,10 @@ def test_switch_and_emulated_backend_keep_the_per_op_path(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 2e-6), ("float16", 2e-2), ("bfloat16", 6e-2)])
-@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3", "ministral"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3", "ministral", "gemma3"])
 def test_fused_equals_per_op(tmp_path, monkeypatch, name, dtype, tol):
     """Packed prefill chunks and decode rows over scattered cache blocks. The same kernels
-    run in both; only silu * up is rounded once instead of after each MLX op, so the
+    run in both; only act(gate) * up is rounded once instead of after each MLX op, so the
     reduced-precision dtypes differ by a few of their ulps (relative to the logit scale)."""
     rng = np.random.default_rng(3)
     sequences = [rng.integers(3, 300, sum(s)).tolist() for s in SCHEDULES]
@@ -67,24 +73,29 @@ def test_fused_equals_per_op(tmp_path, monkeypatch, name, dtype, tol):
     for fused in ("1", "0"):
         monkeypatch.setenv("VLLM_METAL_FUSED_LAYERS", fused)
         loaded = _load(tmp_path / fused, name, dtype)
-        assert (why_not_fused(loaded.model) is None) == (fused == "1")
+        takes_fused = fused == "1" and not (name == "gemma3" and dtype == "float16")
+        assert (why_not_fused(loaded.model) is None) == takes_fused
         got[fused] = run_packed(loaded, sequences, SCHEDULES)
     for a, b in zip(got["1"], got["0"]):
         np.testing.assert_allclose(a, b, rtol=0, atol=tol * max(np.abs(b).max(), 1.0))
 
 
-def test_smollm2_greedy_tokens_equal_per_op(monkeypatch):
-    """The served default model (float16, Q4_1/Q8_0 blocks, float32 sums): the fused path
-    picks the same greedy tokens as the per-op path, alone and batched."""
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_offline_model_greedy_tokens_equal_per_op(monkeypatch, model):
+    """The offline GGUF models (SmolLM2: float16, Q4_1/Q8_0; Gemma-3: bfloat16, Q4_K_M
+    with sandwich norms and GELU; float32 sums): the fused path picks the same greedy
+    tokens as the per-op path, alone and batched."""
+    from vllm_metal.models import offline
     from vllm_metal.models.generate import greedy_generate
-    from vllm_metal.models.offline import smollm2_gguf
 
-    prompts = [[1, 504, 3458, 282, 4649, 314, 30, 2], list(range(1, 13))]
+    path = offline.smollm2_gguf() if model == "smollm2" else offline.gemma3_gguf()
+    prompts = [[1, 504, 3458, 282, 4649, 314, 30, 2], list(range(10, 22))]
     out = {}
     for fused in ("1", "0"):
         monkeypatch.setenv("VLLM_METAL_FUSED_LAYERS", fused)
-        loaded = load_model(str(smollm2_gguf()), int8_activations=False)
-        out[fused] = greedy_generate(loaded, prompts, 16)
+        loaded = load_model(str(path), int8_activations=False)
+        assert (why_not_fused(loaded.model) is None) == (fused == "1")
+        out[fused] = greedy_generate(loaded, prompts, 12, stop_ids=[])
     assert out["1"] == out["0"]
 
 

@@ -1,13 +1,13 @@
-"""Llama-family decoder layers run as one fused C++ op each on the CPU.
+"""Llama-family and gemma3 decoder layers run as one fused C++ op each on the CPU.
 
 `fused_layers(model)` returns, for a PagedCausalLM whose layers all qualify, one
 `FusedDecoderLayer` per layer; each calls `_core.decoder_layer` (the same kernels the
 per-op path runs, rounded at the same points) with the layer's weights collected once.
 MLX's CPU backend pays ~10 us per graph node, and a layer is ~20 nodes of a few
 microseconds of work each at decode sizes, so this is most of a decode step's time.
-On Apple GPUs, in the emulated backend, and for layers it cannot express (sandwich
-norms, position-scaled queries, rope types our kernel lacks, MLX-quantized or biased
-MLPs) the model keeps the per-op path; `why_not_fused` says which.
+On Apple GPUs, in the emulated backend, and for layers it cannot express (float16
+gemma's clipped residuals, position-scaled queries, rope types our kernel lacks,
+MLX-quantized or biased MLPs) the model keeps the per-op path; `why_not_fused` says which.
 """
 
 from __future__ import annotations
@@ -22,13 +22,15 @@ from vllm_metal.models.layers import PagedAttention, RMSNorm
 
 # GGML type ids of dense weights (gguf_linear names them by string)
 _DENSE_TYPE_IDS = {"F32": 0, "F16": 1, "BF16": 30}
-_SWIGLU_MLP_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
+# the mlx-lm modules whose MLP is down(act(gate(x)) * up(x)), and act
+_GATED_MLP_MODULES = {"mlx_lm.models.llama": "silu", "mlx_lm.models.qwen2": "silu",
+                      "mlx_lm.models.qwen3": "silu", "mlx_lm.models.gemma3_text": "gelu_tanh"}
 
 
 class FusedDecoderLayer:
-    """One pre-norm layer: the residual stream x [T, hidden] in, x + attn + mlp out."""
+    """One layer: the residual stream x [T, hidden] in, x + attn + mlp out."""
 
-    def __init__(self, layer: nn.Module, layer_idx: int):
+    def __init__(self, layer: nn.Module, layer_idx: int, sandwich: bool):
         attn: PagedAttention = layer.self_attn
         mlp = layer.mlp
         spec = _core.DecoderLayerSpec()
@@ -39,8 +41,10 @@ class FusedDecoderLayer:
         spec.num_kv_heads = attn.num_kv_heads
         spec.head_dim = attn.head_dim
         spec.intermediate = mlp.gate_proj.out_features
-        n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+        n1, n2 = _mlp_input_norms(layer, sandwich)
         spec.norm_eps = n1.eps
+        spec.sandwich = sandwich
+        spec.gelu = _GATED_MLP_MODULES[type(mlp).__module__] == "gelu_tanh"
         spec.qkv_bias = "bias" in q
         spec.o_bias = "bias" in o
         spec.qk_norm = "q_norm" in attn
@@ -57,6 +61,9 @@ class FusedDecoderLayer:
         spec.sliding_window = attn.sliding_window
         spec.softcap = attn.softcap
         self.weights = [n1.multiplier(), n2.multiplier()] + [blocks for blocks, _, _ in args]
+        if sandwich:
+            self.weights += [layer.post_attention_layernorm.multiplier(),
+                             layer.post_feedforward_layernorm.multiplier()]
         if spec.qkv_bias:
             self.weights += [q.bias, k.bias, v.bias]
         if spec.o_bias:
@@ -76,6 +83,13 @@ class FusedDecoderLayer:
             key_cache, value_cache, self.rope_table, self.weights, self.spec)
 
 
+def _mlp_input_norms(layer, sandwich: bool):
+    """(norm before attention, norm before the MLP)."""
+    if sandwich:
+        return layer.input_layernorm, layer.pre_feedforward_layernorm
+    return layer.input_layernorm, layer.post_attention_layernorm
+
+
 def _type_id(qtype) -> int:
     return _DENSE_TYPE_IDS[qtype] if isinstance(qtype, str) else int(qtype)
 
@@ -86,16 +100,17 @@ def why_not_fused(model) -> str | None:
         return "VLLM_METAL_FUSED_LAYERS=0"
     if mx.default_device() != mx.cpu or ops.kernel_backend() != "native":
         return "fused layers run on the native CPU backend only"
-    if model.arch.block_style != "pre_norm" or model.llama4_beta is not None:
-        return f"{model.arch.model_type} layers are not plain pre-norm llama layers"
+    if model.llama4_beta is not None:
+        return f"{model.arch.model_type} scales queries by position"
+    sandwich = model.sandwich
     dtype = None
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         if not isinstance(attn, PagedAttention) or attn.rope.fallback is not None:
             return f"layer {i}: its rope runs on the mlx-lm fallback"
-        if type(mlp).__module__ not in _SWIGLU_MLP_MODULES or not all(
+        if type(mlp).__module__ not in _GATED_MLP_MODULES or not all(
                 isinstance(getattr(mlp, n, None), GGUFLinear) for n in ("gate_proj", "up_proj", "down_proj")):
-            return f"layer {i}: the MLP is not a SwiGLU of GGUFLinear layers"
+            return f"layer {i}: the MLP is not a gated MLP of GGUFLinear layers"
         projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
         if not all(isinstance(p, GGUFLinear) for p in projections):
             return f"layer {i}: attention projections are not GGUFLinear"
@@ -103,14 +118,20 @@ def why_not_fused(model) -> str | None:
         if any("bias" in getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")) \
                 or (any(biases) and not all(biases)):
             return f"layer {i}: biases on the MLP or on some of q, k, v only"
-        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        norms = list(_mlp_input_norms(layer, sandwich))
+        if sandwich:
+            norms += [layer.post_attention_layernorm, layer.post_feedforward_layernorm]
         if "q_norm" in attn:
             norms += [attn.q_norm, attn.k_norm]
         if not all(isinstance(n, RMSNorm) and n.offset == 0 for n in norms):
             return f"layer {i}: norms are not plain RMSNorm"
+        if any(n.eps != norms[0].eps for n in norms[:len(norms) - 2 * ("q_norm" in attn)]):
+            return f"layer {i}: its norms have different eps"
         dtype = dtype or layer.input_layernorm.weight.dtype
         if any(n.weight.dtype != dtype for n in norms):
             return f"layer {i}: norms of different dtypes"
+    if sandwich and dtype == mx.float16:
+        return "float16 gemma clips its residual adds (mlx-lm's clip_residual)"
     return None
 
 
@@ -118,4 +139,4 @@ def fused_layers(model) -> list[FusedDecoderLayer] | None:
     """One FusedDecoderLayer per layer, or None when the model keeps the per-op path."""
     if why_not_fused(model) is not None:
         return None
-    return [FusedDecoderLayer(layer, i) for i, layer in enumerate(model.layers)]
+    return [FusedDecoderLayer(layer, i, model.sandwich) for i, layer in enumerate(model.layers)]

@@ -32,6 +32,8 @@ void bind_decoder_layer(nb::module_& m) {
       .def_rw("qkv_bias", &vm::DecoderLayerSpec::qkv_bias)
       .def_rw("o_bias", &vm::DecoderLayerSpec::o_bias)
       .def_rw("qk_norm", &vm::DecoderLayerSpec::qk_norm)
+      .def_rw("sandwich", &vm::DecoderLayerSpec::sandwich)
+      .def_rw("gelu", &vm::DecoderLayerSpec::gelu)
       .def_prop_rw(
           "types",
           [](const vm::DecoderLayerSpec& s) {

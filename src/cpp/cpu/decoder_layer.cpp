@@ -5,7 +5,6 @@
 #include "cpu/reshape_and_cache.h"
 #include "cpu/rms_norm.h"
 #include "cpu/rope.h"
-#include "cpu/silu_and_mul.h"
 
 namespace vllm_metal::cpu {
 
@@ -98,6 +97,20 @@ void project_all(const DecoderLayerRows& a, const LayerLinear* const (&ls)[N], c
   for (int i = 0; i < N; ++i) {
     if (ls[i]->bias) add_bias(a.elt, ys[i], ls[i]->bias, a.tokens, ls[i]->n);
   }
+}
+
+// RMSNorm of [tokens, hidden] in place (gemma3's norms of the attention and MLP outputs).
+void norm_rows(const DecoderLayerRows& a, void* x, const void* weight) {
+  RmsNormRows n;
+  n.elt = a.elt;
+  n.x = x;
+  n.weight = weight;
+  n.out = x;
+  n.rows = a.tokens;
+  n.hidden = a.hidden;
+  n.x_row_stride = a.hidden;
+  n.eps = a.norm_eps;
+  rms_norm_rows(n);
 }
 
 // Per-head RMSNorm (in place), then rope (in place) of [tokens, heads, head_dim].
@@ -205,6 +218,7 @@ void decoder_layer(const DecoderLayerRows& a) {
   paged_attention(at);
 
   project(a, a.o, attn, mlp);
+  if (a.attn_out_norm) norm_rows(a, mlp, a.attn_out_norm);
   // h = x + o (kept in out), xn = norm2(h)
   RmsNormRows n2 = n1;
   n2.x = mlp;
@@ -223,8 +237,10 @@ void decoder_layer(const DecoderLayerRows& a) {
   s.rows = t;
   s.cols = a.intermediate;
   s.gate_row_stride = s.up_row_stride = a.intermediate;
+  s.activation = a.activation;
   silu_and_mul_rows(s);
   project(a, a.down, gate, mlp);
+  if (a.mlp_out_norm) norm_rows(a, mlp, a.mlp_out_norm);
   add(a.elt, a.out, mlp, a.out, t * hidden);
 }
 

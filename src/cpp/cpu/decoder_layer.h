@@ -1,7 +1,10 @@
-// One pre-norm decoder layer of the llama family on the CPU (no MLX):
+// One decoder layer of the llama family (or gemma3's sandwich layout) on the CPU (no MLX):
 //
-//   h   = x + o_proj(attention(rope(q_norm(q)), rope(k_norm(k)), v))   q, k, v = proj(norm1(x))
-//   out = h + down(silu(gate(norm2(h))) * up(norm2(h)))
+//   h   = x + [attn_out_norm] o_proj(attention(rope(q_norm(q)), rope(k_norm(k)), v))
+//         where q, k, v = proj(norm1(x))
+//   out = h + [mlp_out_norm] down(act(gate(norm2(h))) * up(norm2(h)))
+//
+// act is SiLU or gemma's tanh GELU; the bracketed norms are gemma3's (sandwich).
 //
 // It runs the very kernels the per-op model runs (rms_norm, gguf_matmul, rope,
 // the cache scatter, paged_attention, silu_and_mul) and rounds to `elt` at the same
@@ -13,6 +16,7 @@
 
 #include "cpu/gguf_matmul.h"
 #include "cpu/paged_attention.h"
+#include "cpu/silu_and_mul.h"
 #include "cpu/vec.h"
 
 namespace vllm_metal::cpu {
@@ -40,7 +44,10 @@ struct DecoderLayerRows {
 
   const void* input_norm = nullptr;  // [hidden]
   const void* post_norm = nullptr;   // [hidden]
+  const void* attn_out_norm = nullptr;  // [hidden] or null (gemma3: post_attention_layernorm)
+  const void* mlp_out_norm = nullptr;   // [hidden] or null (gemma3: post_feedforward_layernorm)
   float norm_eps = 1e-6f;
+  GatedActivation activation = GatedActivation::kSilu;
   const void* q_norm = nullptr;  // [head_dim] or null (qwen3)
   const void* k_norm = nullptr;
   float qk_norm_eps = 1e-6f;

@@ -1,5 +1,5 @@
-// CPU kernel of silu_and_mul on raw buffers (no MLX): out = silu(gate) * up,
-// the SwiGLU activation of llama-family MLPs, in one pass.
+// CPU kernel of the gated MLP activation on raw buffers (no MLX): out = act(gate) * up
+// in one pass, act = SiLU (SwiGLU: llama family) or tanh-approximated GELU (GeGLU: gemma).
 #pragma once
 
 #include <cstdint>
@@ -8,8 +8,11 @@
 
 namespace vllm_metal::cpu {
 
+enum class GatedActivation { kSilu, kGeluTanh };
+
 struct SiluAndMulRows {
   Elt elt = Elt::kF32;
+  GatedActivation activation = GatedActivation::kSilu;
   const void* gate = nullptr;  // [rows, gate_row_stride]
   const void* up = nullptr;    // [rows, up_row_stride]
   void* out = nullptr;         // [rows, cols]; may be gate or up itself (same strides)
@@ -19,7 +22,8 @@ struct SiluAndMulRows {
   int64_t up_row_stride = 0;    // elements
 };
 
-// silu(g) = g / (1 + e^-g) in float32, times up, rounded once to elt.
+// silu(g) = g / (1 + e^-g); gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+// = g / (1 + e^(-2 sqrt(2/pi) (g + 0.044715 g^3))). In float32, times up, rounded once to elt.
 // Threaded across rows for large inputs; AVX2 when the CPU has it.
 void silu_and_mul_rows(const SiluAndMulRows& a);
 

@@ -100,6 +100,10 @@ void check(const std::vector<mx::array>& in, const DecoderLayerSpec& s) {
   expect(w[1], "post_norm", x.dtype(), {hid});
   for (int i = 0; i < 7; ++i) expect_weight(w[2 + i], names[2 + i], s.types[i], proj[i][0], proj[i][1]);
   int next = 9;
+  if (s.sandwich) {
+    expect(w[next++], "attn_out_norm", x.dtype(), {hid});
+    expect(w[next++], "mlp_out_norm", x.dtype(), {hid});
+  }
   if (s.qkv_bias) {
     expect(w[next++], "q_bias", x.dtype(), {q});
     expect(w[next++], "k_bias", x.dtype(), {kv});
@@ -132,6 +136,7 @@ void check_cache_is_writable(const mx::array& cache, const char* what) {
 std::vector<std::string> DecoderLayerSpec::weight_names() const {
   std::vector<std::string> n = {"input_norm", "post_norm", "q_proj", "k_proj", "v_proj",
                                 "o_proj",     "gate_proj", "up_proj", "down_proj"};
+  if (sandwich) n.insert(n.end(), {"attn_out_norm", "mlp_out_norm"});
   if (qkv_bias) n.insert(n.end(), {"q_bias", "k_bias", "v_bias"});
   if (o_bias) n.push_back("o_bias");
   if (qk_norm) n.insert(n.end(), {"q_norm", "k_norm"});
@@ -187,6 +192,7 @@ void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs,
   a.rotary_dim = s.rotary_dim;
   a.neox = s.neox;
   a.rope_mscale = s.rope_mscale;
+  a.activation = s.gelu ? cpu::GatedActivation::kGeluTanh : cpu::GatedActivation::kSilu;
   const mx::array& kc = inputs[6];
   cpu::PagedAttentionParams& at = a.attention;
   at.num_seqs = inputs[4].shape(0);
@@ -235,6 +241,10 @@ void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs,
       *proj[i] = {s.types[i], w[2 + i].data<void>(), nullptr, dims[i][0], dims[i][1]};
     }
     int next = 9;
+    if (s.sandwich) {
+      a.attn_out_norm = w[next++].data<void>();
+      a.mlp_out_norm = w[next++].data<void>();
+    }
     if (s.qkv_bias) {
       a.q.bias = w[next++].data<void>();
       a.k.bias = w[next++].data<void>();

@@ -32,7 +32,9 @@ struct DecoderLayerSpec {
   float qk_norm_eps = 1e-6f;
   bool qkv_bias = false;  // q, k and v each carry a bias (qwen2, llama attention_bias)
   bool o_bias = false;    // o_proj carries a bias (llama attention_bias)
-  bool qk_norm = false;   // per-head RMSNorm of q and k before rope (qwen3)
+  bool qk_norm = false;   // per-head RMSNorm of q and k before rope (qwen3, gemma3)
+  bool sandwich = false;  // norms of the attention and MLP outputs too (gemma3)
+  bool gelu = false;      // MLP activation: tanh GELU (gemma3); else SiLU
   // GGML types of q, k, v, o, gate, up, down (F32 / F16 / BF16 for dense weights)
   std::vector<gguf::GGMLType> types;
   int64_t rotary_dim = 0;
@@ -43,8 +45,8 @@ struct DecoderLayerSpec {
   float softcap = 0.0f;        // 0: none
   bool exact = true;           // gguf_matmul's exact
 
-  // input_norm, post_norm, q, k, v, o, gate, up, down[, q_bias, k_bias, v_bias][, o_bias]
-  // [, q_norm, k_norm]
+  // input_norm, post_norm, q, k, v, o, gate, up, down[, attn_out_norm, mlp_out_norm]
+  // [, q_bias, k_bias, v_bias][, o_bias][, q_norm, k_norm]
   std::vector<std::string> weight_names() const;
 };
 
