@@ -353,7 +353,7 @@ TEST(GgufCpu, ExactMatmulKeepsFloatSumsForDecodeRows) {
   for_each_isa([] {
     for (auto t : kInt8Types) {
       const int64_t k = g::type_info(t).block_size == 32 ? 96 : 512;
-      for (int64_t m : {1, 2, 3, 5, 8}) check_matmul(t, m, 19, k, c::Elt::kF32, /*exact=*/true);
+      for (int64_t m : {1, 2, 3, 5, 8, 13, 24, 25}) check_matmul(t, m, 19, k, c::Elt::kF32, /*exact=*/true);
     }
   });
 }
@@ -531,7 +531,7 @@ TEST(GgufCpu, GroupedMatmulEqualsOneCallPerMatrix) {
   std::vector<std::vector<uint8_t>> ws;
   for (int i = 0; i < 4; ++i) ws.push_back(random_weights(types[i], rows[i], k, 40 + i));
   for (bool exact : {false, true}) {
-    for (int64_t m : {1, 5, 100, 300}) {
+    for (int64_t m : {1, 5, 20, 100, 300}) {
       std::vector<uint16_t> xh;
       const std::vector<float> x = random_x(m, k, c::Elt::kF32, 9, &xh);
       std::vector<std::vector<float>> ys(4);

@@ -167,6 +167,18 @@ bool int8_path(const GgufKernels& kern, GGMLType type, bool exact) {
   return !exact && kern.float_dot[tid] == nullptr && kern.q8_dot[tid] != nullptr;
 }
 
+// Rows up to which the mat-vec passes serve a call: kGgufInt8MaxRows on the integer path;
+// kGgufExactMaxRows where an exact kernel dots straight from the blocks (passes of 8 rows
+// re-decode the weights in registers, cheaper than decoding them to float tiles up to
+// about 24 rows: benchmarks/gguf_bench.py); else kGgufMatvecMaxRows.
+constexpr int64_t kGgufExactMaxRows = 24;
+int64_t matvec_max_rows(const GgufKernels& kern, GGMLType type, bool exact) {
+  if (int8_path(kern, type, exact)) return kGgufInt8MaxRows;
+  const int tid = static_cast<int>(type);
+  if (kern.float_dot[tid] == nullptr && kern.exact_dot[tid] != nullptr) return kGgufExactMaxRows;
+  return kGgufMatvecMaxRows;
+}
+
 // ---- decode rows: m <= kGgufMatvecMaxRows, or kGgufInt8MaxRows on the integer path ------------
 
 // Rows i0 .. i0 + rows of x.
@@ -207,8 +219,12 @@ struct MatvecPlan {
       float* y = direct ? static_cast<float*>(a->y) + r0 : scratch_floats(ybuf, m * nr);
       const int64_t ldy = direct ? n : nr;
       const uint8_t* wr = w + r0 * rb;
-      if (fdot || edot) {
-        (fdot ? fdot : edot)(wr, rb, nr, xf, m, k, y, ldy);
+      if (fdot) {
+        fdot(wr, rb, nr, xf, m, k, y, ldy);
+      } else if (edot) {
+        for (int64_t i0 = 0; i0 < m; i0 += kGgufMatvecMaxRows) {
+          edot(wr, rb, nr, xf + i0 * k, std::min(kGgufMatvecMaxRows, m - i0), k, y + i0 * ldy, ldy);
+        }
       } else if (qdot) {
         // x rows in passes of up to 8 over the same (cached) weight rows
         for (int64_t i0 = 0; i0 < m; i0 += kGgufMatvecMaxRows) {
@@ -356,7 +372,7 @@ void gguf_matmul(const GgufMatmul& a) {
     xf = xbuf.data();
   }
   const bool int8 = int8_path(kern, a.type, a.exact);
-  if (a.m <= kGgufMatvecMaxRows || (int8 && a.m <= kGgufInt8MaxRows)) {
+  if (a.m <= matvec_max_rows(kern, a.type, a.exact)) {
     matvec(kern, a, xf);
     return;
   }
@@ -382,9 +398,7 @@ void gguf_matmul_group(const GgufMatmul* mats, int count) {
     if (a.x != a0.x || a.m != a0.m || a.k != a0.k || a.elt != a0.elt) {
       throw std::invalid_argument("gguf_matmul_group: the matrices must share x, m, k and elt");
     }
-    const bool int8 = int8_path(kern, a.type, a.exact);
-    decode_rows = decode_rows && a.n > 0 &&
-                  (a.m <= kGgufMatvecMaxRows || (int8 && a.m <= kGgufInt8MaxRows));
+    decode_rows = decode_rows && a.n > 0 && a.m <= matvec_max_rows(kern, a.type, a.exact);
   }
   if (!decode_rows) {  // prefill sizes: each call already fills the pool
     for (int i = 0; i < count; ++i) gguf_matmul(mats[i]);
