@@ -183,6 +183,116 @@ VLLM_METAL_AVX2 void tile_avx2(const PagedAttentionParams& p, int64_t seq, int64
   }
 }
 
+// One query row (a decode row), every q head of the group: the block's scores come from
+// dots against the cached keys where they lie (no staging: one row cannot amortize the
+// transpose), then one softmax update per block with a vectorized exp, and P . V reads the
+// cached values directly.
+template <Elt E>
+VLLM_METAL_AVX2 void row_avx2(const PagedAttentionParams& p, int64_t seq, int64_t kv_head,
+                              int64_t row, std::vector<float>& work) {
+  const int64_t d = p.head_size;
+  const int64_t groups = p.num_q_heads / p.num_kv_heads;
+  const int64_t q_start = p.cu_seqlens_q[seq];
+  const int64_t q_len = p.cu_seqlens_q[seq + 1] - q_start;
+  const int64_t pos = p.seq_lens[seq] - q_len + row;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  // work: q [groups, d] | acc [groups, d] | scores [KB, groups] | m, l [groups]
+  work.resize(size_t(groups) * (2 * d + KB + 2) + kLanes);
+  float* q = work.data();
+  float* acc = q + groups * d;
+  float* scores = acc + groups * d;
+  float* m = scores + KB * groups;
+  float* l = m + groups;
+  const auto* qsrc = static_cast<const S<E>*>(p.q);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t head = kv_head * groups + g;
+    const S<E>* src = qsrc + (q_start + row) * p.q_token_stride + head * p.q_head_stride;
+    for (int64_t i = 0; i < d; i += kLanes) _mm256_storeu_ps(q + g * d + i, load8<E>(src + i));
+    m[g] = p.sinks ? p.sinks[head] : neg_inf;
+    l[g] = p.sinks ? 1.0f : 0.0f;
+  }
+  std::fill(acc, acc + groups * d, 0.0f);
+  const int64_t key_begin =
+      p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
+  const int32_t* table = p.block_tables + seq * p.max_blocks;
+  const int64_t row_elems = p.num_kv_heads * d;
+  const auto* kc = static_cast<const S<E>*>(p.key_cache);
+  const auto* vc = static_cast<const S<E>*>(p.value_cache);
+  const S<E>* vrows[KB];
+  float probs[KB];
+  for (int64_t j0 = key_begin; j0 <= pos; j0 += KB) {
+    const int64_t nk = std::min(KB, pos + 1 - j0);
+    for (int64_t jj = 0; jj < nk; ++jj) {
+      const int64_t j = j0 + jj;
+      const int64_t slot = int64_t(table[j / p.block_size]) * p.block_size + j % p.block_size;
+      const S<E>* k = kc + slot * row_elems + kv_head * d;
+      vrows[jj] = vc + slot * row_elems + kv_head * d;
+      // the key converted once per 8 lanes, dotted with every head of the group
+      __m256 a[16];
+      for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+        const int64_t ng = std::min<int64_t>(16, groups - g0);
+        for (int64_t g = 0; g < ng; ++g) a[g] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += kLanes) {
+          const __m256 kv = load8<E>(k + i);
+          for (int64_t g = 0; g < ng; ++g) {
+            a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (g0 + g) * d + i), kv, a[g]);
+          }
+        }
+        for (int64_t g = 0; g < ng; ++g) scores[jj * groups + g0 + g] = hsum8(a[g]) * p.scale;
+      }
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      float bmax = neg_inf;
+      for (int64_t jj = 0; jj < nk; ++jj) {
+        float& sc = scores[jj * groups + g];
+        if (p.softcap > 0.0f) sc = p.softcap * std::tanh(sc / p.softcap);
+        bmax = std::max(bmax, sc);
+      }
+      const float m_new = std::max(m[g], bmax);
+      const float rescale = std::exp(m[g] - m_new);  // exp(-inf) = 0 on the first keys
+      const __m256 mn = _mm256_set1_ps(m_new);
+      float sum = 0.0f;
+      int64_t jj = 0;
+      for (; jj + kLanes <= nk; jj += kLanes) {
+        alignas(32) float t[kLanes];
+        for (int u = 0; u < kLanes; ++u) t[u] = scores[(jj + u) * groups + g];
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(t), mn));
+        _mm256_storeu_ps(probs + jj, e);
+        sum += hsum8(e);
+      }
+      for (; jj < nk; ++jj) {
+        probs[jj] = std::exp(scores[jj * groups + g] - m_new);
+        sum += probs[jj];
+      }
+      l[g] = l[g] * rescale + sum;
+      m[g] = m_new;
+      // acc = acc * rescale + sum_jj probs[jj] * v[jj], 64 dims at a time in registers
+      float* ag = acc + g * d;
+      const __m256 r = _mm256_set1_ps(rescale);
+      for (int64_t c0 = 0; c0 < d; c0 += 64) {
+        const int nv = static_cast<int>(std::min<int64_t>(64, d - c0) / kLanes);
+        __m256 av[8];
+        for (int c = 0; c < nv; ++c) av[c] = _mm256_mul_ps(_mm256_loadu_ps(ag + c0 + c * kLanes), r);
+        for (int64_t j = 0; j < nk; ++j) {
+          const __m256 pj = _mm256_set1_ps(probs[j]);
+          for (int c = 0; c < nv; ++c) {
+            av[c] = _mm256_fmadd_ps(pj, load8<E>(vrows[j] + c0 + c * kLanes), av[c]);
+          }
+        }
+        for (int c = 0; c < nv; ++c) _mm256_storeu_ps(ag + c0 + c * kLanes, av[c]);
+      }
+    }
+  }
+  auto* out = static_cast<S<E>*>(p.out);
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256 inv = _mm256_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
+    S<E>* dst = out + ((q_start + row) * p.num_q_heads + kv_head * groups + g) * d;
+    for (int64_t i = 0; i < d; i += kLanes) {
+      store8<E>(dst + i, _mm256_mul_ps(_mm256_loadu_ps(acc + g * d + i), inv));
+    }
+  }
+}
+
 }  // namespace
 
 bool blocked_attention_available(int64_t head_size) {
@@ -192,6 +302,7 @@ bool blocked_attention_available(int64_t head_size) {
 template <Elt E>
 void attend_tile_blocked(const PagedAttentionParams& p, int64_t seq, int64_t kv_head,
                          int64_t row_begin, int64_t row_end, std::vector<float>& work) {
+  if (row_end - row_begin == 1) return row_avx2<E>(p, seq, kv_head, row_begin, work);
   tile_avx2<E>(p, seq, kv_head, row_begin, row_end, work);
 }
 
