@@ -528,7 +528,20 @@ template <GGMLType T>
 inline void exact_weights(const uint8_t* b, __m256* w) {
   __m128i lo, hi;
   __m256 d, add;
-  if constexpr (T == GGMLType::kQ8_0) {
+  if constexpr (T == GGMLType::kQ4_0 || T == GGMLType::kQ4_1) {
+    // weights l and l + 16 are the low and high nibbles of byte l: widen 8 bytes at a time
+    // straight from memory, then mask / shift (fewer shuffles than nibbles32)
+    const int qs = T == GGMLType::kQ4_0 ? 2 : 4;
+    d = f16_bcast(b);
+    add = _mm256_set1_ps(T == GGMLType::kQ4_0 ? -8.0f * _mm256_cvtss_f32(d) : f16_at(b + 2));
+    const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + qs)));
+    const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + qs + 8)));
+    const __m256i low = _mm256_set1_epi32(0x0F);
+    w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(v0, low));
+    w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(v1, low));
+    w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4));
+    w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));
+  } else if constexpr (T == GGMLType::kQ8_0) {
     d = f16_bcast(b);
     add = _mm256_setzero_ps();
     lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
