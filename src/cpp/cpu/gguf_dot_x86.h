@@ -526,7 +526,6 @@ void float_dot(const uint8_t* w, int64_t rb, int64_t rows, const float* x, int64
 // The block's 32 weights as floats, w = d * u + add (Q8_0: d * q), in four vectors.
 template <GGMLType T>
 inline void exact_weights(const uint8_t* b, __m256* w) {
-  __m128i lo, hi;
   __m256 d, add;
   if constexpr (T == GGMLType::kQ4_0 || T == GGMLType::kQ4_1) {
     // weights l and l + 16 are the low and high nibbles of byte l: widen 8 bytes at a time
@@ -544,18 +543,17 @@ inline void exact_weights(const uint8_t* b, __m256* w) {
   } else if constexpr (T == GGMLType::kQ8_0) {
     d = f16_bcast(b);
     add = _mm256_setzero_ps();
-    lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
-    hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
-    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      w[j] = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j))));
+    }
   } else {
     const LegacyBlock wb = Legacy<T>::load(b);
     d = wb.d;
     add = _mm256_set1_ps(wb.add);
-    lo = _mm256_castsi256_si128(wb.u);
-    hi = _mm256_extracti128_si256(wb.u, 1);
+    const __m128i lo = _mm256_castsi256_si128(wb.u);
+    const __m128i hi = _mm256_extracti128_si256(wb.u, 1);
     w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
     w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
     w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
