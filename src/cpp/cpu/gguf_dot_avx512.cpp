@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "cpu/gguf_kernels.h"
 #include "cpu/vec.h"

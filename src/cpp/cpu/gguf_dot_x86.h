@@ -523,44 +523,53 @@ void float_dot(const uint8_t* w, int64_t rb, int64_t rows, const float* x, int64
 
 // ---- exact float dots of the 32-weight block types ----------------------------------------
 
-// The block's 32 weights as floats, w = d * u + add (Q8_0: d * q), in four vectors.
+// The block's 32 weights as w = d * u + add (Q8_0: d * q): u as floats in four vectors,
+// d broadcast, add a scalar.
 template <GGMLType T>
-inline void exact_weights(const uint8_t* b, __m256* w) {
-  __m256 d, add;
+inline void exact_units(const uint8_t* b, __m256* u, __m256* d, float* add) {
   if constexpr (T == GGMLType::kQ4_0 || T == GGMLType::kQ4_1) {
     // weights l and l + 16 are the low and high nibbles of byte l: widen 8 bytes at a time
     // straight from memory, then mask / shift (fewer shuffles than nibbles32)
     const int qs = T == GGMLType::kQ4_0 ? 2 : 4;
-    d = f16_bcast(b);
-    add = _mm256_set1_ps(T == GGMLType::kQ4_0 ? -8.0f * _mm256_cvtss_f32(d) : f16_at(b + 2));
+    *d = f16_bcast(b);
+    *add = T == GGMLType::kQ4_0 ? -8.0f * _mm256_cvtss_f32(*d) : f16_at(b + 2);
     const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + qs)));
     const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + qs + 8)));
     const __m256i low = _mm256_set1_epi32(0x0F);
-    w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(v0, low));
-    w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(v1, low));
-    w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4));
-    w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));
+    u[0] = _mm256_cvtepi32_ps(_mm256_and_si256(v0, low));
+    u[1] = _mm256_cvtepi32_ps(_mm256_and_si256(v1, low));
+    u[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4));
+    u[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));
   } else if constexpr (T == GGMLType::kQ8_0) {
-    d = f16_bcast(b);
-    add = _mm256_setzero_ps();
+    *d = f16_bcast(b);
+    *add = 0.0f;
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      w[j] = _mm256_cvtepi32_ps(
+      u[j] = _mm256_cvtepi32_ps(
           _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j))));
     }
   } else {
     const LegacyBlock wb = Legacy<T>::load(b);
-    d = wb.d;
-    add = _mm256_set1_ps(wb.add);
+    *d = wb.d;
+    *add = wb.add;
     const __m128i lo = _mm256_castsi256_si128(wb.u);
     const __m128i hi = _mm256_extracti128_si256(wb.u, 1);
-    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    u[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    u[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    u[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    u[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
   }
+}
+
+// The block's 32 weights as floats (w = d * u + add), in four vectors.
+template <GGMLType T>
+inline void exact_weights(const uint8_t* b, __m256* w) {
+  __m256 d;
+  float add;
+  exact_units<T>(b, w, &d, &add);
+  const __m256 a = _mm256_set1_ps(add);
 #pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(w[j], d, add);
+  for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(w[j], d, a);
 }
 
 template <GGMLType T>
@@ -600,11 +609,41 @@ void exact_rows(const uint8_t* w, int64_t rb, int64_t rows, const float* x, int6
   }
 }
 
+// Q8_0, one row of x: sum_b d_b (q_b . x_b), the block's partial sum scaled once instead
+// of every weight (3 fewer vector operations a block: the lm_head of SmolLM2 2.54 -> 2.11
+// ms on one core). The types with an additive term gain nothing this way at m = 1.
+inline void exact_row1_q8_0(const uint8_t* w, int64_t rb, int64_t rows, const float* x,
+                            int64_t k, float* y) {
+  const int64_t nb = k / 32;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* src = w + r * rb;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256 u[4], d;
+      float add;
+      exact_units<GGMLType::kQ8_0>(src + b * 34, u, &d, &add);
+      const float* xb = x + 32 * b;
+      __m256 s0 = _mm256_mul_ps(u[0], _mm256_loadu_ps(xb));
+      __m256 s1 = _mm256_mul_ps(u[1], _mm256_loadu_ps(xb + 8));
+      s0 = _mm256_fmadd_ps(u[2], _mm256_loadu_ps(xb + 16), s0);
+      s1 = _mm256_fmadd_ps(u[3], _mm256_loadu_ps(xb + 24), s1);
+      if (b & 1) {
+        acc1 = _mm256_fmadd_ps(_mm256_add_ps(s0, s1), d, acc1);
+      } else {
+        acc0 = _mm256_fmadd_ps(_mm256_add_ps(s0, s1), d, acc0);
+      }
+    }
+    y[r] = hsum(_mm256_add_ps(acc0, acc1));
+  }
+}
+
 template <GGMLType T>
 void exact_dot(const uint8_t* w, int64_t rb, int64_t rows, const float* x, int64_t m, int64_t k,
                float* y, int64_t ldy) {
   switch (m) {
-    case 1: return exact_rows<T, 1>(w, rb, rows, x, k, y, ldy);
+    case 1:
+      if constexpr (T == GGMLType::kQ8_0) return exact_row1_q8_0(w, rb, rows, x, k, y);
+      return exact_rows<T, 1>(w, rb, rows, x, k, y, ldy);
     case 2: return exact_rows<T, 2>(w, rb, rows, x, k, y, ldy);
     case 3: return exact_rows<T, 3>(w, rb, rows, x, k, y, ldy);
     case 4: return exact_rows<T, 4>(w, rb, rows, x, k, y, ldy);
