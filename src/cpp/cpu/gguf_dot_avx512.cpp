@@ -4,7 +4,6 @@
 #include <cstdint>
 #include <cstring>
 #include <utility>
-#include <vector>
 
 #include "cpu/gguf_kernels.h"
 #include "cpu/vec.h"
