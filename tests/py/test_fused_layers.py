@@ -80,6 +80,22 @@ def test_fused_equals_per_op(tmp_path, monkeypatch, name, dtype, tol):
         np.testing.assert_allclose(a, b, rtol=0, atol=tol * max(np.abs(b).max(), 1.0))
 
 
+def test_chunks_without_logits_still_fill_the_cache(tmp_path, monkeypatch):
+    """The fused layers write the caches in place: a prefill chunk whose logits nobody
+    wants must still run (the caches it hands on depend on it), or the next chunk
+    attends to an empty cache. Greedy tokens with 3-token prefill chunks equal per-op."""
+    from vllm_metal.models.generate import greedy_generate
+
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(3, 300, n).tolist() for n in (11, 7)]
+    out = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("VLLM_METAL_FUSED_LAYERS", fused)
+        loaded = _load(tmp_path / fused, "qwen3")
+        out[fused] = greedy_generate(loaded, prompts, 6, prefill_chunk=3, stop_ids=[])
+    assert out["1"] == out["0"]
+
+
 def _offline(model):
     from vllm_metal.models import offline
 

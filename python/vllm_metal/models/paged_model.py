@@ -104,7 +104,13 @@ class PagedCausalLM(nn.Module):
         if fused:
             for layer in fused:
                 h = layer(h, ctx)
-            h, residual = h, None  # the residual stream, already summed
+            # The fused layers write the caches in place, a side effect MLX cannot see: hand
+            # the caches on as arrays that depend on the last layer (so on every layer), so
+            # whoever evaluates ctx.kv_caches runs the step even when it wants no logits
+            # (a prefill chunk whose logits are not needed).
+            flat = mx.depends([c for kv in ctx.kv_caches for c in kv], [h])
+            ctx.kv_caches[:] = list(zip(flat[0::2], flat[1::2]))
+            residual = None  # h is the residual stream, already summed
         elif self.sandwich:
             h, residual = self._sandwich_layers(h, ctx)
         else:
