@@ -125,7 +125,7 @@ class MetalModelRunner:
         try:
             self.packer.pack({"__warmup__": 2})
             logits = self._forward()
-            mx.eval(logits)
+            mx.eval(logits, self.kv_caches)
         finally:
             self.packer.remove_requests(["__warmup__"])
 
@@ -149,8 +149,10 @@ class MetalModelRunner:
         result = self.sampler(logits[:n] if len(extra) else logits, batch)
         prompt_scores = self.prompt_logprobs.score(logits[n:] if len(extra) else None,
                                                    self.logprobs_mode)
+        # the caches too: fused layers hand them on as lazy arrays that depend on the step
+        # (models/fused_layers.py); evaluated now, they hold their buffers alone next step
         mx.async_eval(result.tokens, *(result.logprobs or ()),
-                      *[a for _, _, part in prompt_scores if part for a in part])
+                      *[a for _, _, part in prompt_scores if part for a in part], self.kv_caches)
         self._pending = (list(p.req_ids), np.array(p.discard_sampled), result, prompt_scores)
         return None
 

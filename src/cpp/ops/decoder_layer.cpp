@@ -127,7 +127,9 @@ void check_cache_is_writable(const mx::array& cache, const char* what) {
   if (!cache.flags().row_contiguous || cache.data_size() != cache.size() || !data ||
       !data->is_owned() || data.use_count() != 1) {
     fail(std::string(what) + " is updated in place, so it must be a row-contiguous array " +
-         "that owns its buffer alone (not a view, slice or broadcast of another array)");
+         "that owns its buffer alone (not a view, slice or broadcast of another array, and " +
+         "not a lazy array still tied to the previous step: evaluate the caches a step " +
+         "hands on together with that step)");
   }
 }
 
