@@ -117,3 +117,186 @@ def greedy(model, prompt: list[int], steps: int) -> list[int]:
         tokens.append(int(mx.argmax(out[0, -1]).item()))
         out = model(mx.array([[tokens[-1]]]), cache=cache)
     return tokens
+
+
+# ---- packed batches without a server --------------------------------------------------
+
+def run_packed_greedy(loaded, prompts: list[list[int]], steps: int, *, chunk: int = 5,
+                      block_size: int = 4) -> tuple[list[list[int]], list[np.ndarray]]:
+    """Greedy decoding of all prompts together through our packed forward: each step
+    packs the decode rows first, then a prefill chunk of at most `chunk` tokens of every
+    request still prefilling, so decodes and chunked prefills share steps. Returns the
+    tokens and the logits rows of each request."""
+    from dataclasses import fields
+
+    from vllm_metal.models.generate import SeqChunk, build_step
+    from vllm_metal.models.qwen3_5_paged import HybridContext
+
+    model, spec = loaded.model, loaded.spec
+    dtype = getattr(mx, spec.dtype)
+    max_len = max(len(p) for p in prompts) + steps
+    blocks_per_seq = -(-max_len // block_size)
+    shape = (blocks_per_seq * len(prompts), block_size, spec.num_kv_heads, spec.head_dim)
+    kv = [None if lin else (mx.zeros(shape, dtype), mx.zeros(shape, dtype)) for lin in model.is_linear]
+    pools = model.make_state_pools(len(prompts) + 1, dtype)
+    # request i: blocks taken from the end, state slot len - i (neither is the identity)
+    tables = [list(range((len(prompts) - 1 - i) * blocks_per_seq, (len(prompts) - i) * blocks_per_seq))
+              for i in range(len(prompts))]
+    tokens = [list(p) for p in prompts]
+    done = [0] * len(prompts)  # tokens computed
+    out = [[] for _ in prompts]
+    logits_rows = [[] for _ in prompts]
+    while any(len(o) < steps for o in out):
+        live = [i for i in range(len(prompts)) if len(out[i]) < steps]
+        decodes = [i for i in live if done[i] >= len(prompts[i])]
+        prefills = [i for i in live if done[i] < len(prompts[i])]
+        order = decodes + prefills
+        chunks = []
+        for i in order:
+            n = 1 if i in decodes else min(chunk, len(prompts[i]) - done[i])
+            last = done[i] + n == len(tokens[i])
+            chunks.append(SeqChunk(tokens[i][done[i]:done[i] + n], done[i], tables[i],
+                                   "last" if last else "none"))
+        packed = build_step(chunks, kv, block_size)
+        c = packed.ctx
+        ctx = HybridContext(
+            **{f.name: getattr(c, f.name) for f in fields(c)},
+            cu_seqlens_state=c.cu_seqlens_q,
+            state_slots=mx.array([len(prompts) - i for i in order], dtype=mx.int32),
+            has_initial_state=mx.array([int(done[i] > 0) for i in order], dtype=mx.int32),
+            state_pools=pools)
+        logits = model(packed.input_ids, ctx)
+        kv = ctx.kv_caches
+        row = 0
+        for i, ch in zip(order, chunks):
+            done[i] += len(ch.tokens)
+            if ch.logits == "last":
+                values = np.array(logits[row].astype(mx.float32))
+                row += 1
+                logits_rows[i].append(values)
+                out[i].append(int(values.argmax()))
+                tokens[i].append(out[i][-1])
+    return out, logits_rows
+
+
+# ---- the same weights as a llama.cpp "qwen35" GGUF ------------------------------------
+
+def _grouped_to_tiled(w: np.ndarray, num_k: int, num_v: int, axis: int = 0) -> np.ndarray:
+    """llama.cpp's value-head order: [Hk, r, D] -> [r, Hk, D] along `axis` (head-major)."""
+    w = np.moveaxis(w, axis, 0)
+    rest = w.shape[1:]
+    per_head = w.shape[0] // num_v
+    w = w.reshape(num_k, num_v // num_k, per_head, *rest).swapaxes(0, 1).reshape(-1, *rest)
+    return np.moveaxis(w, 0, axis)
+
+
+def write_gguf(model, path, config: dict = CONFIG, *, qtype: str = "F32", mtp: bool = False):
+    """model (mlx-lm TextModel) as llama.cpp's converter writes it: norms 1 + w (mlx-lm's
+    multiplier), ssm_a = -exp(A_log), conv1d [C, K], value heads in tiled order; `mtp`
+    adds an MTP layer blk.{n} with nextn tensors and qwen35.nextn_predict_layers = 1."""
+    import gguf
+
+    from vllm_metal.models.testing import byte_level_vocab
+
+    arch = "qwen35"
+    n = config["num_hidden_layers"]
+    hk, hv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    dk, dv = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    key_dim = hk * dk
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(n + int(mtp))
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(config["head_dim"])
+    w.add_value_length(config["head_dim"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    rp = config["rope_parameters"]
+    w.add_rope_freq_base(rp["rope_theta"])
+    w.add_rope_dimension_count(int(config["head_dim"] * rp["partial_rotary_factor"]))
+    w.add_array(f"{arch}.rope.dimension_sections", list(rp["mrope_section"]) + [0])
+    w.add_uint32(f"{arch}.full_attention_interval", config["full_attention_interval"])
+    w.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(dk)
+    w.add_ssm_group_count(hk)
+    w.add_ssm_time_step_rank(hv)
+    w.add_ssm_inner_size(hv * dv)
+    w.add_vocab_size(config["vocab_size"])
+    if mtp:
+        w.add_uint32(f"{arch}.nextn_predict_layers", 1)
+    tokens, types, merges = byte_level_vocab(config["vocab_size"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(config["bos_token_id"])
+    w.add_eos_token_id(config["eos_token_id"])
+
+    qt = gguf.GGMLQuantizationType[qtype]
+    block = gguf.GGML_QUANT_SIZES[qt][0]
+
+    def add(name, value):
+        value = np.ascontiguousarray(value, dtype=np.float32)
+        if value.ndim == 2 and qtype != "F32" and value.shape[1] % block == 0:
+            w.add_tensor(name, gguf.quants.quantize(value, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(name, value)
+
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "linear_attn.in_proj_qkv": "attn_qkv",
+             "linear_attn.in_proj_z": "attn_gate", "linear_attn.in_proj_b": "ssm_beta",
+             "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.norm": "ssm_norm",
+             "linear_attn.out_proj": "ssm_out", "linear_attn.conv1d": "ssm_conv1d"}
+    tile = lambda x, axis=0: _grouped_to_tiled(x, hk, hv, axis)  # noqa: E731
+    for name, value in tree_flatten(model.parameters()):
+        v = np.array(value.astype(mx.float32))
+        if name == "model.embed_tokens.weight":
+            add("token_embd.weight", v)
+            continue
+        if name == "model.norm.weight":
+            add("output_norm.weight", v)
+            continue
+        if name == "lm_head.weight":
+            add("output.weight", v)
+            continue
+        _, _, i, rest = name.split(".", 3)
+        module, _, param = rest.rpartition(".")
+        if rest == "linear_attn.A_log":
+            add(f"blk.{i}.ssm_a", tile(-np.exp(v)))
+        elif rest == "linear_attn.dt_bias":
+            add(f"blk.{i}.ssm_dt.bias", tile(v))
+        else:
+            if module in ("linear_attn.in_proj_qkv", "linear_attn.conv1d"):
+                if module == "linear_attn.conv1d":
+                    v = v[:, :, 0]  # [C, K]
+                v = np.concatenate([v[:2 * key_dim], tile(v[2 * key_dim:])])
+            elif module in ("linear_attn.in_proj_z", "linear_attn.in_proj_a", "linear_attn.in_proj_b"):
+                v = tile(v)
+            elif module == "linear_attn.out_proj":
+                v = tile(v, axis=1)
+            add(f"blk.{i}.{names[module]}.{param}", v)
+    if mtp:  # a full-attention layer plus the nextn projections, random
+        rng = np.random.default_rng(9)
+        h, inter = config["hidden_size"], config["intermediate_size"]
+        hq, hkv, d = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+        shapes = {"attn_norm.weight": (h,), "post_attention_norm.weight": (h,),
+                  "attn_q.weight": (2 * hq * d, h), "attn_k.weight": (hkv * d, h),
+                  "attn_v.weight": (hkv * d, h), "attn_output.weight": (h, hq * d),
+                  "attn_q_norm.weight": (d,), "attn_k_norm.weight": (d,),
+                  "ffn_gate.weight": (inter, h), "ffn_up.weight": (inter, h),
+                  "ffn_down.weight": (h, inter), "nextn.eh_proj.weight": (h, 2 * h),
+                  "nextn.enorm.weight": (h,), "nextn.hnorm.weight": (h,),
+                  "nextn.shared_head_norm.weight": (h,)}
+        for name, shape in shapes.items():
+            add(f"blk.{n}.{name}", rng.normal(size=shape).astype(np.float32) * 0.1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)

@@ -59,7 +59,7 @@ def load_safetensors(path: Path, dtype: str | None, linear: str):
 
 
 def load_gguf(gguf_path: Path, hf_config: dict, dtype: str | None, linear: str):
-    from vllm_metal.models import gguf_loader, loader
+    from vllm_metal.models import gguf_loader, gguf_qwen35, loader
     from vllm_metal.models.gguf_linear import install_block_weights
 
     ckpt = gguf_loader.GGUFCheckpoint(str(gguf_path))
@@ -67,8 +67,8 @@ def load_gguf(gguf_path: Path, hf_config: dict, dtype: str | None, linear: str):
     target = loader._dtype(dtype or gguf_loader.native_dtype(ckpt))
     model_class, args_class = model_classes()
     lm = model_class(args_class.from_dict(config))
-    weights = gguf_loader.load_weights(ckpt, hf_config, target, blocks=linear == "gguf")
-    weights = lm.sanitize(weights)
+    # already in mlx-lm's sanitized form (gguf_qwen35.py); sanitize would re-centre norms
+    weights = gguf_qwen35.load_weights(ckpt, config, target, blocks=linear == "gguf")
     weights = install_block_weights(lm, weights)
     lm.load_weights(list(weights.items()), strict=True)
     lm.eval()
