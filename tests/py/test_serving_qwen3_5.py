@@ -109,3 +109,18 @@ def test_v1_runner_contract_with_preemption(checkpoint, reference):
         check_concurrent_with_preemption(s, reference, seed=3)
     finally:
         s.stop()
+
+
+def test_gguf_file_with_mtp_block_is_served(tmp_path, reference):
+    # `vllm serve file.gguf`: config and tokenizer from the metadata, the MTP layer ignored
+    from qwen3_5_checkpoint import random_model, write_gguf
+
+    gguf = write_gguf(random_model(seed=0), tmp_path / "qwen35-mtp.gguf", mtp=True)
+    s = Server(str(gguf), "qwen3_5-gguf", ["--dtype", "float32", "--max-model-len", "128",
+                                           "--max-num-seqs", "4", "--num-gpu-blocks-override", "32"],
+               env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    try:
+        for prompt, n in jobs(5, 3):
+            assert complete_ids(s, prompt, n) == greedy(reference, prompt, n)
+    finally:
+        s.stop()
