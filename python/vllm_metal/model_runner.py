@@ -99,7 +99,9 @@ class MetalModelRunner:
     def cache_block_size_bytes(self) -> int:
         spec = self.loaded.spec
         itemsize = np.dtype(np.float32).itemsize if spec.dtype == "float32" else 2
-        return 2 * self.cache_config.block_size * spec.num_kv_heads * spec.head_dim * itemsize * spec.num_layers
+        # hybrid models: only the attention layers have paged KV (state: state_memory_bytes)
+        layers = spec.num_layers if self.loaded.hybrid is None else len(self.loaded.hybrid.attention_layers)
+        return 2 * self.cache_config.block_size * spec.num_kv_heads * spec.head_dim * itemsize * layers
 
     def state_memory_bytes(self) -> int:
         """Memory the runner keeps outside vLLM's KV blocks (hybrid models' state slots)."""

@@ -119,3 +119,16 @@ def test_resuming_without_state_is_refused(loaded):
 def test_state_memory_comes_out_of_the_budget(loaded):
     per_slot = 192 * 3 * 4 + 4 * 16 * 32 * 4
     assert hybrid.state_pool_bytes(loaded, 8) == 8 * per_slot * 3
+
+
+def test_worker_budget_leaves_room_for_the_state():
+    from vllm_metal.worker import MetalWorker
+
+    runner = SimpleNamespace(state_memory_bytes=lambda: 1000)
+    worker = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_memory_bytes=5000,
+                                                          gpu_memory_utilization=0.9),
+                             model_runner=runner)
+    assert MetalWorker.determine_available_memory(worker) == 4000  # blocks + state = asked
+    worker.cache_config.kv_cache_memory_bytes = 800
+    with pytest.raises(ValueError, match="does not cover the 1000 bytes"):
+        MetalWorker.determine_available_memory(worker)
