@@ -87,3 +87,19 @@ def test_unknown_tensor_is_refused(files):
 
     with pytest.raises(ValueError, match="unexpected tensor"):
         gguf_qwen35._name("blk.0.ssm_mystery.weight", 4)
+
+
+def test_tied_embeddings(tmp_path):
+    # Qwen3.5's small models tie the lm_head to the embeddings (block-form in a GGUF)
+    tied = dict(CONFIG, tie_word_embeddings=True)
+    ckpt = write_checkpoint(tmp_path / "st", seed=3, config=tied)
+    want = [greedy(reference_model(ckpt), p, STEPS) for p in PROMPTS[:2]]
+    gguf = write_gguf(random_model(seed=3, config=tied), tmp_path / "t.gguf", tied, qtype="Q8_0")
+    dense = load_model(str(gguf), "float32", linear="mlx")
+    assert dense.hf_config["tie_word_embeddings"] and "lm_head" not in dense.model.lm
+    for path in (ckpt, gguf):
+        got, _ = run_packed_greedy(load_model(str(path), "float32"), PROMPTS[:2], STEPS)
+        if path == ckpt:
+            assert got == want
+        else:  # Q8_0 weights: the same tokens as the dequantized reference path
+            assert got == run_packed_greedy(dense, PROMPTS[:2], STEPS)[0]
