@@ -32,6 +32,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
     "Qwen3_5ForCausalLM",  # hybrid: gated delta net + attention (hybrid.py)
+    "Qwen3_5ForConditionalGeneration",  # the same, text-only (vision tower not loaded)
 }
 
 

@@ -47,5 +47,14 @@ class Qwen3_5ForCausalLM(torch.nn.Module):
         return vllm_config.model_config.dtype, torch.float32
 
 
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """The published Qwen3.5 checkpoints (vision + language): served text-only. Declaring no
+    multimodal support makes vLLM build no image processor and accept text prompts only;
+    the loader skips the vision tower's weights."""
+
+
 # architecture -> "module:class", registered by vllm_metal.register_general
-REGISTRY_OVERRIDES = {"Qwen3_5ForCausalLM": "vllm_metal.vllm_models:Qwen3_5ForCausalLM"}
+REGISTRY_OVERRIDES = {
+    "Qwen3_5ForCausalLM": "vllm_metal.vllm_models:Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "vllm_metal.vllm_models:Qwen3_5ForConditionalGeneration",
+}

@@ -85,16 +85,28 @@ def write_tokenizer(out: Path, vocab_size: int = VOCAB) -> None:
     fast.save_pretrained(str(out))
 
 
-def write_checkpoint(out_dir, seed: int = 0, config: dict = CONFIG) -> Path:
+def write_checkpoint(out_dir, seed: int = 0, config: dict = CONFIG, *,
+                     vision_language: bool = False) -> Path:
+    """vision_language: laid out as the published Qwen3.5 checkpoints are
+    (Qwen3_5ForConditionalGeneration: text config nested, language-model weights under
+    model.language_model., a vision tower -- here one stand-in tensor)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = random_model(seed, config)
-    mx.save_safetensors(str(out / "model.safetensors"),
-                        {k: mx.array(v) for k, v in hf_weights(model).items()})
+    weights = hf_weights(model)
+    if vision_language:
+        weights = {("model.language_model." + k[len("model."):]) if k.startswith("model.") else k: v
+                   for k, v in weights.items()}
+        weights["model.visual.patch_embed.proj.weight"] = np.ones((8, 3, 2, 2, 2), np.float32)
+        text = {k: v for k, v in config.items() if k not in ("architectures", "tie_word_embeddings")}
+        config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+                  "text_config": text, "tie_word_embeddings": config["tie_word_embeddings"],
+                  "eos_token_id": config["eos_token_id"], "bos_token_id": config["bos_token_id"]}
+    mx.save_safetensors(str(out / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": config["eos_token_id"], "bos_token_id": config["bos_token_id"]}))
-    write_tokenizer(out, config["vocab_size"])
+    write_tokenizer(out, model.args.vocab_size)
     return out
 
 

@@ -5,7 +5,10 @@ The servers run with a 32-token step budget (prompts are prefilled in chunks, th
 linear-attention state carried across steps) and a pool of 16 blocks shared by the
 attention group and the three state groups, so a dozen concurrent requests do not fit
 and the scheduler preempts some (their state is recomputed from scratch on resume).
-Both runner contracts: V2 (default) and V1 (VLLM_USE_V2_MODEL_RUNNER=0).
+Both runner contracts: V2 (default) and V1 (VLLM_USE_V2_MODEL_RUNNER=0), and both
+checkpoint layouts: the V2 server reads the published (vision + language) layout
+(Qwen3_5ForConditionalGeneration, served text-only), the V1 server the text-only one
+(Qwen3_5ForCausalLM). Same weights, one reference.
 """
 
 from __future__ import annotations
@@ -37,9 +40,10 @@ def reference(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint):
+def server(tmp_path_factory):
+    vl = write_checkpoint(tmp_path_factory.mktemp("qwen3_5_vl"), seed=0, vision_language=True)
     # --enable-prefix-caching asked explicitly: turned off with a warning, not refused
-    s = Server(str(checkpoint), "qwen3_5-tiny", [*SERVER_ARGS, "--enable-prefix-caching"])
+    s = Server(str(vl), "qwen3_5-tiny", [*SERVER_ARGS, "--enable-prefix-caching"])
     yield s
     s.stop()
 
@@ -87,6 +91,14 @@ def test_single_request_matches_mlx_lm(server, reference):
     tokens = complete_ids(server, short, 12)
     assert tokens == greedy(reference, short, 12)
     assert len(set(tokens)) > 3  # not a degenerate checkpoint
+
+
+def test_images_are_refused_with_a_400(server):
+    r = server.client.post("/v1/chat/completions", json={
+        "model": server.name, "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]})
+    assert r.status_code == 400 and "not a multimodal model" in r.text
+    assert server.alive()
 
 
 def test_concurrent_requests_with_preemption_match_mlx_lm(server, reference):

@@ -38,10 +38,31 @@ def text_config(config: dict) -> dict:
     return config
 
 
+_VISION_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.")
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+
+
+def text_weight_name(name: str) -> str | None:
+    """A (vision + language) checkpoint's tensor name as the text model's; None for the
+    vision tower's tensors (served text-only)."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for old, new in _TEXT_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 def model_classes():
     from mlx_lm.models import qwen3_5
 
-    return qwen3_5.TextModel, qwen3_5.TextModelArgs
+    class TextModel(qwen3_5.TextModel):
+        def sanitize(self, weights):
+            renamed = {text_weight_name(k): v for k, v in weights.items()}
+            return super().sanitize({k: v for k, v in renamed.items() if k is not None})
+
+    return TextModel, qwen3_5.TextModelArgs
 
 
 def load_safetensors(path: Path, dtype: str | None, linear: str):
