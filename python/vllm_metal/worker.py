@@ -76,9 +76,9 @@ class MetalWorker(WorkerBase):
                 raise ValueError(
                     f"[vllm-metal] --kv-cache-memory-bytes {cache.kv_cache_memory_bytes} does not "
                     f"cover the {state} bytes of linear-attention state (max_num_seqs slots)")
-            if budget > available:
+            if budget + state > available:
                 raise ValueError(
-                    f"[vllm-metal] --kv-cache-memory-bytes {budget} exceeds the "
+                    f"[vllm-metal] --kv-cache-memory-bytes {cache.kv_cache_memory_bytes} exceeds the "
                     f"{available} bytes of memory available")
             return budget
         total = psutil.virtual_memory().total

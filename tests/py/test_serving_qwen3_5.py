@@ -69,18 +69,22 @@ def preemptions(server) -> float:
     raise AssertionError("no vllm:num_preemptions_total metric")
 
 
-def check_concurrent_with_preemption(server, reference, seed: int) -> None:
+def check_concurrent(server, reference, seed: int) -> None:
     work = jobs(seed, 12)
     want = [greedy(reference, p, n) for p, n in work]
-    before = preemptions(server)
     with cf.ThreadPoolExecutor(len(work)) as pool:
         got = list(pool.map(lambda j: complete_ids(server, *j), work))
-    deadline = time.monotonic() + 15  # the metrics are published a little after the step
-    while preemptions(server) <= before and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert preemptions(server) > before, "the small block pool should have forced preemption"
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, f"request {i} (prompt of {len(work[i][0])} tokens)"
+
+
+def assert_preempted(server) -> None:
+    # How many requests run together depends on how fast the 12 arrive (a loaded machine
+    # admits them more slowly), so preemption is required of the test, not of each wave.
+    deadline = time.monotonic() + 15  # the metrics are published a little after the step
+    while preemptions(server) == 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert preemptions(server) > 0, "the small block pool should have forced preemption"
 
 
 def test_single_request_matches_mlx_lm(server, reference):
@@ -102,9 +106,10 @@ def test_images_are_refused_with_a_400(server):
 
 
 def test_concurrent_requests_with_preemption_match_mlx_lm(server, reference):
-    check_concurrent_with_preemption(server, reference, seed=1)
+    check_concurrent(server, reference, seed=1)
     # slots were freed and reused: a second wave gives the reference outputs too
-    check_concurrent_with_preemption(server, reference, seed=2)
+    check_concurrent(server, reference, seed=2)
+    assert_preempted(server)
 
 
 def test_prefix_caching_is_off_with_a_warning(server, reference):
@@ -118,7 +123,9 @@ def test_prefix_caching_is_off_with_a_warning(server, reference):
 def test_v1_runner_contract_with_preemption(checkpoint, reference):
     s = Server(str(checkpoint), "qwen3_5-tiny", SERVER_ARGS, env={"VLLM_USE_V2_MODEL_RUNNER": "0"})
     try:
-        check_concurrent_with_preemption(s, reference, seed=3)
+        check_concurrent(s, reference, seed=3)
+        check_concurrent(s, reference, seed=4)
+        assert_preempted(s)
     finally:
         s.stop()
 
