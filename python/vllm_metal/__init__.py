@@ -40,6 +40,7 @@ def register_general() -> None:
 
     vLLM's engine calls torch.accelerator.empty_cache() between phases; with the
     CPU build of torch and no accelerator that raises, so it becomes a no-op.
+    Architectures whose vLLM classes cannot be imported here get descriptors.
     """
     from vllm_metal import envs
 
@@ -55,3 +56,14 @@ def register_general() -> None:
 
         empty_cache._vllm_metal_noop = True  # idempotent: vLLM loads plugins repeatedly
         torch.accelerator.empty_cache = empty_cache
+    _register_architectures()
+
+
+def _register_architectures() -> None:
+    # vLLM's own classes of these architectures do not import here (vllm_models.py)
+    from vllm import ModelRegistry
+
+    from vllm_metal.vllm_models import REGISTRY_OVERRIDES
+
+    for arch, where in REGISTRY_OVERRIDES.items():
+        ModelRegistry.register_model(arch, where)

@@ -41,6 +41,8 @@ class MetalModelRunner:
         self.sampling_table: SamplingTable | None = None
         self.prompt_logprobs: PromptLogprobs | None = None
         self.sampler = None
+        self.hybrid = None  # hybrid.HybridState for models with linear-attention layers
+        self.attention_group = 0  # the KV-cache group of the attention layers
 
     # ---- setup ------------------------------------------------------------------
     def load_model(self) -> None:
@@ -71,6 +73,11 @@ class MetalModelRunner:
 
     def get_kv_cache_spec(self):
         import torch
+
+        if self.loaded.hybrid is not None:
+            from vllm_metal import hybrid
+
+            return hybrid.kv_cache_spec(self.loaded, self.cache_config, self.model_config.max_model_len)
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
         spec = self.loaded.spec
@@ -92,9 +99,21 @@ class MetalModelRunner:
     def cache_block_size_bytes(self) -> int:
         spec = self.loaded.spec
         itemsize = np.dtype(np.float32).itemsize if spec.dtype == "float32" else 2
-        return 2 * self.cache_config.block_size * spec.num_kv_heads * spec.head_dim * itemsize * spec.num_layers
+        # hybrid models: only the attention layers have paged KV (state: state_memory_bytes)
+        layers = spec.num_layers if self.loaded.hybrid is None else len(self.loaded.hybrid.attention_layers)
+        return 2 * self.cache_config.block_size * spec.num_kv_heads * spec.head_dim * itemsize * layers
+
+    def state_memory_bytes(self) -> int:
+        """Memory the runner keeps outside vLLM's KV blocks (hybrid models' state slots)."""
+        if self.loaded is None or self.loaded.hybrid is None:
+            return 0
+        from vllm_metal import hybrid
+
+        return hybrid.state_pool_bytes(self.loaded, self.scheduler_config.max_num_seqs)
 
     def initialize_kv_cache(self, kv_cache_config) -> None:
+        if self.loaded.hybrid is not None:
+            return self._initialize_hybrid_cache(kv_cache_config)
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError("[vllm-metal] models with several KV-cache groups are not supported yet")
         group = kv_cache_config.kv_cache_groups[0]
@@ -117,17 +136,48 @@ class MetalModelRunner:
         logger.info("vllm-metal KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, block_size,
                     2 * spec.num_layers * np.prod(shape) * (4 if spec.dtype == "float32" else 2) / 2**20)
 
+    def _initialize_hybrid_cache(self, kv_cache_config) -> None:
+        """Paged KV for the attention layers (their group's block size), state slots for
+        the linear-attention layers (see hybrid.py for why slots, not vLLM's block ids)."""
+        from vllm_metal.hybrid import HybridState
+
+        spec = self.loaded.spec
+        self.hybrid = HybridState(self.loaded, kv_cache_config, self.scheduler_config.max_num_seqs)
+        self.attention_group = self.hybrid.attention_group
+        num_blocks = kv_cache_config.num_blocks
+        block_size = kv_cache_config.kv_cache_groups[self.attention_group].kv_cache_spec.block_size
+        dtype = getattr(mx, spec.dtype)
+        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        attention = set(self.loaded.hybrid.attention_layers)
+        self.kv_caches = [(mx.zeros(shape, dtype), mx.zeros(shape, dtype)) if i in attention else None
+                          for i in range(spec.num_layers)]
+        mx.eval([c for c in self.kv_caches if c is not None])
+        self.packer = _core.BatchPacker(
+            max_num_reqs=self.scheduler_config.max_num_seqs,
+            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
+            max_model_len=self.model_config.max_model_len,
+            kv_groups=self.hybrid.packer_groups(kv_cache_config, num_blocks),
+        )
+        kv_bytes = 2 * len(attention) * np.prod(shape) * (4 if spec.dtype == "float32" else 2)
+        logger.info("vllm-metal hybrid cache: %d blocks of %d tokens for %d attention layers "
+                    "(%.1f MiB), %d state slots for %d linear-attention layers (%.1f MiB)",
+                    num_blocks, block_size, len(attention), kv_bytes / 2**20, self.hybrid.num_slots,
+                    len(self.loaded.hybrid.linear_layers), self.state_memory_bytes() / 2**20)
+
     def warm_up(self) -> None:
         """One tiny forward so the first request does not pay one-time costs."""
         if self.packer is None:
             return
-        self.packer.add_request("__warmup__", [0, 1], block_ids=[[0]])
+        num_groups = len(self.packer.block_table_widths)
+        self.packer.add_request("__warmup__", [0, 1], block_ids=[[0]] * num_groups)
         try:
             self.packer.pack({"__warmup__": 2})
             logits = self._forward()
             mx.eval(logits, self.kv_caches)
         finally:
             self.packer.remove_requests(["__warmup__"])
+            if self.hybrid is not None:
+                self.hybrid.release(["__warmup__"])
 
     # ---- one step -----------------------------------------------------------------
     def execute_model(self, scheduler_output):
@@ -186,11 +236,13 @@ class MetalModelRunner:
         logits_indices = p.logits_indices
         if extra_logits_indices is not None and len(extra_logits_indices):
             logits_indices = np.concatenate([logits_indices, extra_logits_indices])
-        ctx = AttentionContext(
+        g = self.attention_group
+        fields = dict(
             positions=mx.array(p.positions[:t]),
-            slot_mapping=mx.array(p.slot_mapping[:t]),
+            slot_mapping=mx.array(p.slot_mappings[g, :t] if g else p.slot_mapping[:t]),
             # only the columns this step's contexts reach (the table is max-model-len wide)
-            block_tables=mx.array(p.block_table[:, :max(1, p.block_table_used_widths[0])]),
+            block_tables=mx.array((p.block_tables[g] if g else p.block_table)
+                                  [:, :max(1, p.block_table_used_widths[g])]),
             seq_lens=mx.array(p.seq_lens),
             cu_seqlens_q=mx.array(p.cu_seqlens_q),
             num_decode_seqs=p.num_decodes,
@@ -199,6 +251,15 @@ class MetalModelRunner:
             logits_indices=mx.array(logits_indices),
             kv_caches=self.kv_caches,
         )
+        if self.hybrid is not None:
+            from vllm_metal.models.qwen3_5_paged import HybridContext
+
+            cu = np.array(p.cu_seqlens_q)
+            slots, has_init = self.hybrid.step(list(p.req_ids), np.array(p.seq_lens), cu)
+            ctx = HybridContext(**fields, cu_seqlens_state=mx.array(cu), state_slots=mx.array(slots),
+                                has_initial_state=mx.array(has_init), state_pools=self.hybrid.pools)
+        else:
+            ctx = AttentionContext(**fields)
         logits = self.model(mx.array(p.input_ids[:t]), ctx)
         self.kv_caches = ctx.kv_caches  # the updated caches
         return logits
@@ -214,6 +275,9 @@ class MetalModelRunner:
         gone = set(so.finished_req_ids)
         if self.use_v2 and so.preempted_req_ids:
             gone |= set(so.preempted_req_ids)
+        if self.hybrid is not None:
+            # V1 keeps preempted requests, but they restart from token 0: state recomputed
+            self.hybrid.release(gone | set(so.preempted_req_ids or ()))
         if gone:
             p.remove_requests(sorted(gone))
             self.sampling_table.remove(gone)

@@ -31,6 +31,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
+    "Qwen3_5ForCausalLM",  # hybrid: gated delta net + attention (hybrid.py)
+    "Qwen3_5ForConditionalGeneration",  # the same, text-only (vision tower not loaded)
 }
 
 
@@ -80,8 +82,20 @@ class MetalPlatform(Platform):
 
     @classmethod
     def update_block_size_for_backend(cls, vllm_config: VllmConfig) -> None:
-        # Our kernels take any block size: keep the user's or vLLM's default.
-        return None
+        # Our kernels take any block size: keep the user's or vLLM's default, except
+        # for hybrid models, whose attention page must hold a request's state page.
+        from vllm_metal.hybrid import align_block_size, is_hybrid_config
+
+        model = vllm_config.model_config
+        if model is not None and is_hybrid_config(model.hf_text_config):
+            align_block_size(vllm_config)
+
+    @classmethod
+    def support_hybrid_kv_cache(cls) -> bool:
+        # vLLM's hybrid KV-cache manager (one group per layer kind): needed for models
+        # with linear-attention layers (hybrid.py). Attention-only models still get one
+        # group: sliding-window layers are declared as full attention.
+        return True
 
     @classmethod
     def get_current_memory_usage(cls, device=None) -> float:
@@ -120,6 +134,10 @@ class MetalPlatform(Platform):
         cache = vllm_config.cache_config
         if cache.block_size is None:
             cache.block_size = 16
+        from vllm_metal.hybrid import disable_prefix_caching, is_hybrid_config
+
+        if vllm_config.model_config is not None and is_hybrid_config(vllm_config.model_config.hf_text_config):
+            disable_prefix_caching(vllm_config)
         _name_gguf_models_after_their_file(vllm_config)
 
     @classmethod

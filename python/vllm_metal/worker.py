@@ -65,17 +65,26 @@ class MetalWorker(WorkerBase):
         system memory (--gpu-memory-utilization) left after the weights."""
         cache = self.cache_config
         available = psutil.virtual_memory().available
+        # Hybrid models keep per-request state outside vLLM's blocks: it comes out of
+        # the same budget, so blocks + state stay within what was asked for.
+        state = self.model_runner.state_memory_bytes()
+        if state:
+            logger.info("vllm-metal: %d bytes of the KV-cache budget go to state slots", state)
         if cache.kv_cache_memory_bytes is not None:
-            budget = int(cache.kv_cache_memory_bytes)
-            if budget > available:
+            budget = int(cache.kv_cache_memory_bytes) - state
+            if budget <= 0:
                 raise ValueError(
-                    f"[vllm-metal] --kv-cache-memory-bytes {budget} exceeds the "
+                    f"[vllm-metal] --kv-cache-memory-bytes {cache.kv_cache_memory_bytes} does not "
+                    f"cover the {state} bytes of linear-attention state (max_num_seqs slots)")
+            if budget + state > available:
+                raise ValueError(
+                    f"[vllm-metal] --kv-cache-memory-bytes {cache.kv_cache_memory_bytes} exceeds the "
                     f"{available} bytes of memory available")
             return budget
         total = psutil.virtual_memory().total
         used_by_us = psutil.Process(os.getpid()).memory_info().rss
-        budget = int(total * cache.gpu_memory_utilization) - used_by_us
-        budget = min(budget, available)
+        budget = int(total * cache.gpu_memory_utilization) - used_by_us - state
+        budget = min(budget, available - state)
         if budget <= 0:
             raise ValueError(
                 f"[vllm-metal] no memory left for the KV cache: the worker uses {used_by_us} bytes "

@@ -39,6 +39,9 @@ class LoadedModel:
     spec: ModelSpec
     hf_config: dict[str, Any]   # the config.json content (made from the metadata for a .gguf)
     eos_token_ids: list[int]
+    # hybrid models (Qwen3.5): attention vs linear-attention layers and the per-request
+    # state they keep (models/qwen3_5_loader.HybridSpec); None for attention-only models
+    hybrid: Any = None
 
 
 def load_model(model_path: str, dtype: str | None = None, *, linear: str = "gguf",

@@ -185,15 +185,23 @@ def native_dtype(ckpt: GGUFCheckpoint) -> str:
     bfloat16: its activations overflow float16.
     """
     types = {t.type_name for t in ckpt.tensors.values()}
-    if "BF16" in types or gguf_arch(ckpt).model_type == "gemma3_text":
+    if "BF16" in types or _is_gemma3(ckpt):
         return "bfloat16"
     if types <= {"F32"}:
         return "float32"
     return "float16"
 
 
+def _is_gemma3(ckpt: GGUFCheckpoint) -> bool:
+    return ckpt.architecture == "gemma3"
+
+
 def hf_config(ckpt: GGUFCheckpoint) -> dict:
     """config.json content (HF names) of a GGUF checkpoint, from its metadata."""
+    from vllm_metal.models import gguf_qwen35
+
+    if gguf_qwen35.is_qwen35(ckpt):  # hybrid: its own names and layout (gguf_qwen35.py)
+        return gguf_qwen35.hf_config(ckpt)
     arch = gguf_arch(ckpt)
     meta = ckpt.metadata
     prefix = ckpt.architecture
@@ -308,7 +316,7 @@ def eos_token_ids(ckpt: GGUFCheckpoint) -> list[int]:
     """eos, plus end-of-turn tokens that end a chat reply."""
     meta = ckpt.metadata
     ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    if gguf_arch(ckpt).model_type == "gemma3_text":
+    if _is_gemma3(ckpt):
         tokens = meta.get("tokenizer.ggml.tokens") or []
         if "<end_of_turn>" in tokens:  # Gemma ends chat turns with it (HF generation_config)
             ids.append(tokens.index("<end_of_turn>"))

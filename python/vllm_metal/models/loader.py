@@ -61,7 +61,18 @@ def load(model_path: str, dtype: str | None = None, *, linear: str = "gguf"):
     ggufs = [path / GGUF_FILE_IN_DIR] if (path / GGUF_FILE_IN_DIR).exists() else []
     if ggufs and not list(path.glob("model*.safetensors")):
         return _load_gguf(ggufs[0], path, dtype, linear)
+    if _is_qwen3_5(json.loads((path / "config.json").read_text())):
+        from vllm_metal.models import qwen3_5_loader
+
+        return qwen3_5_loader.load_safetensors(path, dtype, linear)
     return _load_safetensors(path, dtype, linear)
+
+
+def _is_qwen3_5(config: dict) -> bool:
+    # hybrid (gated delta net + attention): its own model and loader, models/qwen3_5_*.py
+    from vllm_metal.models.qwen3_5_paged import MODEL_TYPES
+
+    return config.get("model_type") in MODEL_TYPES
 
 
 def _load_safetensors(path: Path, dtype: str | None, linear: str):
@@ -85,6 +96,10 @@ def _load_gguf(gguf_path: Path, directory: Path | None, dtype: str | None, linea
         hf_config = json.loads((directory / "config.json").read_text())
     else:
         hf_config = gguf_loader.hf_config(ckpt)
+    if _is_qwen3_5(hf_config):
+        from vllm_metal.models import qwen3_5_loader
+
+        return qwen3_5_loader.load_gguf(gguf_path, hf_config, dtype, linear)
     target = _dtype(dtype or gguf_loader.native_dtype(ckpt))
     arch = architecture_of(hf_config)
     model_class, args_class = mlx_lm_classes(arch)

@@ -1,0 +1,198 @@
+"""Hybrid models (Qwen3.5: gated delta net + full attention) in the runner and the config.
+
+vLLM sees two kinds of layers: full attention (FullAttentionSpec, paged KV blocks) and
+linear attention (MambaSpec, one state "block" per request and group, mamba_cache_mode
+"none"). Its KV-cache manager groups them (one attention group, one or more mamba
+groups) and requires one page size for all groups: the attention block size is raised
+until a block's page holds a state page, and the state page is padded to it
+(align_block_size, the platform's update_block_size_for_backend hook).
+
+State slots. We do not keep the state in vLLM's mamba blocks: their ids range over the
+whole block pool (num_blocks, thousands), while at most max_num_seqs requests run at
+once. Each linear layer keeps a compact StatePool of max_num_seqs slots and
+HybridState maps request -> slot: a slot is taken when a request's first chunk runs
+(position 0), carried across its chunked-prefill steps and decodes, and freed when it
+finishes or is preempted. A preempted request restarts from position 0 (both runner
+contracts; prefix caching is off for hybrid models), so its state is recomputed from
+zero (has_initial_state 0), never reused. The worker subtracts the pools' bytes from
+the KV-cache budget (state_pool_bytes), so memory accounting stays honest; the mamba
+groups' block ids still count in vLLM's pool (one block per request and group),
+which is what vLLM's own accounting assumes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def is_hybrid_config(hf_config) -> bool:
+    from vllm_metal.models.qwen3_5_paged import MODEL_TYPES
+
+    return getattr(hf_config, "model_type", None) in MODEL_TYPES
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def page_sizes(hf_text_config, dtype: str) -> tuple[int, int]:
+    """(attention bytes per token per layer, state bytes per request per linear layer)."""
+    from vllm_metal.models.qwen3_5_paged import state_shapes_of
+
+    cfg = hf_text_config.to_dict() if hasattr(hf_text_config, "to_dict") else dict(hf_text_config)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    itemsize = _ITEMSIZE[dtype]
+    attn_per_token = 2 * cfg["num_key_value_heads"] * head_dim * itemsize
+    return attn_per_token, state_shapes_of(cfg).slot_bytes(itemsize)
+
+
+def align_block_size(vllm_config) -> None:
+    """The smallest multiple of the block size whose attention page holds a state page;
+    the state page is padded to it (vLLM's rule for hybrid models, from the config:
+    no vLLM model class is built on this platform)."""
+    cache = vllm_config.cache_config
+    model = vllm_config.model_config
+    attn_per_token, state = page_sizes(model.hf_text_config, _dtype_name(model.dtype))
+    base = cache.block_size or 16
+    block = base * -(-state // (base * attn_per_token))
+    if block != cache.block_size:
+        logger.info("vllm-metal: hybrid model: attention block size %d tokens, so that a "
+                    "block's page (%d bytes) holds one request's state of a linear-attention "
+                    "layer (%d bytes)", block, block * attn_per_token, state)
+    cache.block_size = block
+    cache.mamba_page_size_padded = block * attn_per_token
+    cache.mamba_block_size = model.max_model_len
+
+
+def disable_prefix_caching(vllm_config) -> None:
+    """Prefix caching for hybrid models would need the recurrent state at every cached
+    block boundary (vLLM's mamba_cache_mode "align"); we keep one state per request, so
+    a cache hit would resume from a state that does not exist. vLLM enables prefix
+    caching by default: turn it off with a warning instead of refusing to start."""
+    cache = vllm_config.cache_config
+    if cache.enable_prefix_caching:
+        logger.warning("vllm-metal: prefix caching is not supported for hybrid (linear-"
+                       "attention) models such as Qwen3.5; it is disabled")
+    cache.enable_prefix_caching = False
+    cache.mamba_cache_mode = "none"
+    if vllm_config.model_config is not None:
+        cache.mamba_block_size = vllm_config.model_config.max_model_len
+
+
+def kv_cache_spec(loaded, cache_config, max_model_len: int) -> dict:
+    """Per vLLM layer name: FullAttentionSpec (attention layers) or MambaSpec (linear)."""
+    import torch
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    spec, hybrid = loaded.spec, loaded.hybrid
+    dtype = getattr(torch, spec.dtype)
+    block = cache_config.block_size
+    attn = FullAttentionSpec(block_size=block, num_kv_heads=spec.num_kv_heads,
+                             head_size=spec.head_dim, dtype=dtype)
+    shapes = hybrid.state_shapes
+    state = MambaSpec(block_size=cache_config.mamba_block_size or max_model_len,
+                      shapes=(shapes.conv, shapes.ssm), dtypes=(dtype, torch.float32),
+                      page_size_padded=cache_config.mamba_page_size_padded,
+                      mamba_type=MambaAttentionBackendEnum.GDN_ATTN, mamba_cache_mode="none")
+    if state.real_page_size_bytes > attn.page_size_bytes:
+        raise ValueError(
+            f"[vllm-metal] hybrid model: a {block}-token attention page ({attn.page_size_bytes} "
+            f"bytes) is smaller than one request's state ({state.real_page_size_bytes} bytes); "
+            "the platform's block-size alignment did not run")
+    out = {attention_layer_name(i): attn for i in hybrid.attention_layers}
+    out.update({linear_layer_name(i): state for i in hybrid.linear_layers})
+    return out
+
+
+def attention_layer_name(i: int) -> str:
+    return f"model.layers.{i}.self_attn.attn"
+
+
+def linear_layer_name(i: int) -> str:
+    return f"model.layers.{i}.linear_attn"
+
+
+def state_pool_bytes(loaded, num_slots: int) -> int:
+    hybrid = loaded.hybrid
+    per_slot = hybrid.state_shapes.slot_bytes(_ITEMSIZE[hybrid.conv_dtype])
+    return num_slots * per_slot * len(hybrid.linear_layers)
+
+
+class HybridState:
+    """The state pools and the request -> slot table of one runner."""
+
+    def __init__(self, loaded, kv_cache_config, num_slots: int):
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        self.loaded = loaded
+        groups = kv_cache_config.kv_cache_groups
+        self.is_state_group = [isinstance(g.kv_cache_spec, MambaSpec) for g in groups]
+        attn_groups = [g for g, s in enumerate(self.is_state_group) if not s]
+        if len(attn_groups) != 1:
+            raise ValueError(f"[vllm-metal] hybrid model: expected one attention KV-cache group, "
+                             f"got {len(attn_groups)}")
+        self.attention_group = attn_groups[0]
+        wanted = {attention_layer_name(i) for i in loaded.hybrid.attention_layers}
+        if set(groups[self.attention_group].layer_names) != wanted:
+            raise ValueError("[vllm-metal] hybrid model: the attention KV-cache group does not "
+                             "hold exactly the attention layers")
+        self.num_slots = num_slots
+        self.pools = loaded.model.make_state_pools(num_slots, getattr(mx, loaded.hybrid.conv_dtype))
+        self.free = list(range(num_slots - 1, -1, -1))  # pop() takes the lowest slot
+        self.slot_of: dict[str, int] = {}
+        self.state_len: dict[str, int] = {}  # tokens the request's state covers
+
+    def packer_groups(self, kv_cache_config, num_blocks: int) -> list:
+        from vllm_metal import _core
+
+        out = []
+        for g, group in zip(self.is_state_group, kv_cache_config.kv_cache_groups):
+            block = group.kv_cache_spec.block_size
+            if g:  # one state block per request, no token slots
+                out.append(_core.KvGroupSpec(block, num_blocks=num_blocks, paged=False))
+            else:
+                out.append(_core.KvGroupSpec(block, num_blocks=num_blocks))
+        return out
+
+    def release(self, req_ids) -> None:
+        """Finished or preempted requests give their slots back."""
+        for r in req_ids:
+            slot = self.slot_of.pop(r, None)
+            self.state_len.pop(r, None)
+            if slot is not None:
+                self.free.append(slot)
+
+    def step(self, req_ids: list[str], seq_lens: np.ndarray, cu_seqlens_q: np.ndarray):
+        """Slots and has_initial_state of one packed step (batch order); the state of each
+        request then covers its seq_len tokens."""
+        n = len(req_ids)
+        slots = np.empty(n, np.int32)
+        has_init = np.empty(n, np.int32)
+        for b, r in enumerate(req_ids):
+            start = int(seq_lens[b]) - int(cu_seqlens_q[b + 1] - cu_seqlens_q[b])
+            if start == 0:
+                if r not in self.slot_of:
+                    if not self.free:
+                        raise RuntimeError(f"[vllm-metal] no free state slot for request {r!r} "
+                                           f"({self.num_slots} slots = max_num_seqs)")
+                    self.slot_of[r] = self.free.pop()
+                has_init[b] = 0
+            else:
+                if self.state_len.get(r) != start:
+                    # e.g. a prefix-cache hit: the state of the first `start` tokens was never
+                    # computed here
+                    raise RuntimeError(
+                        f"[vllm-metal] request {r!r} resumes at token {start} but its "
+                        f"linear-attention state covers {self.state_len.get(r, 0)} tokens")
+                has_init[b] = 1
+            slots[b] = self.slot_of[r]
+            self.state_len[r] = int(seq_lens[b])
+        return slots, has_init

@@ -1,0 +1,60 @@
+"""Architectures as vLLM's model registry sees them, for models whose vLLM (torch)
+implementation cannot even be imported here.
+
+vLLM inspects a model class before it starts a worker (is it hybrid? does it generate
+text?). Its Qwen3.5 module imports torchvision, which a CPU-only install lacks, so the
+inspection fails and `vllm serve` refuses the model. Our runner never builds vLLM's
+torch models (it runs MLX, models/qwen3_5_paged.py): these classes only answer the
+registry's questions and are registered through the documented hook
+(ModelRegistry.register_model, from the general plugin).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import torch
+
+
+class Qwen3_5ForCausalLM(torch.nn.Module):
+    """Qwen3.5 text: hybrid (gated delta net + full attention), per-request state."""
+
+    is_hybrid: ClassVar[Literal[True]] = True
+    has_inner_state: ClassVar[Literal[True]] = True
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        raise RuntimeError("[vllm-metal] Qwen3_5ForCausalLM is served by the vllm-metal runner "
+                           "on MLX; this class only describes it to vLLM's registry")
+
+    def forward(self, input_ids, positions, **kwargs):
+        raise NotImplementedError
+
+    def embed_input_ids(self, input_ids):
+        raise NotImplementedError
+
+    def compute_logits(self, hidden_states):
+        raise NotImplementedError
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config):
+        from vllm_metal.models.qwen3_5_paged import state_shapes_of
+
+        shapes = state_shapes_of(vllm_config.model_config.hf_text_config.to_dict())
+        return shapes.conv, shapes.ssm
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config):
+        return vllm_config.model_config.dtype, torch.float32
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """The published Qwen3.5 checkpoints (vision + language): served text-only. Declaring no
+    multimodal support makes vLLM build no image processor and accept text prompts only;
+    the loader skips the vision tower's weights."""
+
+
+# architecture -> "module:class", registered by vllm_metal.register_general
+REGISTRY_OVERRIDES = {
+    "Qwen3_5ForCausalLM": "vllm_metal.vllm_models:Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "vllm_metal.vllm_models:Qwen3_5ForConditionalGeneration",
+}

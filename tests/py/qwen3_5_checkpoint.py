@@ -1,0 +1,314 @@
+"""A tiny random-weight Qwen3.5 text checkpoint as `vllm serve` reads one, plus its
+reference: mlx-lm's own qwen3_5 TextModel loaded from the same files.
+
+    ckpt = write_checkpoint(dir)              # config.json, model.safetensors (HF layout),
+                                              # tokenizer.json (byte-level BPE), generation_config
+    ref = reference_model(ckpt)               # mlx-lm's model, its own loader and sanitize
+    tokens = greedy(ref, prompt_ids, n)       # mlx-lm's forward + its own caches
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+VOCAB = 320
+CONFIG = dict(
+    model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"],
+    hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=VOCAB,
+    rms_norm_eps=1e-6, linear_num_value_heads=4, linear_num_key_heads=2,
+    linear_key_head_dim=32, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+    full_attention_interval=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    tie_word_embeddings=False, max_position_embeddings=1024, hidden_act="silu",
+    bos_token_id=1, eos_token_id=0, dtype="float32",
+    rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0,
+                     "partial_rotary_factor": 0.25, "mrope_interleaved": True},
+)
+# Norms Qwen3.5 checkpoints store zero-centred (the model multiplies by 1 + w);
+# mlx-lm's sanitize adds the 1 back when the conv weights are in HF layout.
+_CENTRED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight",
+                  "model.norm.weight", ".q_norm.weight", ".k_norm.weight")
+
+
+def random_model(seed: int = 0, config: dict = CONFIG):
+    """mlx-lm's TextModel with random weights (livelier gates than its init, and
+    non-trivial norms, so state and every weight matter to the tokens)."""
+    from mlx_lm.models import qwen3_5
+
+    mx.random.seed(seed)
+    model = qwen3_5.TextModel(qwen3_5.TextModelArgs.from_dict(config))
+    for layer in model.model.layers:
+        if layer.is_linear:
+            gdn = layer.linear_attn
+            gdn.dt_bias = mx.random.normal((gdn.num_v_heads,))
+            gdn.norm.weight = 1 + 0.1 * mx.random.normal(gdn.norm.weight.shape)
+        layer.input_layernorm.weight = 1 + 0.1 * mx.random.normal((config["hidden_size"],))
+    model.model.embed_tokens.weight = 0.5 * model.model.embed_tokens.weight
+    mx.eval(model.parameters())
+    return model
+
+
+def hf_weights(model) -> dict[str, np.ndarray]:
+    """The model's parameters named and laid out as an HF Qwen3.5 text checkpoint."""
+    out = {}
+    for name, value in tree_flatten(model.parameters()):
+        v = np.array(value.astype(mx.float32))
+        if name.endswith("conv1d.weight"):  # mlx [C, K, 1] -> HF [C, 1, K]
+            v = np.moveaxis(v, 2, 1)
+        elif name.endswith(_CENTRED_NORMS):
+            v = v - 1.0
+        out[name] = v
+    return out
+
+
+def write_tokenizer(out: Path, vocab_size: int = VOCAB) -> None:
+    """A byte-level BPE tokenizer (the GGUF test vocabulary), saved as transformers does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from vllm_metal.models.testing import byte_level_vocab
+
+    tokens, _, merges = byte_level_vocab(vocab_size)
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                     merges=[tuple(m.split(" ")) for m in merges])
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   bos_token="<|im_start|>", pad_token="<|endoftext|>")
+    fast.save_pretrained(str(out))
+
+
+def write_checkpoint(out_dir, seed: int = 0, config: dict = CONFIG, *,
+                     vision_language: bool = False) -> Path:
+    """vision_language: laid out as the published Qwen3.5 checkpoints are
+    (Qwen3_5ForConditionalGeneration: text config nested, language-model weights under
+    model.language_model., a vision tower -- here one stand-in tensor)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = random_model(seed, config)
+    weights = hf_weights(model)
+    if vision_language:
+        weights = {("model.language_model." + k[len("model."):]) if k.startswith("model.") else k: v
+                   for k, v in weights.items()}
+        weights["model.visual.patch_embed.proj.weight"] = np.ones((8, 3, 2, 2, 2), np.float32)
+        text = {k: v for k, v in config.items() if k not in ("architectures", "tie_word_embeddings")}
+        config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+                  "text_config": text, "tie_word_embeddings": config["tie_word_embeddings"],
+                  "eos_token_id": config["eos_token_id"], "bos_token_id": config["bos_token_id"]}
+    mx.save_safetensors(str(out / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": config["eos_token_id"], "bos_token_id": config["bos_token_id"]}))
+    write_tokenizer(out, model.args.vocab_size)
+    return out
+
+
+def reference_model(checkpoint_dir):
+    """mlx-lm's qwen3_5.TextModel from the checkpoint, through mlx-lm's own loader."""
+    from mlx_lm.models import qwen3_5
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(checkpoint_dir),
+                          get_model_classes=lambda config: (qwen3_5.TextModel, qwen3_5.TextModelArgs))
+    return model
+
+
+def greedy(model, prompt: list[int], steps: int) -> list[int]:
+    """mlx-lm's forward with its own caches: prefill, then one token at a time."""
+    cache = model.make_cache()
+    out = model(mx.array([prompt]), cache=cache)
+    tokens = []
+    for _ in range(steps):
+        tokens.append(int(mx.argmax(out[0, -1]).item()))
+        out = model(mx.array([[tokens[-1]]]), cache=cache)
+    return tokens
+
+
+# ---- packed batches without a server --------------------------------------------------
+
+def run_packed_greedy(loaded, prompts: list[list[int]], steps: int, *, chunk: int = 5,
+                      block_size: int = 4) -> tuple[list[list[int]], list[np.ndarray]]:
+    """Greedy decoding of all prompts together through our packed forward: each step
+    packs the decode rows first, then a prefill chunk of at most `chunk` tokens of every
+    request still prefilling, so decodes and chunked prefills share steps. Returns the
+    tokens and the logits rows of each request."""
+    from dataclasses import fields
+
+    from vllm_metal.models.generate import SeqChunk, build_step
+    from vllm_metal.models.qwen3_5_paged import HybridContext
+
+    model, spec = loaded.model, loaded.spec
+    dtype = getattr(mx, spec.dtype)
+    max_len = max(len(p) for p in prompts) + steps
+    blocks_per_seq = -(-max_len // block_size)
+    shape = (blocks_per_seq * len(prompts), block_size, spec.num_kv_heads, spec.head_dim)
+    kv = [None if lin else (mx.zeros(shape, dtype), mx.zeros(shape, dtype)) for lin in model.is_linear]
+    pools = model.make_state_pools(len(prompts) + 1, dtype)
+    # request i: blocks taken from the end, state slot len - i (neither is the identity)
+    tables = [list(range((len(prompts) - 1 - i) * blocks_per_seq, (len(prompts) - i) * blocks_per_seq))
+              for i in range(len(prompts))]
+    tokens = [list(p) for p in prompts]
+    done = [0] * len(prompts)  # tokens computed
+    out = [[] for _ in prompts]
+    logits_rows = [[] for _ in prompts]
+    while any(len(o) < steps for o in out):
+        live = [i for i in range(len(prompts)) if len(out[i]) < steps]
+        decodes = [i for i in live if done[i] >= len(prompts[i])]
+        prefills = [i for i in live if done[i] < len(prompts[i])]
+        order = decodes + prefills
+        chunks = []
+        for i in order:
+            n = 1 if i in decodes else min(chunk, len(prompts[i]) - done[i])
+            last = done[i] + n == len(tokens[i])
+            chunks.append(SeqChunk(tokens[i][done[i]:done[i] + n], done[i], tables[i],
+                                   "last" if last else "none"))
+        packed = build_step(chunks, kv, block_size)
+        c = packed.ctx
+        ctx = HybridContext(
+            **{f.name: getattr(c, f.name) for f in fields(c)},
+            cu_seqlens_state=c.cu_seqlens_q,
+            state_slots=mx.array([len(prompts) - i for i in order], dtype=mx.int32),
+            has_initial_state=mx.array([int(done[i] > 0) for i in order], dtype=mx.int32),
+            state_pools=pools)
+        logits = model(packed.input_ids, ctx)
+        kv = ctx.kv_caches
+        row = 0
+        for i, ch in zip(order, chunks):
+            done[i] += len(ch.tokens)
+            if ch.logits == "last":
+                values = np.array(logits[row].astype(mx.float32))
+                row += 1
+                logits_rows[i].append(values)
+                out[i].append(int(values.argmax()))
+                tokens[i].append(out[i][-1])
+    return out, logits_rows
+
+
+# ---- the same weights as a llama.cpp "qwen35" GGUF ------------------------------------
+
+def _grouped_to_tiled(w: np.ndarray, num_k: int, num_v: int, axis: int = 0) -> np.ndarray:
+    """llama.cpp's value-head order: [Hk, r, D] -> [r, Hk, D] along `axis` (head-major)."""
+    w = np.moveaxis(w, axis, 0)
+    rest = w.shape[1:]
+    per_head = w.shape[0] // num_v
+    w = w.reshape(num_k, num_v // num_k, per_head, *rest).swapaxes(0, 1).reshape(-1, *rest)
+    return np.moveaxis(w, 0, axis)
+
+
+def write_gguf(model, path, config: dict = CONFIG, *, qtype: str = "F32", mtp: bool = False):
+    """model (mlx-lm TextModel) as llama.cpp's converter writes it: norms 1 + w (mlx-lm's
+    multiplier), ssm_a = -exp(A_log), conv1d [C, K], value heads in tiled order; `mtp`
+    adds an MTP layer blk.{n} with nextn tensors and qwen35.nextn_predict_layers = 1."""
+    import gguf
+
+    from vllm_metal.models.testing import byte_level_vocab
+
+    arch = "qwen35"
+    n = config["num_hidden_layers"]
+    hk, hv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    dk, dv = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    key_dim = hk * dk
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(n + int(mtp))
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(config["head_dim"])
+    w.add_value_length(config["head_dim"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    rp = config["rope_parameters"]
+    w.add_rope_freq_base(rp["rope_theta"])
+    w.add_rope_dimension_count(int(config["head_dim"] * rp["partial_rotary_factor"]))
+    w.add_array(f"{arch}.rope.dimension_sections", list(rp["mrope_section"]) + [0])
+    w.add_uint32(f"{arch}.full_attention_interval", config["full_attention_interval"])
+    w.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(dk)
+    w.add_ssm_group_count(hk)
+    w.add_ssm_time_step_rank(hv)
+    w.add_ssm_inner_size(hv * dv)
+    w.add_vocab_size(config["vocab_size"])
+    if mtp:
+        w.add_uint32(f"{arch}.nextn_predict_layers", 1)
+    tokens, types, merges = byte_level_vocab(config["vocab_size"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(config["bos_token_id"])
+    w.add_eos_token_id(config["eos_token_id"])
+
+    qt = gguf.GGMLQuantizationType[qtype]
+    block = gguf.GGML_QUANT_SIZES[qt][0]
+
+    def add(name, value):
+        value = np.ascontiguousarray(value, dtype=np.float32)
+        if value.ndim == 2 and qtype != "F32" and value.shape[1] % block == 0:
+            w.add_tensor(name, gguf.quants.quantize(value, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(name, value)
+
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "linear_attn.in_proj_qkv": "attn_qkv",
+             "linear_attn.in_proj_z": "attn_gate", "linear_attn.in_proj_b": "ssm_beta",
+             "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.norm": "ssm_norm",
+             "linear_attn.out_proj": "ssm_out", "linear_attn.conv1d": "ssm_conv1d"}
+    tile = lambda x, axis=0: _grouped_to_tiled(x, hk, hv, axis)  # noqa: E731
+    for name, value in tree_flatten(model.parameters()):
+        v = np.array(value.astype(mx.float32))
+        if name == "model.embed_tokens.weight":
+            add("token_embd.weight", v)
+            continue
+        if name == "model.norm.weight":
+            add("output_norm.weight", v)
+            continue
+        if name == "lm_head.weight":
+            add("output.weight", v)
+            continue
+        _, _, i, rest = name.split(".", 3)
+        module, _, param = rest.rpartition(".")
+        if rest == "linear_attn.A_log":
+            add(f"blk.{i}.ssm_a", tile(-np.exp(v)))
+        elif rest == "linear_attn.dt_bias":
+            add(f"blk.{i}.ssm_dt.bias", tile(v))
+        else:
+            if module in ("linear_attn.in_proj_qkv", "linear_attn.conv1d"):
+                if module == "linear_attn.conv1d":
+                    v = v[:, :, 0]  # [C, K]
+                v = np.concatenate([v[:2 * key_dim], tile(v[2 * key_dim:])])
+            elif module in ("linear_attn.in_proj_z", "linear_attn.in_proj_a", "linear_attn.in_proj_b"):
+                v = tile(v)
+            elif module == "linear_attn.out_proj":
+                v = tile(v, axis=1)
+            add(f"blk.{i}.{names[module]}.{param}", v)
+    if mtp:  # a full-attention layer plus the nextn projections, random
+        rng = np.random.default_rng(9)
+        h, inter = config["hidden_size"], config["intermediate_size"]
+        hq, hkv, d = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+        shapes = {"attn_norm.weight": (h,), "post_attention_norm.weight": (h,),
+                  "attn_q.weight": (2 * hq * d, h), "attn_k.weight": (hkv * d, h),
+                  "attn_v.weight": (hkv * d, h), "attn_output.weight": (h, hq * d),
+                  "attn_q_norm.weight": (d,), "attn_k_norm.weight": (d,),
+                  "ffn_gate.weight": (inter, h), "ffn_up.weight": (inter, h),
+                  "ffn_down.weight": (h, inter), "nextn.eh_proj.weight": (h, 2 * h),
+                  "nextn.enorm.weight": (h,), "nextn.hnorm.weight": (h,),
+                  "nextn.shared_head_norm.weight": (h,)}
+        for name, shape in shapes.items():
+            add(f"blk.{n}.{name}", rng.normal(size=shape).astype(np.float32) * 0.1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
