@@ -208,7 +208,7 @@ def write_gguf(model, path, config: dict = CONFIG, *, qtype: str = "F32", mtp: b
     adds an MTP layer blk.{n} with nextn tensors and qwen35.nextn_predict_layers = 1."""
     import gguf
 
-    from vllm_metal.models.testing import byte_level_vocab
+    from vllm_metal.models.testing import add_byte_level_tokenizer
 
     arch = "qwen35"
     n = config["num_hidden_layers"]
@@ -238,14 +238,7 @@ def write_gguf(model, path, config: dict = CONFIG, *, qtype: str = "F32", mtp: b
     w.add_vocab_size(config["vocab_size"])
     if mtp:
         w.add_uint32(f"{arch}.nextn_predict_layers", 1)
-    tokens, types, merges = byte_level_vocab(config["vocab_size"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(config["bos_token_id"])
-    w.add_eos_token_id(config["eos_token_id"])
+    add_byte_level_tokenizer(w, config)
 
     qt = gguf.GGMLQuantizationType[qtype]
     block = gguf.GGML_QUANT_SIZES[qt][0]

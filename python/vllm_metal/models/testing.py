@@ -210,6 +210,19 @@ _SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 
                   "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ3_S": (0,), "IQ3_XXS": (0,)}
 
 
+def add_byte_level_tokenizer(w, config: dict) -> None:
+    """A GGUF writer's tokenizer metadata: the byte-level vocabulary of the config's size,
+    its bos and eos ids."""
+    tokens, types, merges = byte_level_vocab(config["vocab_size"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(config["bos_token_id"])
+    w.add_eos_token_id(config["eos_token_id"])
+
+
 def _encode(stored: np.ndarray, qtype: str, rng) -> tuple[np.ndarray, np.ndarray]:
     """(blocks, what they decode to) for a 2-D float32 weight. Quantizable types
     quantize it; the others encode random valid blocks with its per-row RMS."""
@@ -273,14 +286,7 @@ def write_tiny_gguf(config: dict, path, *, seed: int = 0, qtype: str = "Q8_0",
     if arch.model_type == "gemma3_text":
         w.add_sliding_window(config["sliding_window"])
         w.add_sliding_window_pattern(config.get("sliding_window_pattern", 6))
-    tokens, types, merges = byte_level_vocab(config["vocab_size"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(config["bos_token_id"])
-    w.add_eos_token_id(config["eos_token_id"])
+    add_byte_level_tokenizer(w, config)
     w.add_add_bos_token(False)
     if chat_template:
         w.add_chat_template(chat_template)

@@ -99,34 +99,24 @@ void project_all(const DecoderLayerRows& a, const LayerLinear* const (&ls)[N], c
   }
 }
 
-// RMSNorm of [tokens, hidden] in place (gemma3's norms of the attention and MLP outputs).
-void norm_rows(const DecoderLayerRows& a, void* x, const void* weight) {
+// RMSNorm of dense rows [rows, width] of x into out (which may be x).
+void norm(const DecoderLayerRows& a, const void* x, void* out, int64_t rows, int64_t width,
+          const void* weight, float eps) {
   RmsNormRows n;
   n.elt = a.elt;
   n.x = x;
   n.weight = weight;
-  n.out = x;
-  n.rows = a.tokens;
-  n.hidden = a.hidden;
-  n.x_row_stride = a.hidden;
-  n.eps = a.norm_eps;
+  n.out = out;
+  n.rows = rows;
+  n.hidden = width;
+  n.x_row_stride = width;
+  n.eps = eps;
   rms_norm_rows(n);
 }
 
 // Per-head RMSNorm (in place), then rope (in place) of [tokens, heads, head_dim].
-void norm_and_rotate(const DecoderLayerRows& a, void* x, int64_t heads, const void* norm) {
-  if (norm) {
-    RmsNormRows n;
-    n.elt = a.elt;
-    n.x = x;
-    n.weight = norm;
-    n.out = x;
-    n.rows = a.tokens * heads;
-    n.hidden = a.head_dim;
-    n.x_row_stride = a.head_dim;
-    n.eps = a.qk_norm_eps;
-    rms_norm_rows(n);
-  }
+void norm_and_rotate(const DecoderLayerRows& a, void* x, int64_t heads, const void* weight) {
+  if (weight) norm(a, x, x, a.tokens * heads, a.head_dim, weight, a.qk_norm_eps);
   RopeRows r;
   r.elt = a.elt;
   r.x = x;
@@ -173,16 +163,7 @@ void decoder_layer(const DecoderLayerRows& a) {
   void* gate = take(a.intermediate);
   void* up = take(a.intermediate);
 
-  RmsNormRows n1;
-  n1.elt = a.elt;
-  n1.x = a.x;
-  n1.weight = a.input_norm;
-  n1.out = xn;
-  n1.rows = t;
-  n1.hidden = hidden;
-  n1.x_row_stride = hidden;
-  n1.eps = a.norm_eps;
-  rms_norm_rows(n1);
+  norm(a, a.x, xn, t, hidden, a.input_norm, a.norm_eps);
 
   project_all<3>(a, {&a.q, &a.k, &a.v}, xn, {q, k, v});
   norm_and_rotate(a, q, a.num_heads, a.q_norm);
@@ -218,9 +199,15 @@ void decoder_layer(const DecoderLayerRows& a) {
   paged_attention(at);
 
   project(a, a.o, attn, mlp);
-  if (a.attn_out_norm) norm_rows(a, mlp, a.attn_out_norm);
+  if (a.attn_out_norm) norm(a, mlp, mlp, t, hidden, a.attn_out_norm, a.norm_eps);
   // h = x + o (kept in out), xn = norm2(h)
-  RmsNormRows n2 = n1;
+  RmsNormRows n2;
+  n2.elt = a.elt;
+  n2.out = xn;
+  n2.rows = t;
+  n2.hidden = hidden;
+  n2.x_row_stride = hidden;
+  n2.eps = a.norm_eps;
   n2.x = mlp;
   n2.residual = a.x;
   n2.residual_row_stride = hidden;
@@ -240,7 +227,7 @@ void decoder_layer(const DecoderLayerRows& a) {
   s.activation = a.activation;
   silu_and_mul_rows(s);
   project(a, a.down, gate, mlp);
-  if (a.mlp_out_norm) norm_rows(a, mlp, a.mlp_out_norm);
+  if (a.mlp_out_norm) norm(a, mlp, mlp, t, hidden, a.mlp_out_norm, a.norm_eps);
   add(a.elt, a.out, mlp, a.out, t * hidden);
 }
 

@@ -357,20 +357,21 @@ void prefill(const GgufKernels& kern, const GgufMatmul& a, const float* xf) {
   });
 }
 
+// x [m, k] as float32: a.x itself, or converted into buf.
+const float* x_as_float(const GgufMatmul& a, std::vector<float>& buf) {
+  if (a.elt == Elt::kF32) return static_cast<const float*>(a.x);
+  buf.resize(a.m * a.k);
+  load_rows(a.elt, a.x, a.m * a.k, buf.data());
+  return buf.data();
+}
+
 }  // namespace
 
 void gguf_matmul(const GgufMatmul& a) {
   if (a.m == 0 || a.n == 0) return;
   const GgufKernels& kern = kernels();
   std::vector<float> xbuf;
-  const float* xf;
-  if (a.elt == Elt::kF32) {
-    xf = static_cast<const float*>(a.x);
-  } else {
-    xbuf.resize(a.m * a.k);
-    load_rows(a.elt, a.x, a.m * a.k, xbuf.data());
-    xf = xbuf.data();
-  }
+  const float* xf = x_as_float(a, xbuf);
   const bool int8 = int8_path(kern, a.type, a.exact);
   if (a.m <= matvec_max_rows(kern, a.type, a.exact)) {
     matvec(kern, a, xf);
@@ -405,14 +406,7 @@ void gguf_matmul_group(const GgufMatmul* mats, int count) {
     return;
   }
   std::vector<float> xbuf;
-  const float* xf;
-  if (a0.elt == Elt::kF32) {
-    xf = static_cast<const float*>(a0.x);
-  } else {
-    xbuf.resize(a0.m * a0.k);
-    load_rows(a0.elt, a0.x, a0.m * a0.k, xbuf.data());
-    xf = xbuf.data();
-  }
+  const float* xf = x_as_float(a0, xbuf);
   GgufQ8Rows xq;  // rounded once, shared by every matrix on the integer path
   std::vector<MatvecPlan> plans;
   struct Segment {

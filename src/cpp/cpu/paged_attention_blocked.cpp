@@ -49,6 +49,20 @@ VLLM_METAL_AVX2 void load_block(const PagedAttentionParams& p, const int32_t* ta
   }
 }
 
+// out[token, head] = acc / l for the q heads of kv_head's group (acc [groups, d], l [groups]).
+template <Elt E>
+VLLM_METAL_AVX2 void store_row(const PagedAttentionParams& p, int64_t token, int64_t kv_head,
+                               const float* acc, const float* l) {
+  const int64_t d = p.head_size, groups = p.num_q_heads / p.num_kv_heads;
+  S<E>* out = static_cast<S<E>*>(p.out) + (token * p.num_q_heads + kv_head * groups) * d;
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256 inv = _mm256_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
+    for (int64_t i = 0; i < d; i += kLanes) {
+      store8<E>(out + g * d + i, _mm256_mul_ps(_mm256_loadu_ps(acc + g * d + i), inv));
+    }
+  }
+}
+
 // acc [d] = acc * rescale + sum_jj probs[jj] * vb[jj], 64 dims at a time in registers.
 VLLM_METAL_AVX2 void accumulate(float* acc, float rescale, const float* probs, const float* vb,
                                 int64_t nk, int64_t d) {
@@ -170,16 +184,8 @@ VLLM_METAL_AVX2 void tile_avx2(const PagedAttentionParams& p, int64_t seq, int64
     }
   }
 
-  auto* out = static_cast<S<E>*>(p.out);
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t pair = r * groups + g;
-      const __m256 inv = _mm256_set1_ps(l[pair] > 0.0f ? 1.0f / l[pair] : 0.0f);
-      S<E>* dst = out + ((q_start + row_begin + r) * p.num_q_heads + kv_head * groups + g) * d;
-      for (int64_t i = 0; i < d; i += kLanes) {
-        store8<E>(dst + i, _mm256_mul_ps(_mm256_loadu_ps(acc + pair * d + i), inv));
-      }
-    }
+    store_row<E>(p, q_start + row_begin + r, kv_head, acc + r * groups * d, l + r * groups);
   }
 }
 
@@ -283,14 +289,7 @@ VLLM_METAL_AVX2 void row_avx2(const PagedAttentionParams& p, int64_t seq, int64_
       }
     }
   }
-  auto* out = static_cast<S<E>*>(p.out);
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m256 inv = _mm256_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
-    S<E>* dst = out + ((q_start + row) * p.num_q_heads + kv_head * groups + g) * d;
-    for (int64_t i = 0; i < d; i += kLanes) {
-      store8<E>(dst + i, _mm256_mul_ps(_mm256_loadu_ps(acc + g * d + i), inv));
-    }
-  }
+  store_row<E>(p, q_start + row, kv_head, acc, l);
 }
 
 }  // namespace
