@@ -167,12 +167,18 @@ def test_valid_call_writes_the_caches_in_place(layer_call):
         assert (written[0, :3] > 0).all() and written[0, 3:].sum() == 0 and written[1:].sum() == 0
 
 
-def test_a_cache_shared_with_another_array_is_refused(layer_call):
-    """In-place writes must not show through another array: a slice of a bigger buffer
-    (or a buffer a view also holds) is refused at eval, before anything is written."""
-    big = mx.zeros((2 * layer_call["key_cache"].shape[0],) + layer_call["key_cache"].shape[1:])
+@pytest.mark.parametrize("view", ["offset_slice", "broadcast", "transposed"])
+def test_a_cache_that_is_a_view_is_refused(layer_call, view):
+    """In-place writes must land in a whole buffer: an offset slice of a bigger array, a
+    broadcast or a strided view is refused at eval, before anything is written."""
+    shape = layer_call["key_cache"].shape
+    big = mx.zeros((2 * shape[0],) + shape[1:])
     mx.eval(big)
-    args = dict(layer_call, key_cache=big[: layer_call["key_cache"].shape[0]])
+    cache = {"offset_slice": big[shape[0]:],
+             "broadcast": mx.broadcast_to(mx.zeros((1,) + shape[1:]), shape),
+             "transposed": mx.zeros((shape[1], shape[0]) + shape[2:]).swapaxes(0, 1)}[view]
+    mx.eval(cache)
+    args = dict(layer_call, key_cache=cache)
     with pytest.raises(Exception, match="key_cache is updated in place"):
         mx.eval(_core.decoder_layer(**args))
     assert np.array(big).sum() == 0

@@ -119,17 +119,15 @@ void check(const std::vector<mx::array>& in, const DecoderLayerSpec& s) {
 // The caches are updated in place, vLLM's contract for its KV cache: a buffer the
 // runner owns and keeps, never a value. (Returning them as outputs would need MLX to
 // donate them, which it never does for a primitive with several outputs: each output
-// holds its own reference to the inputs.) So a cache must be a whole buffer of its own:
-// no view, broadcast or slice shares it, and nothing could see the write but holders
-// of this very array.
+// holds its own reference to the inputs.) So a cache must be a whole dense buffer: not a
+// broadcast, a strided view or an offset slice of another array. (Reference counts cannot
+// tell more: tasks still in flight and the step's own lazy handles hold the buffer too.)
 void check_cache_is_writable(const mx::array& cache, const char* what) {
   const auto& data = cache.data_shared_ptr();
   if (!cache.flags().row_contiguous || cache.data_size() != cache.size() || !data ||
-      !data->is_owned() || data.use_count() != 1) {
-    fail(std::string(what) + " is updated in place, so it must be a row-contiguous array " +
-         "that owns its buffer alone (not a view, slice or broadcast of another array, and " +
-         "not a lazy array still tied to the previous step: evaluate the caches a step " +
-         "hands on together with that step)");
+      cache.data<char>() != static_cast<const char*>(cache.buffer().raw_ptr())) {
+    fail(std::string(what) + " is updated in place, so it must be a dense row-contiguous " +
+         "array at the start of its buffer (not a broadcast, strided view or offset slice)");
   }
 }
 
