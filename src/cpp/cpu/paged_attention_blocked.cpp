@@ -49,6 +49,24 @@ VLLM_METAL_AVX2 void load_block(const PagedAttentionParams& p, const int32_t* ta
   }
 }
 
+// The softmax state of one query row for the q heads of kv_head's group: q [groups, d] in
+// float, acc [groups, d] zero, and m, l [groups] empty (a sink is one more logit whose
+// value row is zero: m = sink, l = 1).
+template <Elt E>
+VLLM_METAL_AVX2 void start_row(const PagedAttentionParams& p, int64_t token, int64_t kv_head,
+                               float* q, float* acc, float* m, float* l) {
+  const int64_t d = p.head_size, groups = p.num_q_heads / p.num_kv_heads;
+  const auto* qsrc = static_cast<const S<E>*>(p.q) + token * p.q_token_stride;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t head = kv_head * groups + g;
+    const S<E>* src = qsrc + head * p.q_head_stride;
+    for (int64_t i = 0; i < d; i += kLanes) _mm256_storeu_ps(q + g * d + i, load8<E>(src + i));
+    m[g] = p.sinks ? p.sinks[head] : -std::numeric_limits<float>::infinity();
+    l[g] = p.sinks ? 1.0f : 0.0f;
+  }
+  std::fill(acc, acc + groups * d, 0.0f);
+}
+
 // out[token, head] = acc / l for the q heads of kv_head's group (acc [groups, d], l [groups]).
 template <Elt E>
 VLLM_METAL_AVX2 void store_row(const PagedAttentionParams& p, int64_t token, int64_t kv_head,
@@ -102,18 +120,10 @@ VLLM_METAL_AVX2 void tile_avx2(const PagedAttentionParams& p, int64_t seq, int64
   float* vb = kt + d * KB;
   float* probs = vb + KB * d;
 
-  const auto* qsrc = static_cast<const S<E>*>(p.q);
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t head = kv_head * groups + g, pair = r * groups + g;
-      const S<E>* src = qsrc + (q_start + row_begin + r) * p.q_token_stride + head * p.q_head_stride;
-      for (int64_t i = 0; i < d; i += kLanes) _mm256_storeu_ps(q + pair * d + i, load8<E>(src + i));
-      // a sink is one more logit whose value row is zero
-      m[pair] = p.sinks ? p.sinks[head] : neg_inf;
-      l[pair] = p.sinks ? 1.0f : 0.0f;
-    }
+    const int64_t at = r * groups;
+    start_row<E>(p, q_start + row_begin + r, kv_head, q + at * d, acc + at * d, m + at, l + at);
   }
-  std::fill(acc, acc + pairs * d, 0.0f);
 
   const int64_t first_pos = ctx - q_len + row_begin;
   const int64_t last_pos = ctx - q_len + row_end - 1;
@@ -209,15 +219,7 @@ VLLM_METAL_AVX2 void row_avx2(const PagedAttentionParams& p, int64_t seq, int64_
   float* scores = acc + groups * d;
   float* m = scores + KB * groups;
   float* l = m + groups;
-  const auto* qsrc = static_cast<const S<E>*>(p.q);
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t head = kv_head * groups + g;
-    const S<E>* src = qsrc + (q_start + row) * p.q_token_stride + head * p.q_head_stride;
-    for (int64_t i = 0; i < d; i += kLanes) _mm256_storeu_ps(q + g * d + i, load8<E>(src + i));
-    m[g] = p.sinks ? p.sinks[head] : neg_inf;
-    l[g] = p.sinks ? 1.0f : 0.0f;
-  }
-  std::fill(acc, acc + groups * d, 0.0f);
+  start_row<E>(p, q_start + row, kv_head, q, acc, m, l);
   const int64_t key_begin =
       p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
   const int32_t* table = p.block_tables + seq * p.max_blocks;
