@@ -108,24 +108,23 @@ def why_not_fused(model) -> str | None:
         attn, mlp = layer.self_attn, layer.mlp
         if not isinstance(attn, PagedAttention) or attn.rope.fallback is not None:
             return f"layer {i}: its rope runs on the mlx-lm fallback"
+        mlp_linears = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         if type(mlp).__module__ not in _GATED_MLP_MODULES or not all(
-                isinstance(getattr(mlp, n, None), GGUFLinear) for n in ("gate_proj", "up_proj", "down_proj")):
+                isinstance(m, GGUFLinear) for m in mlp_linears):
             return f"layer {i}: the MLP is not a gated MLP of GGUFLinear layers"
         projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
         if not all(isinstance(p, GGUFLinear) for p in projections):
             return f"layer {i}: attention projections are not GGUFLinear"
         biases = ["bias" in p for p in projections[:3]]
-        if any("bias" in getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")) \
-                or (any(biases) and not all(biases)):
+        if any("bias" in m for m in mlp_linears) or (any(biases) and not all(biases)):
             return f"layer {i}: biases on the MLP or on some of q, k, v only"
-        norms = list(_mlp_input_norms(layer, sandwich))
+        layer_norms = list(_mlp_input_norms(layer, sandwich))  # one eps (spec.norm_eps)
         if sandwich:
-            norms += [layer.post_attention_layernorm, layer.post_feedforward_layernorm]
-        if "q_norm" in attn:
-            norms += [attn.q_norm, attn.k_norm]
+            layer_norms += [layer.post_attention_layernorm, layer.post_feedforward_layernorm]
+        norms = layer_norms + ([attn.q_norm, attn.k_norm] if "q_norm" in attn else [])
         if not all(isinstance(n, RMSNorm) and n.offset == 0 for n in norms):
             return f"layer {i}: norms are not plain RMSNorm"
-        if any(n.eps != norms[0].eps for n in norms[:len(norms) - 2 * ("q_norm" in attn)]):
+        if any(n.eps != layer_norms[0].eps for n in layer_norms):
             return f"layer {i}: its norms have different eps"
         dtype = dtype or layer.input_layernorm.weight.dtype
         if any(n.weight.dtype != dtype for n in norms):
