@@ -467,7 +467,9 @@ TEST(GgufCpu, EveryIsaMatchesTheScalarIntegerPath) {
   for (auto t : kInt8Types) {
     const int64_t bs = g::type_info(t).block_size, k = bs == 32 ? 576 : 768, n = 45;
     auto w = random_weights(t, n, k, 3);
-    for (int64_t m : {1, 2, 5, 8}) {
+    // 9 .. 300: weight panels (x86), every remainder of their 3- and 6-row tiles; n = 45
+    // ends on a short panel
+    for (int64_t m : {1, 2, 5, 8, 9, 10, 14, 17, 21, 23, 300}) {
       std::vector<uint16_t> xh;
       std::vector<float> x = random_x(m, k, c::Elt::kF32, 9, &xh);
       c::gguf_matmul_set_isa("scalar");

@@ -717,6 +717,8 @@ void panel(const float* xp, const float* w, int64_t ldw, int nr, int64_t k, floa
   panel_any(xp, w, ldw, nr, k, out, ldo, accumulate, std::make_integer_sequence<int, kPanelRows>{});
 }
 
+#include "cpu/gguf_panel_x86.h"
+
 // ---- the table ---------------------------------------------------------------------------
 
 GgufKernels make_x86_kernels(const char* name) {
@@ -740,6 +742,7 @@ GgufKernels make_x86_kernels(const char* name) {
   t.exact_dot[static_cast<int>(GGMLType::kQ5_0)] = exact_dot<GGMLType::kQ5_0>;
   t.exact_dot[static_cast<int>(GGMLType::kQ5_1)] = exact_dot<GGMLType::kQ5_1>;
   t.exact_dot[static_cast<int>(GGMLType::kQ8_0)] = exact_dot<GGMLType::kQ8_0>;
+  set_panel_kernels(t);
   t.panel = panel;
   t.panel_rows = kPanelRows;
   return t;

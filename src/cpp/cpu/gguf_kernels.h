@@ -3,14 +3,16 @@
 // Decode rows (m <= 8) run integer dot products: the activations are quantized
 // once per call to 8 bits per value in blocks of 32 (GgufQ8Rows), and each
 // weight block is multiplied with them in integers, straight from its packed
-// form; per-block float scales are applied to the integer sums. Float weights
-// (F32 / F16 / BF16) are dotted with float activations directly. Prefill rows
-// (m > 8) decode a panel of weight rows to float32 once and multiply it with
-// every activation row (GgufPanelFn).
+// form; per-block float scales are applied to the integer sums. More rows on
+// the integer path (x86): weight panels in bytes (GgufQ8Panel), decoded once and
+// dotted with every row. Float weights (F32 / F16 / BF16) are dotted with float
+// activations directly. Other prefill rows (m > 8) decode a panel of weight rows
+// to float32 once and multiply it with every activation row (GgufPanelFn).
 //
 // One table per instruction set: portable (scalar, NEON, NEON + dotprod) in
 // gguf_quants.cpp, AVX2 in gguf_dot_avx2.cpp, AVX-512 (VNNI) in
-// gguf_dot_avx512.cpp. gguf_matmul.cpp picks the best the CPU runs.
+// gguf_dot_avx512.cpp (both from gguf_dot_x86.h and gguf_panel_x86.h).
+// gguf_matmul.cpp picks the best the CPU runs.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +31,7 @@ struct GgufQ8Rows {
   const float* d = nullptr;       // [m, k / 32]
   const float* dsum = nullptr;    // [m, k / 32]: d * (sum of the block's q)
   const int16_t* sum16 = nullptr; // [m, k / 16]: sum of q over each 16 values
+  const float* dsum16 = nullptr;  // [m, k / 16]: d * sum16 (two-half panels); may be null
 };
 
 // Quantizes x [m, k] (k a multiple of 32): per block, d = max|x| / 127 and
@@ -52,6 +55,38 @@ constexpr int kGgufPanelWidth = 16;
 using GgufPanelFn = void (*)(const float* xp, const float* w, int64_t ldw, int nr, int64_t k,
                              float* out, int64_t ldo, bool accumulate);
 
+// ---- batched integer path: weight panels ---------------------------------------------
+// Eight weight rows decoded once into unsigned bytes laid out for the integer dot
+// instructions, then multiplied with every activation row of the call: chunk j (32
+// weights) is 8 vectors of 32 bytes, vector p holding weights 4p .. 4p + 3 of rows 0..7
+// (row r at bytes 4r .. 4r + 3), so one 4-byte broadcast of x feeds all eight rows.
+// Weight = a_h * u + c_h per 16-weight half h of a chunk; c_h multiplies the activations'
+// d * (sum of q) over that half. Types whose scales cover 32 weights keep one half.
+constexpr int kGgufPanelCols = 8;  // weight rows per panel
+
+struct GgufQ8Panel {
+  uint8_t* u = nullptr;  // [chunks][8 vectors][8 rows][4]
+  float* a = nullptr;    // [chunks][halves][8 rows]
+  float* c = nullptr;    // [chunks][halves][8 rows]
+  int64_t chunks = 0;    // k / 32
+  int halves = 1;
+  // u holds signed weights (AVX2 Q8_0, whose byte products could overflow maddubs' int16
+  // pairs as unsigned): the dot takes |u| and moves the sign onto x.
+  bool signed_u = false;
+};
+
+// 2 for the types whose scales cover 16 weights (Q6_K), else 1.
+inline int gguf_q8_panel_halves(gguf::GGMLType t) { return t == gguf::GGMLType::kQ6_K ? 2 : 1; }
+
+// Decodes weight rows 0 .. rows - 1 (<= 8; missing rows are zero) of k values into p,
+// whose buffers hold at least k / 32 chunks.
+using GgufQ8PackFn = void (*)(const uint8_t* w, int64_t row_bytes, int rows, int64_t k,
+                              GgufQ8Panel& p);
+// y[i * ldy + r] = dot(panel row r, x row i) for i < x.m, r < 8 (two-half panels need
+// x.dsum16).
+using GgufQ8PanelDotFn = void (*)(const GgufQ8Panel& p, const GgufQ8Rows& x, float* y,
+                                  int64_t ldy);
+
 constexpr int kGgufNumTypeIds = 42;  // GGMLType ids are below this
 
 struct GgufKernels {
@@ -62,6 +97,10 @@ struct GgufKernels {
   // Quantized weights dotted with float x in float32 (gguf_matmul's `exact` decode rows)
   // without decoding rows to memory first; null: decode 16 rows to float, then float_dot.
   GgufFloatDotFn exact_dot[kGgufNumTypeIds] = {};
+  // Batched integer path (x rounded to 8 bits, more rows than a mat-vec pass); null: the
+  // mat-vec passes and float tiles serve every row count.
+  GgufQ8PackFn q8_pack[kGgufNumTypeIds] = {};
+  GgufQ8PanelDotFn q8_panel_dot = nullptr;
   GgufPanelFn panel = nullptr;
   int panel_rows = 0;                             // weight rows per panel call
 };

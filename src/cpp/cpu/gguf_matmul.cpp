@@ -159,6 +159,12 @@ float* scratch_floats(std::vector<float>& v, size_t n) {
   if (v.size() < n) v.resize(n);
   return v.data();
 }
+// n bytes at an `align`-byte boundary inside v.
+uint8_t* aligned_bytes(std::vector<uint8_t>& v, size_t n, size_t align) {
+  if (v.size() < n + align) v.resize(n + align);
+  const auto p = reinterpret_cast<uintptr_t>(v.data());
+  return v.data() + (align - p % align) % align;
+}
 
 // The integer path (x rounded to 8-bit blocks) serves the types with an integer kernel,
 // unless the caller asked for exact float sums.
@@ -167,24 +173,34 @@ bool int8_path(const GgufKernels& kern, GGMLType type, bool exact) {
   return !exact && kern.float_dot[tid] == nullptr && kern.q8_dot[tid] != nullptr;
 }
 
-// Rows up to which the mat-vec passes serve a call: kGgufInt8MaxRows on the integer path;
-// kGgufExactMaxRows where an exact kernel dots straight from the blocks (passes of 8 rows
-// re-decode the weights in registers, cheaper than decoding them to float tiles up to
+// Rows up to which the mat-vec passes (and, on the integer path, panels) serve a call:
+// every row count where the type has panels; kGgufInt8MaxRows on the rest of the integer
+// path; kGgufExactMaxRows where an exact kernel dots straight from the blocks (passes of 8
+// rows re-decode the weights in registers, cheaper than decoding them to float tiles up to
 // about 24 rows: benchmarks/gguf_bench.py); else kGgufMatvecMaxRows.
 constexpr int64_t kGgufExactMaxRows = 24;
 int64_t matvec_max_rows(const GgufKernels& kern, GGMLType type, bool exact) {
-  if (int8_path(kern, type, exact)) return kGgufInt8MaxRows;
   const int tid = static_cast<int>(type);
+  if (int8_path(kern, type, exact)) {
+    return kern.q8_pack[tid] != nullptr ? INT64_MAX : kGgufInt8MaxRows;
+  }
   if (kern.float_dot[tid] == nullptr && kern.exact_dot[tid] != nullptr) return kGgufExactMaxRows;
   return kGgufMatvecMaxRows;
 }
+
+// From this many rows the integer path decodes weight panels once for all rows instead of
+// dotting each weight block with passes of 8 rows (benchmarks/gguf_bench.py).
+constexpr int64_t kGgufPanelMinRows = 9;
 
 // ---- decode rows: m <= kGgufMatvecMaxRows, or kGgufInt8MaxRows on the integer path ------------
 
 // Rows i0 .. i0 + rows of x.
 GgufQ8Rows q8_rows(const GgufQ8Rows& x, int64_t i0, int64_t rows) {
   const int64_t nb = x.k / kGgufQ8Block;
-  return {rows, x.k, x.q + i0 * x.k, x.d + i0 * nb, x.dsum + i0 * nb, x.sum16 + i0 * 2 * nb};
+  return {rows,          x.k,
+          x.q + i0 * x.k, x.d + i0 * nb,
+          x.dsum + i0 * nb, x.sum16 + i0 * 2 * nb,
+          x.dsum16 ? x.dsum16 + i0 * 2 * nb : nullptr};
 }
 
 // Weight bytes one task should read at least, so that a hand-off to the pool
@@ -202,11 +218,16 @@ struct MatvecPlan {
   GgufFloatDotFn fdot = nullptr;  // float weights
   GgufQ8DotFn qdot = nullptr;     // integer path (x rounded to 8 bits)
   GgufFloatDotFn edot = nullptr;  // `exact` straight from the blocks
+  GgufQ8PackFn pack = nullptr;    // integer path, many rows: weight panels
 
-  // Weight rows one pool task should take at least (kMinTaskBytes of them).
-  int64_t grain() const { return std::max<int64_t>(1, kMinTaskBytes / std::max<int64_t>(1, rb)); }
+  // Weight rows one pool task should take at least (kMinTaskBytes of them; whole panels).
+  int64_t grain() const {
+    const int64_t g = std::max<int64_t>(1, kMinTaskBytes / std::max<int64_t>(1, rb));
+    return pack ? (g + kGgufPanelCols - 1) / kGgufPanelCols * kGgufPanelCols : g;
+  }
 
   void rows(int64_t begin, int64_t end) const {
+    if (pack) return panel_rows(begin, end);
     const int64_t m = a->m, n = a->n, k = a->k;
     const auto* w = static_cast<const uint8_t*>(a->w);
     const bool direct = a->elt == Elt::kF32;  // results straight into y
@@ -241,6 +262,32 @@ struct MatvecPlan {
       r0 += nr;
     }
   }
+
+  // Weight rows begin .. end (begin a multiple of 8) as panels of 8, each dotted with all
+  // of x; whole float32 panels go straight into y.
+  void panel_rows(int64_t begin, int64_t end) const {
+    const int64_t m = a->m, n = a->n, k = a->k;
+    const auto* w = static_cast<const uint8_t*>(a->w);
+    const int halves = gguf_q8_panel_halves(a->type);
+    static thread_local std::vector<uint8_t> ubuf;
+    static thread_local std::vector<float> sbuf, ybuf;
+    GgufQ8Panel panel;
+    panel.u = aligned_bytes(ubuf, k * kGgufPanelCols, 64);
+    float* scales = scratch_floats(sbuf, 2 * (k / 32) * halves * kGgufPanelCols);
+    panel.a = scales;
+    panel.c = scales + (k / 32) * halves * kGgufPanelCols;
+    for (int64_t r0 = begin; r0 < end; r0 += kGgufPanelCols) {
+      const int nr = static_cast<int>(std::min<int64_t>(kGgufPanelCols, end - r0));
+      pack(w + r0 * rb, rb, nr, k, panel);
+      if (a->elt == Elt::kF32 && nr == kGgufPanelCols) {
+        kern->q8_panel_dot(panel, xq, static_cast<float*>(a->y) + r0, n);
+      } else {
+        float* y = scratch_floats(ybuf, m * kGgufPanelCols);
+        kern->q8_panel_dot(panel, xq, y, kGgufPanelCols);
+        store_block(a->elt, y, kGgufPanelCols, m, nr, a->y, n, r0);
+      }
+    }
+  }
 };
 
 // x rounded to 8-bit blocks, in per-thread buffers kept across calls.
@@ -250,10 +297,13 @@ GgufQ8Rows quantize_x(const GgufKernels& kern, const float* xf, int64_t m, int64
   static thread_local std::vector<int16_t> s16_buf;
   const int64_t nb = m * k / 32;
   if (static_cast<int64_t>(q_buf.size()) < m * k) q_buf.resize(m * k);
-  if (static_cast<int64_t>(d_buf.size()) < 2 * nb) d_buf.resize(2 * nb);
+  if (static_cast<int64_t>(d_buf.size()) < 4 * nb) d_buf.resize(4 * nb);
   if (static_cast<int64_t>(s16_buf.size()) < 2 * nb) s16_buf.resize(2 * nb);
-  kern.quantize_q8(xf, m, k, q_buf.data(), d_buf.data(), d_buf.data() + nb, s16_buf.data());
-  return {m, k, q_buf.data(), d_buf.data(), d_buf.data() + nb, s16_buf.data()};
+  float* d = d_buf.data();
+  float* dsum16 = d + 2 * nb;
+  kern.quantize_q8(xf, m, k, q_buf.data(), d, d + nb, s16_buf.data());
+  for (int64_t b = 0; b < 2 * nb; ++b) dsum16[b] = d[b / 2] * static_cast<float>(s16_buf[b]);
+  return {m, k, q_buf.data(), d, d + nb, s16_buf.data(), dsum16};
 }
 
 // `xq` may already hold x rounded to 8 bits (xq.q != null), else it is made when needed.
@@ -268,6 +318,7 @@ MatvecPlan plan_matvec(const GgufKernels& kern, const GgufMatmul& a, const float
   p.fdot = kern.float_dot[tid];
   p.qdot = int8_path(kern, a.type, a.exact) ? kern.q8_dot[tid] : nullptr;
   p.edot = p.fdot || p.qdot ? nullptr : kern.exact_dot[tid];
+  if (p.qdot && a.m >= kGgufPanelMinRows && kern.q8_panel_dot != nullptr) p.pack = kern.q8_pack[tid];
   if (p.qdot) {
     if (xq.q == nullptr) xq = quantize_x(kern, xf, a.m, a.k);
     p.xq = xq;
@@ -278,7 +329,11 @@ MatvecPlan plan_matvec(const GgufKernels& kern, const GgufMatmul& a, const float
 void matvec(const GgufKernels& kern, const GgufMatmul& a, const float* xf) {
   GgufQ8Rows xq;
   const MatvecPlan p = plan_matvec(kern, a, xf, xq);
-  gguf_parallel_for(a.n, p.grain(), [&](int64_t begin, int64_t end) { p.rows(begin, end); });
+  // panels: split the work on whole panels
+  const int64_t unit = p.pack ? kGgufPanelCols : 1;
+  gguf_parallel_for((a.n + unit - 1) / unit, p.grain() / unit, [&](int64_t begin, int64_t end) {
+    p.rows(begin * unit, std::min(a.n, end * unit));
+  });
 }
 
 // x [m, k] -> d * q, the values the integer decode path multiplies.

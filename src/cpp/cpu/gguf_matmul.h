@@ -5,10 +5,12 @@
 // differ from float32 by that rounding, see docs/gguf.md) — for every row
 // count, so a row's result does not depend on the batch it is in. Decode rows
 // (m <= kGgufMatvecMaxRows) then dot every weight block with them in integers,
-// straight from its packed bytes; F32 / F16 / BF16 weights are dotted with
-// float x directly; the other types are decoded to float32 in cache first.
-// Larger m: a panel of weight rows is decoded to float32 once and multiplied
-// with all (rounded) x rows by a register-blocked kernel (float32 sums).
+// straight from its packed bytes; more rows (x86) decode panels of 8 weight rows
+// once into bytes laid out for the integer dot instructions and multiply them
+// with every row. F32 / F16 / BF16 weights are dotted with float x directly; the
+// other types are decoded to float32 in cache first. Larger m without panels: a
+// panel of weight rows is decoded to float32 once and multiplied with all
+// (rounded) x rows by a register-blocked kernel (float32 sums).
 // Threaded over weight rows; kernels for AVX-512 VNNI, AVX2, NEON (with and
 // without dotprod) and scalar, picked at run time (gguf_kernels.h).
 #pragma once
