@@ -117,40 +117,12 @@ const GgufKernels& kernels() {
 
 // ---- element conversions --------------------------------------------------------------------
 
-template <Elt E>
-void to_float(const void* src, int64_t n, float* dst) {
-  auto* s = static_cast<const typename EltTraits<E>::Storage*>(src);
-  for (int64_t i = 0; i < n; ++i) dst[i] = EltTraits<E>::load(s + i);
-}
-
-void load_rows(Elt elt, const void* src, int64_t n, float* dst) {
-  switch (elt) {
-    case Elt::kF32: return to_float<Elt::kF32>(src, n, dst);
-    case Elt::kF16: return to_float<Elt::kF16>(src, n, dst);
-    case Elt::kBF16: return to_float<Elt::kBF16>(src, n, dst);
-  }
-}
-
 // y[i, c0 .. c0 + nc) = src[i * lds + (0 .. nc)] for i < m, y [m, n] in elt.
 void store_block(Elt elt, const float* src, int64_t lds, int64_t m, int64_t nc, void* y,
                  int64_t n, int64_t c0) {
+  const size_t elt_bytes = elt == Elt::kF32 ? 4 : 2;
   for (int64_t i = 0; i < m; ++i) {
-    const float* s = src + i * lds;
-    switch (elt) {
-      case Elt::kF32:
-        std::memcpy(static_cast<float*>(y) + i * n + c0, s, nc * sizeof(float));
-        break;
-      case Elt::kF16: {
-        uint16_t* o = static_cast<uint16_t*>(y) + i * n + c0;
-        for (int64_t j = 0; j < nc; ++j) o[j] = float_to_f16(s[j]);
-        break;
-      }
-      case Elt::kBF16: {
-        uint16_t* o = static_cast<uint16_t*>(y) + i * n + c0;
-        for (int64_t j = 0; j < nc; ++j) o[j] = float_to_bf16(s[j]);
-        break;
-      }
-    }
+    from_floats(elt, src + i * lds, nc, static_cast<char*>(y) + (i * n + c0) * elt_bytes);
   }
 }
 
@@ -416,7 +388,7 @@ void prefill(const GgufKernels& kern, const GgufMatmul& a, const float* xf) {
 const float* x_as_float(const GgufMatmul& a, std::vector<float>& buf) {
   if (a.elt == Elt::kF32) return static_cast<const float*>(a.x);
   buf.resize(a.m * a.k);
-  load_rows(a.elt, a.x, a.m * a.k, buf.data());
+  to_floats(a.elt, a.x, a.m * a.k, buf.data());
   return buf.data();
 }
 

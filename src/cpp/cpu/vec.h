@@ -102,6 +102,11 @@ inline float round_to(float v) {
 
 bool has_avx2_fma();
 
+// dst[0, n) = src[0, n) as float32 / src converted to elt (round to nearest even); vectorized
+// where the machine allows, so activations crossing a float32 kernel cost little.
+void to_floats(Elt elt, const void* src, int64_t n, float* dst);
+void from_floats(Elt elt, const float* src, int64_t n, void* dst);
+
 #if defined(__x86_64__)
 #define VLLM_METAL_AVX2 __attribute__((target("avx2,fma,f16c")))
 
