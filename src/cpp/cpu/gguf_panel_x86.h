@@ -140,6 +140,69 @@ void pack_block(const uint8_t* w, int64_t rb, int rows, int64_t blk, GgufQ8Panel
   }
 }
 
+// ---- full panels of the one-chunk types, straight from eight rows ------------------------
+//
+// pack_block decodes row by row and then transposes; for Q4_0 / Q4_1 / Q8_0 the scales of
+// all eight rows are gathered at once and the 4-byte groups land in their lanes directly:
+// a Q4 row's 16 nibble bytes hold weights 4g .. 4g + 3 (low nibbles of dword g) and
+// 16 + 4g .. (its high nibbles), so a 4 x 4 dword transpose per 128-bit lane of rows
+// (r, r + 4) puts dword g of row r in lane r.
+
+// The 8 f16 values at byte `at` of each row's block, and the 8 at at + 2, as floats.
+inline void gather_f16_pairs(const uint8_t* b, int64_t rb, __m256* lo, __m256* hi) {
+  const __m256i offs = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                          _mm256_set1_epi32(static_cast<int>(rb)));
+  const __m256i g = _mm256_i32gather_epi32(reinterpret_cast<const int*>(b), offs, 1);
+  auto halves16 = [](__m256i v) {  // the low 16 bits of each dword, in order
+    return _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  };
+  *lo = _mm256_cvtph_ps(halves16(_mm256_and_si256(g, _mm256_set1_epi32(0xFFFF))));
+  *hi = _mm256_cvtph_ps(halves16(_mm256_srli_epi32(g, 16)));
+}
+
+template <GGMLType T>
+void pack_block_q4x8(const uint8_t* w, int64_t rb, int64_t blk, GgufQ8Panel& p) {
+  constexpr int kQs = T == GGMLType::kQ4_0 ? 2 : 4;
+  const uint8_t* b = w + blk * PanelBlock<T>::kBytes;
+  __m256i y[4];
+  for (int r = 0; r < 4; ++r) {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + r * rb + kQs));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (r + 4) * rb + kQs));
+    y[r] = _mm256_set_m128i(hi, lo);
+  }
+  const __m256i t0 = _mm256_unpacklo_epi32(y[0], y[1]), t1 = _mm256_unpackhi_epi32(y[0], y[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(y[2], y[3]), t3 = _mm256_unpackhi_epi32(y[2], y[3]);
+  const __m256i z[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                        _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256i* u = reinterpret_cast<__m256i*>(p.u) + blk * kGgufPanelCols;
+  for (int g = 0; g < 4; ++g) {
+    _mm256_store_si256(u + g, _mm256_and_si256(z[g], low4));
+    _mm256_store_si256(u + g + 4, _mm256_and_si256(_mm256_srli_epi16(z[g], 4), low4));
+  }
+  __m256 d, m;
+  gather_f16_pairs(b, rb, &d, &m);
+  _mm256_storeu_ps(p.a + blk * kGgufPanelCols, d);
+  _mm256_storeu_ps(p.c + blk * kGgufPanelCols,
+                   T == GGMLType::kQ4_0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)) : m);
+}
+
+template <bool kSigned>
+void pack_block_q8x8(const uint8_t* w, int64_t rb, int64_t blk, GgufQ8Panel& p) {
+  const uint8_t* b = w + blk * PanelBlock<GGMLType::kQ8_0>::kBytes;
+  __m256i in[kGgufPanelCols];
+  for (int r = 0; r < kGgufPanelCols; ++r) {
+    const __m256i q = load256(b + r * rb + 2);
+    in[r] = kSigned ? q : _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
+  }
+  transpose8x32(in, reinterpret_cast<__m256i*>(p.u) + blk * kGgufPanelCols);
+  __m256 d, unused;
+  gather_f16_pairs(b, rb, &d, &unused);
+  _mm256_storeu_ps(p.a + blk * kGgufPanelCols, d);
+  _mm256_storeu_ps(p.c + blk * kGgufPanelCols,
+                   kSigned ? _mm256_setzero_ps() : _mm256_mul_ps(d, _mm256_set1_ps(-128.0f)));
+}
+
 template <GGMLType T, bool kSigned>
 void pack_panel(const uint8_t* w, int64_t rb, int rows, int64_t k, GgufQ8Panel& p) {
   const int64_t blocks = k / (32 * PanelBlock<T>::kChunks);
@@ -147,7 +210,22 @@ void pack_panel(const uint8_t* w, int64_t rb, int rows, int64_t k, GgufQ8Panel& 
   p.halves = gguf_q8_panel_halves(T);
   p.signed_u = kSigned;
   if (rows == kGgufPanelCols) {  // the common case: every row present, fully unrolled
-    for (int64_t blk = 0; blk < blocks; ++blk) pack_block<T, kSigned>(w, rb, kGgufPanelCols, blk, p);
+    // The next panel's rows follow these eight: fetch them a block's share at a time
+    // while this one is decoded (the weights come from DRAM, read once per step).
+    const uint8_t* next = w + kGgufPanelCols * rb;
+    constexpr int kShare = kGgufPanelCols * PanelBlock<T>::kBytes;
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      for (int o = 0; o < kShare; o += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + blk * kShare + o), _MM_HINT_T0);
+      }
+      if constexpr (T == GGMLType::kQ4_0 || T == GGMLType::kQ4_1) {
+        pack_block_q4x8<T>(w, rb, blk, p);
+      } else if constexpr (T == GGMLType::kQ8_0) {
+        pack_block_q8x8<kSigned>(w, rb, blk, p);
+      } else {
+        pack_block<T, kSigned>(w, rb, kGgufPanelCols, blk, p);
+      }
+    }
   } else {
     for (int64_t blk = 0; blk < blocks; ++blk) pack_block<T, kSigned>(w, rb, rows, blk, p);
   }
