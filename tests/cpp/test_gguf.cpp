@@ -486,6 +486,31 @@ TEST(GgufCpu, EveryIsaMatchesTheScalarIntegerPath) {
   }
 }
 
+// Half-precision results are the float32 results rounded once (the conversion of the
+// activations is exact), also where panel results are buffered and converted in groups:
+// n = 203 spans several groups and ends on a short panel.
+TEST(GgufCpu, HalfPrecisionOutputIsTheFloat32OutputRounded) {
+  for (auto t : {g::GGMLType::kQ4_1, g::GGMLType::kQ8_0, g::GGMLType::kQ4_K}) {
+    const int64_t bs = g::type_info(t).block_size, k = bs == 32 ? 576 : 768, n = 203;
+    auto w = random_weights(t, n, k, 5);
+    for (int64_t m : {3, 12, 70}) {
+      for (c::Elt elt : {c::Elt::kF16, c::Elt::kBF16}) {
+        std::vector<uint16_t> xh;
+        std::vector<float> x = random_x(m, k, elt, 11, &xh);
+        std::vector<float> y32 = run_matmul(t, w, n, k, x, xh, m, c::Elt::kF32);
+        std::vector<float> yh = run_matmul(t, w, n, k, x, xh, m, elt);
+        int64_t wrong = 0;
+        for (int64_t i = 0; i < m * n; ++i) {
+          const float want = elt == c::Elt::kF16 ? c::round_to<c::Elt::kF16>(y32[i])
+                                                 : c::round_to<c::Elt::kBF16>(y32[i]);
+          wrong += yh[i] != want;
+        }
+        EXPECT_EQ(wrong, 0) << case_name(t, m, n, k, elt);
+      }
+    }
+  }
+}
+
 // Back-to-back jobs on more threads than cores (workers descheduled mid-claim): every
 // item runs exactly once, and all of them before gguf_parallel_for returns. A worker
 // late from one job once claimed a chunk of the next and ended a call early.

@@ -236,7 +236,9 @@ struct MatvecPlan {
   }
 
   // Weight rows begin .. end (begin a multiple of 8) as panels of 8, each dotted with all
-  // of x; whole float32 panels go straight into y.
+  // of x; float32 results go straight into y, others through a float buffer of a few
+  // panels converted together (one conversion per panel and row would cost more than it
+  // converts).
   void panel_rows(int64_t begin, int64_t end) const {
     const int64_t m = a->m, n = a->n, k = a->k;
     const auto* w = static_cast<const uint8_t*>(a->w);
@@ -248,16 +250,18 @@ struct MatvecPlan {
     float* scales = scratch_floats(sbuf, 2 * (k / 32) * halves * kGgufPanelCols);
     panel.a = scales;
     panel.c = scales + (k / 32) * halves * kGgufPanelCols;
-    for (int64_t r0 = begin; r0 < end; r0 += kGgufPanelCols) {
-      const int nr = static_cast<int>(std::min<int64_t>(kGgufPanelCols, end - r0));
-      pack(w + r0 * rb, rb, nr, k, panel);
-      if (a->elt == Elt::kF32 && nr == kGgufPanelCols) {
-        kern->q8_panel_dot(panel, xq, static_cast<float*>(a->y) + r0, n);
-      } else {
-        float* y = scratch_floats(ybuf, m * kGgufPanelCols);
-        kern->q8_panel_dot(panel, xq, y, kGgufPanelCols);
-        store_block(a->elt, y, kGgufPanelCols, m, nr, a->y, n, r0);
+    constexpr int64_t kBufferCols = 8 * kGgufPanelCols;
+    for (int64_t c0 = begin; c0 < end; c0 += kBufferCols) {
+      const int64_t cols = std::min(kBufferCols, end - c0);
+      const bool direct = a->elt == Elt::kF32 && cols % kGgufPanelCols == 0;
+      float* y = direct ? static_cast<float*>(a->y) + c0 : scratch_floats(ybuf, m * kBufferCols);
+      const int64_t ldy = direct ? n : kBufferCols;
+      for (int64_t r0 = c0; r0 < c0 + cols; r0 += kGgufPanelCols) {
+        const int nr = static_cast<int>(std::min<int64_t>(kGgufPanelCols, end - r0));
+        pack(w + r0 * rb, rb, nr, k, panel);
+        kern->q8_panel_dot(panel, xq, y + (r0 - c0), ldy);
       }
+      if (!direct) store_block(a->elt, y, ldy, m, cols, a->y, n, c0);
     }
   }
 };
