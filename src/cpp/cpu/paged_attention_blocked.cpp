@@ -199,6 +199,58 @@ VLLM_METAL_AVX2 void tile_avx2(const PagedAttentionParams& p, int64_t seq, int64
   }
 }
 
+// Scores of one key against G heads of q [G][d], the key converted once per 8 lanes.
+// G is a template argument so the accumulators stay in registers.
+template <Elt E, int G>
+VLLM_METAL_AVX2 void key_scores(const S<E>* k, const float* q, int64_t d, float scale,
+                                float* out, int64_t out_stride) {
+  __m256 a[G];
+  for (int g = 0; g < G; ++g) a[g] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += kLanes) {
+    const __m256 kv = load8<E>(k + i);
+    for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + i), kv, a[g]);
+  }
+  for (int g = 0; g < G; ++g) out[g * out_stride] = hsum8(a[g]) * scale;
+}
+
+// acc [G][d] = acc * rescale[g] + sum_j probs[g][j] v_j over nk value rows, 32 dims at a
+// time: each value vector is converted once for all G heads.
+template <Elt E, int G>
+VLLM_METAL_AVX2 void accumulate_values(const S<E>* const* vrows, int64_t nk, const float* probs,
+                                       const float* rescale, int64_t d, float* acc) {
+  constexpr int kV = 4;  // 4 x 8 dims: G * 4 accumulators + 4 values in 16 registers (G <= 2)
+  for (int64_t c0 = 0; c0 < d; c0 += kV * kLanes) {
+    const int nv = static_cast<int>(std::min<int64_t>(kV * kLanes, d - c0) / kLanes);
+    __m256 av[G][kV];
+    for (int g = 0; g < G; ++g) {
+      const __m256 r = _mm256_set1_ps(rescale[g]);
+      for (int c = 0; c < kV; ++c) {
+        av[g][c] = c < nv ? _mm256_mul_ps(_mm256_loadu_ps(acc + g * d + c0 + c * kLanes), r)
+                          : _mm256_setzero_ps();
+      }
+    }
+    for (int64_t j = 0; j < nk; ++j) {
+      __m256 v[kV];
+      for (int c = 0; c < kV; ++c) v[c] = c < nv ? load8<E>(vrows[j] + c0 + c * kLanes) : _mm256_setzero_ps();
+      for (int g = 0; g < G; ++g) {
+        const __m256 pj = _mm256_set1_ps(probs[g * KB + j]);
+        for (int c = 0; c < kV; ++c) av[g][c] = _mm256_fmadd_ps(pj, v[c], av[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      for (int c = 0; c < nv; ++c) _mm256_storeu_ps(acc + g * d + c0 + c * kLanes, av[g][c]);
+    }
+  }
+}
+
+// How far ahead of the key being dotted a decode row fetches keys and values.
+constexpr int64_t kPrefetchKeys = 16;
+
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+}
+
 // One query row (a decode row), every q head of the group: the block's scores come from
 // dots against the cached keys where they lie (no staging: one row cannot amortize the
 // transpose), then one softmax update per block with a vectorized exp, and P . V reads the
@@ -212,13 +264,14 @@ VLLM_METAL_AVX2 void row_avx2(const PagedAttentionParams& p, int64_t seq, int64_
   const int64_t q_len = p.cu_seqlens_q[seq + 1] - q_start;
   const int64_t pos = p.seq_lens[seq] - q_len + row;
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  // work: q [groups, d] | acc [groups, d] | scores [KB, groups] | m, l [groups]
-  work.resize(size_t(groups) * (2 * d + KB + 2) + kLanes);
+  // work: q [groups, d] | acc [groups, d] | scores [groups, KB] | m, l, rescale [groups]
+  work.resize(size_t(groups) * (2 * d + KB + 3) + kLanes);
   float* q = work.data();
   float* acc = q + groups * d;
   float* scores = acc + groups * d;
   float* m = scores + KB * groups;
   float* l = m + groups;
+  float* rescale = l + groups;
   start_row<E>(p, q_start + row, kv_head, q, acc, m, l);
   const int64_t key_begin =
       p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
@@ -227,7 +280,9 @@ VLLM_METAL_AVX2 void row_avx2(const PagedAttentionParams& p, int64_t seq, int64_
   const auto* kc = static_cast<const S<E>*>(p.key_cache);
   const auto* vc = static_cast<const S<E>*>(p.value_cache);
   const S<E>* vrows[KB];
-  float probs[KB];
+  using ScoresFn = void (*)(const S<E>*, const float*, int64_t, float, float*, int64_t);
+  static constexpr ScoresFn kScores[] = {key_scores<E, 1>, key_scores<E, 2>, key_scores<E, 3>,
+                                         key_scores<E, 4>};
   for (int64_t j0 = key_begin; j0 <= pos; j0 += KB) {
     const int64_t nk = std::min(KB, pos + 1 - j0);
     for (int64_t jj = 0; jj < nk; ++jj) {
@@ -235,60 +290,50 @@ VLLM_METAL_AVX2 void row_avx2(const PagedAttentionParams& p, int64_t seq, int64_
       const int64_t slot = int64_t(table[j / p.block_size]) * p.block_size + j % p.block_size;
       const S<E>* k = kc + slot * row_elems + kv_head * d;
       vrows[jj] = vc + slot * row_elems + kv_head * d;
-      // the key converted once per 8 lanes, dotted with every head of the group
-      __m256 a[16];
-      for (int64_t g0 = 0; g0 < groups; g0 += 16) {
-        const int64_t ng = std::min<int64_t>(16, groups - g0);
-        for (int64_t g = 0; g < ng; ++g) a[g] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < d; i += kLanes) {
-          const __m256 kv = load8<E>(k + i);
-          for (int64_t g = 0; g < ng; ++g) {
-            a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (g0 + g) * d + i), kv, a[g]);
-          }
-        }
-        for (int64_t g = 0; g < ng; ++g) scores[jj * groups + g0 + g] = hsum8(a[g]) * p.scale;
+      // A decode batch's caches outgrow the L3 and one key's dots are too long a loop
+      // for the core to run ahead to the next keys' loads: fetch the key and value rows
+      // kPrefetchKeys on early.
+      if (j + kPrefetchKeys <= pos) {
+        const int64_t jn = j + kPrefetchKeys;
+        const int64_t sn = int64_t(table[jn / p.block_size]) * p.block_size + jn % p.block_size;
+        prefetch_row(kc + sn * row_elems + kv_head * d, d * sizeof(S<E>));
+        prefetch_row(vc + sn * row_elems + kv_head * d, d * sizeof(S<E>));
+      }
+      // the key dotted with every head of the group, up to 4 heads per pass
+      for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+        kScores[std::min<int64_t>(4, groups - g0) - 1](k, q + g0 * d, d, p.scale,
+                                                       scores + g0 * KB + jj, KB);
       }
     }
+    // per head: the block's probabilities (in place of its scores) and the rescale
     for (int64_t g = 0; g < groups; ++g) {
+      float* sg = scores + g * KB;
       float bmax = neg_inf;
       for (int64_t jj = 0; jj < nk; ++jj) {
-        float& sc = scores[jj * groups + g];
-        if (p.softcap > 0.0f) sc = p.softcap * std::tanh(sc / p.softcap);
-        bmax = std::max(bmax, sc);
+        if (p.softcap > 0.0f) sg[jj] = p.softcap * std::tanh(sg[jj] / p.softcap);
+        bmax = std::max(bmax, sg[jj]);
       }
       const float m_new = std::max(m[g], bmax);
-      const float rescale = std::exp(m[g] - m_new);  // exp(-inf) = 0 on the first keys
+      rescale[g] = std::exp(m[g] - m_new);  // exp(-inf) = 0 on the first keys
       const __m256 mn = _mm256_set1_ps(m_new);
       float sum = 0.0f;
       int64_t jj = 0;
       for (; jj + kLanes <= nk; jj += kLanes) {
-        alignas(32) float t[kLanes];
-        for (int u = 0; u < kLanes; ++u) t[u] = scores[(jj + u) * groups + g];
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(t), mn));
-        _mm256_storeu_ps(probs + jj, e);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + jj), mn));
+        _mm256_storeu_ps(sg + jj, e);
         sum += hsum8(e);
       }
       for (; jj < nk; ++jj) {
-        probs[jj] = std::exp(scores[jj * groups + g] - m_new);
-        sum += probs[jj];
+        sg[jj] = std::exp(sg[jj] - m_new);
+        sum += sg[jj];
       }
-      l[g] = l[g] * rescale + sum;
+      l[g] = l[g] * rescale[g] + sum;
       m[g] = m_new;
-      // acc = acc * rescale + sum_jj probs[jj] * v[jj], 64 dims at a time in registers
-      float* ag = acc + g * d;
-      const __m256 r = _mm256_set1_ps(rescale);
-      for (int64_t c0 = 0; c0 < d; c0 += 64) {
-        const int nv = static_cast<int>(std::min<int64_t>(64, d - c0) / kLanes);
-        __m256 av[8];
-        for (int c = 0; c < nv; ++c) av[c] = _mm256_mul_ps(_mm256_loadu_ps(ag + c0 + c * kLanes), r);
-        for (int64_t j = 0; j < nk; ++j) {
-          const __m256 pj = _mm256_set1_ps(probs[j]);
-          for (int c = 0; c < nv; ++c) {
-            av[c] = _mm256_fmadd_ps(pj, load8<E>(vrows[j] + c0 + c * kLanes), av[c]);
-          }
-        }
-        for (int c = 0; c < nv; ++c) _mm256_storeu_ps(ag + c0 + c * kLanes, av[c]);
-      }
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += 2) {
+      const int64_t ng = std::min<int64_t>(2, groups - g0);
+      (ng == 2 ? accumulate_values<E, 2> : accumulate_values<E, 1>)(
+          vrows, nk, scores + g0 * KB, rescale + g0, d, acc + g0 * d);
     }
   }
   store_row<E>(p, q_start + row, kv_head, acc, l);
