@@ -8,7 +8,7 @@
 // before they sleep, so back-to-back calls find them awake; the caller claims
 // chunks like the workers and waits only for chunks in flight, never for a
 // worker to wake. Header-only because the arm64 cross-build compiles a fixed
-// list of source files. (The same changes would suit cpu::parallel_for.)
+// list of source files. cpu::parallel_for (every other kernel) runs on this pool too.
 #pragma once
 
 #include <algorithm>
