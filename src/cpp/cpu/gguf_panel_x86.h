@@ -148,7 +148,8 @@ void pack_block(const uint8_t* w, int64_t rb, int rows, int64_t blk, GgufQ8Panel
 // 16 + 4g .. (its high nibbles), so a 4 x 4 dword transpose per 128-bit lane of rows
 // (r, r + 4) puts dword g of row r in lane r.
 
-// The 8 f16 values at byte `at` of each row's block, and the 8 at at + 2, as floats.
+// The f16 at byte 0 of each of eight rows' blocks (rows rb bytes apart) as lo, the one at
+// byte 2 as hi.
 inline void gather_f16_pairs(const uint8_t* b, int64_t rb, __m256* lo, __m256* hi) {
   const __m256i offs = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                                           _mm256_set1_epi32(static_cast<int>(rb)));
@@ -211,7 +212,8 @@ void pack_panel(const uint8_t* w, int64_t rb, int rows, int64_t k, GgufQ8Panel& 
   p.signed_u = kSigned;
   if (rows == kGgufPanelCols) {  // the common case: every row present, fully unrolled
     // The next panel's rows follow these eight: fetch them a block's share at a time
-    // while this one is decoded (the weights come from DRAM, read once per step).
+    // while this one is decoded (the weights come from DRAM, read once per step). Past
+    // the last panel these are addresses beyond the matrix: prefetches do not fault.
     const uint8_t* next = w + kGgufPanelCols * rb;
     constexpr int kShare = kGgufPanelCols * PanelBlock<T>::kBytes;
     for (int64_t blk = 0; blk < blocks; ++blk) {
