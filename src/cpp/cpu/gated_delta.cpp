@@ -81,7 +81,7 @@ struct Prepared {
 
 template <Elt E>
 void l2_normalize(const S<E>* x, float* out, int64_t n, float eps, float scale) {
-  for (int64_t i = 0; i < n; ++i) out[i] = EltTraits<E>::load(x + i);
+  to_floats(E, x, n, out);
   const float inv = scale / std::sqrt(dot_f32(out, out, n) + eps);
   for (int64_t i = 0; i < n; ++i) out[i] *= inv;
 }

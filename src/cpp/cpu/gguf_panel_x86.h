@@ -217,9 +217,7 @@ void pack_panel(const uint8_t* w, int64_t rb, int rows, int64_t k, GgufQ8Panel& 
     const uint8_t* next = w + kGgufPanelCols * rb;
     constexpr int kShare = kGgufPanelCols * PanelBlock<T>::kBytes;
     for (int64_t blk = 0; blk < blocks; ++blk) {
-      for (int o = 0; o < kShare; o += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(next + blk * kShare + o), _MM_HINT_T0);
-      }
+      prefetch_bytes(next + blk * kShare, kShare);
       if constexpr (T == GGMLType::kQ4_0 || T == GGMLType::kQ4_1) {
         pack_block_q4x8<T>(w, rb, blk, p);
       } else if constexpr (T == GGMLType::kQ8_0) {

@@ -85,7 +85,7 @@ void attend_tile(const PagedAttentionParams& p, const AttentionVecOps<E>& ops, i
       const int64_t head = kv_head * groups + g;
       const S<E>* src = qsrc + (q_start + row_begin + r) * p.q_token_stride + head * p.q_head_stride;
       float* dst = q + (r * groups + g) * d;
-      for (int64_t i = 0; i < d; ++i) dst[i] = EltTraits<E>::load(src + i);
+      to_floats(E, src, d, dst);
       // a sink is one more logit whose value row is zero
       const int64_t pair = r * groups + g;
       m[pair] = p.sinks ? p.sinks[head] : neg_inf;
@@ -104,11 +104,10 @@ void attend_tile(const PagedAttentionParams& p, const AttentionVecOps<E>& ops, i
   const auto* kc = static_cast<const S<E>*>(p.key_cache);
   const auto* vc = static_cast<const S<E>*>(p.value_cache);
   const int32_t* table = p.block_tables + seq * p.max_blocks;
-  const int64_t row_elems = p.num_kv_heads * d;
   for (int64_t j = key_begin; j < key_end; ++j) {
-    const int64_t slot = int64_t(table[j / p.block_size]) * p.block_size + j % p.block_size;
-    const S<E>* k = kc + slot * row_elems + kv_head * d;
-    const S<E>* v = vc + slot * row_elems + kv_head * d;
+    const int64_t at = cache_row_offset(p, table, kv_head, j);
+    const S<E>* k = kc + at;
+    const S<E>* v = vc + at;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t pos = first_pos + r;
       float* rs = rescale + r * groups;

@@ -38,6 +38,14 @@ struct PagedAttentionParams {
   float softcap = 0.0f;        // 0: none
 };
 
+// Element offset in key_cache / value_cache of position j's row for kv_head; table is the
+// sequence's row of block_tables.
+inline int64_t cache_row_offset(const PagedAttentionParams& p, const int32_t* table,
+                                int64_t kv_head, int64_t j) {
+  const int64_t slot = int64_t(table[j / p.block_size]) * p.block_size + j % p.block_size;
+  return (slot * p.num_kv_heads + kv_head) * p.head_size;
+}
+
 // "" when the metadata is consistent, else what is wrong (first problem found):
 // cu_seqlens_q not rising from 0 to num_tokens, a chunk longer than its
 // context, a context beyond the block table, a block id outside the cache.

@@ -31,16 +31,16 @@ VLLM_METAL_AVX2 inline float hmax8(__m256 v) {
 template <Elt E>
 VLLM_METAL_AVX2 void load_block(const PagedAttentionParams& p, const int32_t* table,
                                 int64_t kv_head, int64_t j0, int64_t nk, float* kt, float* vb) {
-  const int64_t d = p.head_size, row_elems = p.num_kv_heads * d;
+  const int64_t d = p.head_size;
   const auto* kc = static_cast<const S<E>*>(p.key_cache);
   const auto* vc = static_cast<const S<E>*>(p.value_cache);
   if (nk < KB) std::fill(kt, kt + d * KB, 0.0f);
   alignas(32) float tmp[kLanes];
   for (int64_t jj = 0; jj < nk; ++jj) {
     const int64_t j = j0 + jj;
-    const int64_t slot = int64_t(table[j / p.block_size]) * p.block_size + j % p.block_size;
-    const S<E>* k = kc + slot * row_elems + kv_head * d;
-    const S<E>* v = vc + slot * row_elems + kv_head * d;
+    const int64_t at = cache_row_offset(p, table, kv_head, j);
+    const S<E>* k = kc + at;
+    const S<E>* v = vc + at;
     for (int64_t i = 0; i < d; i += kLanes) {
       _mm256_store_ps(tmp, load8<E>(k + i));
       for (int t = 0; t < kLanes; ++t) kt[(i + t) * KB + jj] = tmp[t];
@@ -246,11 +246,6 @@ VLLM_METAL_AVX2 void accumulate_values(const S<E>* const* vrows, int64_t nk, con
 // How far ahead of the key being dotted a decode row fetches keys and values.
 constexpr int64_t kPrefetchKeys = 16;
 
-inline void prefetch_row(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
-}
-
 // One query row (a decode row), every q head of the group: the block's scores come from
 // dots against the cached keys where they lie (no staging: one row cannot amortize the
 // transpose), then one softmax update per block with a vectorized exp, and P . V reads the
@@ -276,7 +271,6 @@ VLLM_METAL_AVX2 void row_avx2(const PagedAttentionParams& p, int64_t seq, int64_
   const int64_t key_begin =
       p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
   const int32_t* table = p.block_tables + seq * p.max_blocks;
-  const int64_t row_elems = p.num_kv_heads * d;
   const auto* kc = static_cast<const S<E>*>(p.key_cache);
   const auto* vc = static_cast<const S<E>*>(p.value_cache);
   const S<E>* vrows[KB];
@@ -287,17 +281,16 @@ VLLM_METAL_AVX2 void row_avx2(const PagedAttentionParams& p, int64_t seq, int64_
     const int64_t nk = std::min(KB, pos + 1 - j0);
     for (int64_t jj = 0; jj < nk; ++jj) {
       const int64_t j = j0 + jj;
-      const int64_t slot = int64_t(table[j / p.block_size]) * p.block_size + j % p.block_size;
-      const S<E>* k = kc + slot * row_elems + kv_head * d;
-      vrows[jj] = vc + slot * row_elems + kv_head * d;
+      const int64_t at = cache_row_offset(p, table, kv_head, j);
+      const S<E>* k = kc + at;
+      vrows[jj] = vc + at;
       // A decode batch's caches outgrow the L3 and one key's dots are too long a loop
       // for the core to run ahead to the next keys' loads: fetch the key and value rows
       // kPrefetchKeys on early.
       if (j + kPrefetchKeys <= pos) {
-        const int64_t jn = j + kPrefetchKeys;
-        const int64_t sn = int64_t(table[jn / p.block_size]) * p.block_size + jn % p.block_size;
-        prefetch_row(kc + sn * row_elems + kv_head * d, d * sizeof(S<E>));
-        prefetch_row(vc + sn * row_elems + kv_head * d, d * sizeof(S<E>));
+        const int64_t ahead = cache_row_offset(p, table, kv_head, j + kPrefetchKeys);
+        prefetch_bytes(kc + ahead, d * sizeof(S<E>));
+        prefetch_bytes(vc + ahead, d * sizeof(S<E>));
       }
       // the key dotted with every head of the group, up to 4 heads per pass
       for (int64_t g0 = 0; g0 < groups; g0 += 4) {

@@ -107,6 +107,12 @@ bool has_avx2_fma();
 void to_floats(Elt elt, const void* src, int64_t n, float* dst);
 void from_floats(Elt elt, const float* src, int64_t n, void* dst);
 
+// Asks for the cache lines of [p, p + bytes) ahead of use (a hint: never faults).
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o);
+}
+
 #if defined(__x86_64__)
 #define VLLM_METAL_AVX2 __attribute__((target("avx2,fma,f16c")))
 
