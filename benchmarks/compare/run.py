@@ -50,7 +50,8 @@ from client import run_cell  # noqa: E402
 from workload import MIXES, make_requests  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVERS = ("vllm-metal", "vllm-metal-int8", "llama.cpp", "mlx-lm", "vllm-cpu")
+SERVERS = ("vllm-metal", "vllm-metal-int8", "llama.cpp", "mlx-lm", "vllm-cpu",
+           "vllm-metal-int8-sync")  # -sync: --no-async-scheduling, for the A/B
 
 
 def free_port() -> int:
@@ -71,6 +72,9 @@ def make_peer(name: str, gguf: str, port: int, args, eos_ids: list[int]) -> serv
         return servers.ours(gguf, port, args.threads, slots, int8_activations=False)
     if name == "vllm-metal-int8":
         return servers.ours(gguf, port, args.threads, slots, int8_activations=True)
+    if name == "vllm-metal-int8-sync":
+        return servers.ours(gguf, port, args.threads, slots, int8_activations=True,
+                            async_scheduling=False)
     if name == "llama.cpp":
         bin_dir = ROOT / "build" / "peers" / "llama.cpp" / "bin"
         if not (bin_dir / "llama-server").exists():
@@ -113,7 +117,7 @@ def summarize(results, wall: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--servers", default=",".join(SERVERS),
+    ap.add_argument("--servers", default=",".join(SERVERS[:5]),
                     help=f"comma-separated, of: {', '.join(SERVERS)} (mlx-lm and vllm-cpu "
                          "serve the dense weights dequantized from the GGUF)")
     ap.add_argument("--mixes", default=",".join(MIXES))

@@ -36,14 +36,16 @@ class Peer:
     startup_timeout: float = 900.0
 
 
-def ours(gguf: str, port: int, threads: int, max_seqs: int, int8_activations: bool) -> Peer:
+def ours(gguf: str, port: int, threads: int, max_seqs: int, int8_activations: bool,
+         async_scheduling: bool = True) -> Peer:
     vllm = Path(sys.executable).with_name("vllm")
-    name = "vllm-metal" + (" int8" if int8_activations else "")
+    name = "vllm-metal" + (" int8" if int8_activations else "") + ("" if async_scheduling else " sync")
     return Peer(
         name=name,
         argv=[str(vllm), "serve", gguf, "--served-model-name", "m", "--host", "127.0.0.1",
               "--port", str(port), "--max-model-len", "2048", "--max-num-seqs", str(max_seqs),
-              "--kv-cache-memory-bytes", str(512 << 20)],
+              "--kv-cache-memory-bytes", str(512 << 20)]
+             + ([] if async_scheduling else ["--no-async-scheduling"]),
         model="m",
         no_eos={"ignore_eos": True},
         env={"VLLM_METAL_NUM_THREADS": str(threads),

@@ -7,14 +7,24 @@ sample_tokens then waits for it and the sampler (sampling/, per-request
 parameters kept in a table by request row), and records the tokens.
 The paged KV cache is one (key, value) pair of MLX arrays per layer, updated
 in place by the attention layers through reshape_and_cache.
+
+With async scheduling (vLLM's default) the engine schedules and submits step
+N+1 while step N computes, so the host work of a step (scheduler, packing,
+graph building, output processing) overlaps the forward of the previous one.
+sample_tokens then returns at once (an AsyncModelRunnerOutput); the packer
+holds a placeholder for each sampled token until the engine reads the step,
+and step N+1's inputs take N's tokens from the lazy MLX array (input_sources).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
+from vllm.v1.outputs import AsyncModelRunnerOutput
 
 from vllm_metal import _core, envs
 from vllm_metal.models import AttentionContext, load_model
@@ -24,6 +34,16 @@ from vllm_metal.sampling.prompt_logprobs import PromptLogprobs
 logger = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32"}
+
+
+@dataclass
+class _SubmittedStep:
+    """A step whose forward and sampling are submitted, its tokens not yet read."""
+    req_ids: list[str]
+    discard: np.ndarray  # bool [num_seqs]: partial prefill chunks
+    result: object  # sampling.SampleResult: lazy tokens (and logprobs)
+    prompt_scores: list
+    tokens: np.ndarray | None = None  # int32 [num_seqs] once waited for
 
 
 class MetalModelRunner:
@@ -37,7 +57,10 @@ class MetalModelRunner:
         self.model = None
         self.kv_caches: list[tuple[mx.array, mx.array]] = []
         self.packer = None
-        self._pending = None  # (req_ids, discard, SampleResult, prompt scores) in flight
+        self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
+        self._pending: _SubmittedStep | None = None  # submitted, not yet handed to sample_tokens
+        # async: submitted steps whose tokens are placeholders in the packer, oldest first
+        self._deferred: collections.deque[_SubmittedStep] = collections.deque()
         self.sampling_table: SamplingTable | None = None
         self.prompt_logprobs: PromptLogprobs | None = None
         self.sampler = None
@@ -181,20 +204,29 @@ class MetalModelRunner:
 
     # ---- one step -----------------------------------------------------------------
     def execute_model(self, scheduler_output):
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
         self._apply_scheduler_output(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             self._pending = None
-            return None
+            return EMPTY_MODEL_RUNNER_OUTPUT
         p = self.packer
+        # the packer keeps one deferred step besides this one (the engine reads step N
+        # before it schedules N + 2)
+        while len(self._deferred) > 1:
+            self._wait(self._deferred[0])
         p.pack(dict(scheduler_output.num_scheduled_tokens))
+        source_step = self._deferred[-1] if p.num_input_sources else None
         table = self.sampling_table
         rows = np.array(p.req_rows)  # [num_seqs] batch index -> request row
+        if self._deferred and table.needs_history[rows].any():
+            self._wait(self._deferred[-1])  # penalties and bad words read the real tokens
         num_generated = np.array(p.seq_lens) - table.prompt_len[rows]
         batch = gather_batch(table, rows, num_generated, p.token_ids,
                              for_reference=not self.native_sampling)
         # prompt-logprob positions are scored after the sampled rows
         extra = self.prompt_logprobs.plan(rows, np.array(p.cu_seqlens_q), p.positions[:p.num_tokens])
-        logits = self._forward(extra)
+        logits = self._forward(extra, self._input_ids(source_step))
         n = p.num_seqs
         result = self.sampler(logits[:n] if len(extra) else logits, batch)
         prompt_scores = self.prompt_logprobs.score(logits[n:] if len(extra) else None,
@@ -203,34 +235,75 @@ class MetalModelRunner:
         # (models/fused_layers.py); evaluated now, they hold their buffers alone next step
         mx.async_eval(result.tokens, *(result.logprobs or ()),
                       *[a for _, _, part in prompt_scores if part for a in part], self.kv_caches)
-        self._pending = (list(p.req_ids), np.array(p.discard_sampled), result, prompt_scores)
+        step = _SubmittedStep(list(p.req_ids), np.array(p.discard_sampled), result, prompt_scores)
+        if self.async_scheduling:
+            p.defer_sampled()
+            self._deferred.append(step)
+        self._pending = step
         return None
 
     def sample_tokens(self, grammar_output):
-        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
-        if self._pending is None:
+        step, self._pending = self._pending, None
+        if step is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        req_ids, discard, result, prompt_scores = self._pending
-        self._pending = None
-        tokens = np.array(result.tokens, dtype=np.int32)  # [num_seqs]: waits for the forward
-        self.packer.append_sampled(tokens)
-        sampled = [[] if discard[i] else [int(tokens[i])] for i in range(len(req_ids))]
+        if self.async_scheduling:
+            return _AsyncStepOutput(self, step)
+        return self._step_output(step)
+
+    def _step_output(self, step: _SubmittedStep):
+        from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
+
+        tokens = self._wait(step)
+        sampled = [[] if step.discard[i] else [int(tokens[i])] for i in range(len(step.req_ids))]
         logprobs = None
-        if result.logprobs is not None:
-            ids, lps, ranks = (np.array(a) for a in result.logprobs)
+        if step.result.logprobs is not None:
+            ids, lps, ranks = (np.array(a) for a in step.result.logprobs)
             logprobs = LogprobsLists(ids, lps, ranks)
         return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            req_ids=step.req_ids,
+            req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
             sampled_token_ids=sampled,
             logprobs=logprobs,
-            prompt_logprobs_dict=self.prompt_logprobs.collect(prompt_scores),
+            prompt_logprobs_dict=self.prompt_logprobs.collect(step.prompt_scores),
         )
 
-    def _forward(self, extra_logits_indices: np.ndarray | None = None) -> mx.array:
+    def _wait(self, step: _SubmittedStep) -> np.ndarray:
+        """The step's tokens on the host (waits for its forward), recorded in the packer:
+        appended (sync), or written over the placeholders of it and any older step (async)."""
+        if step.tokens is not None:
+            return step.tokens
+        if not self.async_scheduling:
+            step.tokens = np.array(step.result.tokens, dtype=np.int32)
+            self.packer.append_sampled(step.tokens)
+            return step.tokens
+        while step.tokens is None:
+            oldest = self._deferred.popleft()
+            oldest.tokens = np.array(oldest.result.tokens, dtype=np.int32)
+            self.packer.resolve_deferred(oldest.tokens)
+        return step.tokens
+
+    def _input_ids(self, source_step: _SubmittedStep | None) -> mx.array:
+        """This step's token ids; where a row's input is the previous step's sample
+        (async), that token, lazily when the previous step is still computing."""
+        p = self.packer
+        ids = p.input_ids[:p.num_tokens]
+        if source_step is None:
+            return mx.array(ids)
+        sources = np.array(p.input_sources)
+        rows = np.flatnonzero(sources >= 0)
+        if source_step.tokens is not None:
+            ids = ids.copy()
+            ids[rows] = source_step.tokens[sources[rows]]
+            return mx.array(ids)
+        sampled = source_step.result.tokens.astype(mx.int32)[mx.array(sources[rows])]
+        return mx.array(ids).at[mx.array(rows)].add(sampled)  # placeholders are 0
+
+    def _forward(self, extra_logits_indices: np.ndarray | None = None,
+                 input_ids: mx.array | None = None) -> mx.array:
         """extra_logits_indices: packed tokens whose logits are also wanted,
-        returned after the sampled rows."""
+        returned after the sampled rows; input_ids: default the packer's."""
         p = self.packer
         t = p.num_tokens
         logits_indices = p.logits_indices
@@ -260,7 +333,9 @@ class MetalModelRunner:
                                 has_initial_state=mx.array(has_init), state_pools=self.hybrid.pools)
         else:
             ctx = AttentionContext(**fields)
-        logits = self.model(mx.array(p.input_ids[:t]), ctx)
+        if input_ids is None:
+            input_ids = mx.array(p.input_ids[:t])
+        logits = self.model(input_ids, ctx)
         self.kv_caches = ctx.kv_caches  # the updated caches
         return logits
 
@@ -302,6 +377,21 @@ class MetalModelRunner:
                 resumed_req_ids=list(cached.resumed_req_ids) if cached.resumed_req_ids else None,
                 all_token_ids={k: list(v) for k, v in cached.all_token_ids.items()} or None,
             )
+
+
+class _AsyncStepOutput(AsyncModelRunnerOutput):
+    """What sample_tokens returns under async scheduling: the engine calls
+    get_output() when it needs the step, by which time the next step is submitted."""
+
+    def __init__(self, runner: MetalModelRunner, step: _SubmittedStep):
+        self._runner = runner
+        self._step = step
+
+    def get_output(self):
+        return self._runner._step_output(self._step)
+
+    def get_kv_connector_output(self):
+        return None
 
 
 def _dtype_name(dtype) -> str | None:

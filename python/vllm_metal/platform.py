@@ -126,7 +126,8 @@ class MetalPlatform(Platform):
         # one process drives the device; no collective communication
         parallel.distributed_executor_backend = "uni"
         parallel.disable_custom_all_reduce = True
-        vllm_config.scheduler_config.async_scheduling = False
+        # async scheduling (vLLM's default; --no-async-scheduling turns it off) overlaps
+        # the host's work on a step with the forward of the one before (model_runner.py)
         compilation = vllm_config.compilation_config
         compilation.mode = CompilationMode.NONE
         compilation.cudagraph_mode = CUDAGraphMode.NONE

@@ -1,8 +1,12 @@
-"""The batch packer inside a real `vllm serve` (both model-runner contracts):
-every step the model runner packs is checked against the NumPy reference of
-test_batch_packer.py, computed from a shadow request table that sees only the
-SchedulerOutputs and the sampled tokens. Concurrent requests on a small KV pool
-(preemption, prefix-cache hits, chunked prefill) exercise the deltas."""
+"""The batch packer inside a real `vllm serve` (both model-runner contracts,
+with and without async scheduling): every step the model runner packs is
+checked against the NumPy reference of test_batch_packer.py, computed from a
+shadow request table that sees only the SchedulerOutputs and the sampled
+tokens. Concurrent requests on a small KV pool (preemption, prefix-cache hits,
+chunked prefill) exercise the deltas. Under async scheduling a step is packed
+before the previous step's tokens are known: the shadow holds a placeholder
+for each until the engine reads that step, and the packer's input_sources
+must name exactly the placeholders of the newest waiting step."""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ TESTS = Path(__file__).resolve().parent
 # and sample_tokens once vllm_metal.model_runner is imported.
 HOOK = textwrap.dedent(
     """
-    import builtins, os, sys
+    import builtins, collections, os, sys
 
     _import = builtins.__import__
     _done = []
@@ -30,7 +34,10 @@ HOOK = textwrap.dedent(
         sys.path.insert(0, os.environ["PACKER_SHADOW_TESTS"])
         from test_batch_packer import Group, Request, assert_outputs_equal, outputs, reference_pack
 
+        import numpy as np
+
         runner, shadow = mod.MetalModelRunner, {}
+        waiting = collections.deque()  # async: per submitted step, [(Request, index, batch row)]
         log = open(os.environ["PACKER_SHADOW_LOG"], "a")
         execute_model, sample_tokens = runner.execute_model, runner.sample_tokens
 
@@ -61,19 +68,48 @@ HOOK = textwrap.dedent(
                 sched = [(rid, q, []) for rid, q in so.num_scheduled_tokens.items()]
                 block_size = self.kv_caches[0][0].shape[1]
                 want = reference_pack(shadow, sched, [Group(block_size)], self.model_config.max_model_len)
+                # tokens that are samples of the newest step still waiting (async)
+                newest = {id(r): (i, b) for r, i, b in waiting[-1]} if waiting else {}
+                sources = np.full(int(want["cu_seqlens_q"][-1]), -1, np.int32)
+                for b, rid in enumerate(want["req_ids"]):
+                    r = shadow[rid]
+                    if id(r) in newest and r.computed <= newest[id(r)][0] < want["seq_lens"][b]:
+                        sources[want["cu_seqlens_q"][b] + newest[id(r)][0] - r.computed] = newest[id(r)][1]
                 try:
                     assert_outputs_equal(outputs(self.packer), want)
+                    got = np.array(self.packer.input_sources)
+                    assert (got == sources).all() if (sources >= 0).any() else len(got) == 0, (got, sources)
                     log.write(f"ok {len(sched)} {len(so.preempted_req_ids or ())} "
-                              f"{len(cached.resumed_req_ids)}\\n")
+                              f"{len(cached.resumed_req_ids)} {int((sources >= 0).sum())}\\n")
                 except AssertionError as e:
                     log.write(f"MISMATCH {e!r}\\n")
                 log.flush()
+                if self.async_scheduling:
+                    placeholders = []
+                    for b, rid in enumerate(want["req_ids"]):
+                        if not want["discard_sampled"][b]:
+                            placeholders.append((shadow[rid], len(shadow[rid].tokens), b))
+                            shadow[rid].tokens.append(0)
+                    waiting.append(placeholders)
             return out
 
         def checked_sample_tokens(self, grammar_output):
             result = sample_tokens(self, grammar_output)
-            for rid, tokens in zip(getattr(result, "req_ids", ()), getattr(result, "sampled_token_ids", ())):
-                shadow[rid].tokens.extend(tokens)
+            if not hasattr(result, "get_output"):
+                for rid, tokens in zip(getattr(result, "req_ids", ()), getattr(result, "sampled_token_ids", ())):
+                    shadow[rid].tokens.extend(tokens)
+                return result
+            placeholders, get_output = waiting[-1], result.get_output
+
+            def shadowed_get_output():
+                out = get_output()
+                for r, i, b in placeholders:
+                    if i < len(r.tokens):  # else rolled back (V1 resume): as the packer skips it
+                        r.tokens[i] = out.sampled_token_ids[b][0]
+                waiting.remove(placeholders)
+                return out
+
+            result.get_output = shadowed_get_output
             return result
 
         runner.execute_model, runner.sample_tokens = checked_execute_model, checked_sample_tokens
@@ -104,8 +140,9 @@ SERVER_ARGS = ["--max-model-len", "256", "--max-num-seqs", "16", "--num-gpu-bloc
                "--max-num-batched-tokens", "256", "--enable-prefix-caching"]
 
 
-@pytest.mark.parametrize("v2", ["1", "0"], ids=["v2", "v1"])
-def test_every_served_step_matches_the_reference(v2, tmp_path):
+@pytest.mark.parametrize("v2, scheduling", [("1", "async"), ("0", "async"), ("1", "sync")],
+                         ids=["v2-async", "v1-async", "v2-sync"])
+def test_every_served_step_matches_the_reference(v2, scheduling, tmp_path):
     from serving_harness import Server
     from vllm_metal.models.offline import OFFLINE_GGUF
 
@@ -117,7 +154,8 @@ def test_every_served_step_matches_the_reference(v2, tmp_path):
         "PACKER_SHADOW_LOG": str(log),
         "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
     }
-    server = Server(str(OFFLINE_GGUF["smollm2"]()), "smollm2", SERVER_ARGS, env=env)
+    args = SERVER_ARGS + (["--no-async-scheduling"] if scheduling == "sync" else [])
+    server = Server(str(OFFLINE_GGUF["smollm2"]()), "smollm2", args, env=env)
     try:
         jobs = [(PROMPTS[i % len(PROMPTS)] * (1 + i % 3), 24 + 8 * (i % 4)) for i in range(16)]
         with cf.ThreadPoolExecutor(16) as pool:
@@ -133,6 +171,8 @@ def test_every_served_step_matches_the_reference(v2, tmp_path):
     steps = [line.split() for line in lines]
     assert len(steps) > 20
     assert max(int(s[1]) for s in steps) > 1  # batches of several requests were packed
+    # async: decode rows took their input from the step still computing
+    assert any(int(s[4]) for s in steps) == (scheduling == "async")
     if v2 == "1":
         assert any(int(s[2]) for s in steps), "no preemption happened: the pool is too large"
     else:

@@ -411,6 +411,18 @@ void bind_runtime_packer(nb::module_& m) {
       .def("append_sampled", &append_sampled, "token_ids"_a,
            "token_ids [num_seqs, k] (or [num_seqs]) in the last step's batch order, -1 ends a\n"
            "row; partial prefill chunks are skipped. Once per packed step.")
+      .def("defer_sampled", &rt::BatchPacker::defer_sampled,
+           "Async scheduling: instead of append_sampled, a placeholder token for each row of\n"
+           "the last step that samples; resolve_deferred writes the real ones later.")
+      .def(
+          "resolve_deferred",
+          [](rt::BatchPacker& p, nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> t) {
+            p.resolve_deferred(t.data(), static_cast<int32_t>(t.shape(0)));
+          },
+          "token_ids"_a,
+          "The oldest deferred step's sampled tokens [num_seqs] in its batch order, written\n"
+          "over its placeholders (rows that left or were replaced since are skipped).")
+      .def_prop_ro("num_deferred_steps", &rt::BatchPacker::num_deferred_steps)
       .def("__contains__",
            [](const rt::BatchPacker& p, nb::handle id) {
              return PyUnicode_Check(id.ptr()) && p.requests().find(str_view(id)) >= 0;
@@ -487,6 +499,12 @@ void bind_runtime_packer(nb::module_& m) {
         return view(p, reinterpret_cast<const bool*>(p.discard_sampled()),
                     {size_t(p.batch().num_seqs)});
       }, "bool [num_seqs]: partial prefill chunks, whose samples are dropped")
+      .def_prop_ro("input_sources", [](const rt::BatchPacker& p) {
+        return view(p, p.input_sources(),
+                    {size_t(p.num_input_sources() > 0 ? p.batch().num_tokens : 0)});
+      }, "int32 [T] when some input token is a deferred sample (else empty): -1, or the\n"
+         "batch index in the newest deferred step of the sample that token is")
+      .def_prop_ro("num_input_sources", [](const rt::BatchPacker& p) { return p.num_input_sources(); })
       .def_prop_ro("req_ids", [](const rt::BatchPacker& p) {
         nb::list out;
         for (int32_t b = 0; b < p.batch().num_seqs; ++b) {

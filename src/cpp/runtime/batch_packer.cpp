@@ -93,6 +93,10 @@ BatchPacker::BatchPacker(BatchPackerConfig config)
   cu_num_logits_.assign(R + 1, 0);
   req_rows_.assign(R, 0);
   discard_sampled_.assign(R, 0);
+  input_sources_.assign(T, -1);
+  sample_counts_.assign(R, 0);
+  for (DeferredStep& d : deferred_) d.samples.reserve(R);
+  row_placeholders_.reserve(2 * R);  // grows with the table only
 }
 
 // ---- staging -----------------------------------------------------------------------
@@ -183,6 +187,11 @@ void BatchPacker::validate_staged(int32_t pad_tokens_to) {
            " tokens scheduled after " + std::to_string(c) + " computed need " +
            std::to_string(end - s.num_drafts) + " known tokens, the request has " +
            std::to_string(st.num_tokens) + " (append the sampled tokens first)");
+    }
+    const RowPlaceholder* ph = placeholder_in(s.row, c, end - s.num_drafts);
+    if (ph && ph->serial != newest_deferred()->serial) {
+      fail("request " + id() + ": its input token " + std::to_string(ph->index) +
+           " is the sample of a deferred step older than the newest (resolve_deferred first)");
     }
     if (end > table_.max_model_len()) {
       fail("request " + id() + ": seq_len " + std::to_string(end) + " exceeds max_model_len " +
@@ -276,6 +285,7 @@ const PackedBatch& BatchPacker::pack(int32_t pad_tokens_to) {
 
   out.split = split_decode_prefill(query_lens_.data(), seq_lens_.data(), num_decode_like, n,
                                    config_.decode_min_total_context);
+  write_input_sources();
   sampled_appended_ = false;
   table_.release_retired_rows();  // rows removed before this step are no longer referenced
   staged_.clear();
@@ -404,20 +414,9 @@ void BatchPacker::append_sampled(const int32_t* token_ids, int32_t num_seqs, int
     while (k < stride && r[k] >= 0) ++k;
     return k;
   };
-  for (int32_t b = 0; b < num_seqs; ++b) {
-    const size_t bi = static_cast<size_t>(b);
-    if (discard_sampled_[bi]) continue;
-    const int32_t r = req_rows_[bi];
-    if (!table_.is_live(r) || table_.state(r).generation != batch_generations_[bi]) {
-      fail("append_sampled: the request of batch row " + std::to_string(b) +
-           " left the table after pack()");
-    }
-    if (table_.state(r).num_tokens + count_of(b) > table_.max_model_len()) {
-      fail("append_sampled: request " + quoted(table_.row(r).req_id) +
-           " would exceed max_model_len " + std::to_string(table_.max_model_len()));
-    }
-    prefetch(&table_.row(r));  // the token list's header, read by the second pass
-  }
+  int32_t* counts = sample_counts_.data();
+  for (int32_t b = 0; b < num_seqs; ++b) counts[b] = count_of(b);
+  check_sampling_rows("append_sampled", counts);
   for (int32_t b = 0; b < num_seqs; ++b) {
     const size_t bi = static_cast<size_t>(b);
     if (bi + kPrefetchAhead < static_cast<size_t>(num_seqs)) {
@@ -427,9 +426,116 @@ void BatchPacker::append_sampled(const int32_t* token_ids, int32_t num_seqs, int
     if (discard_sampled_[bi]) continue;
     table_.append_tokens_to_row(req_rows_[bi],
                                 Int32Span(token_ids + bi * static_cast<size_t>(stride),
-                                          static_cast<size_t>(count_of(b))));
+                                          static_cast<size_t>(counts[b])));
   }
   sampled_appended_ = true;
+}
+
+// Every sampling row of the last step must still be its request and have room for
+// counts[b] more tokens. Reads each row's header, which the writes then find cached.
+void BatchPacker::check_sampling_rows(const char* what, const int32_t* counts) const {
+  for (int32_t b = 0; b < batch_.num_seqs; ++b) {
+    const size_t bi = static_cast<size_t>(b);
+    if (discard_sampled_[bi]) continue;
+    const int32_t r = req_rows_[bi];
+    if (!table_.is_live(r) || table_.state(r).generation != batch_generations_[bi]) {
+      fail(std::string(what) + ": the request of batch row " + std::to_string(b) +
+           " left the table after pack()");
+    }
+    if (table_.state(r).num_tokens + counts[b] > table_.max_model_len()) {
+      fail(std::string(what) + ": request " + quoted(table_.row(r).req_id) +
+           " would exceed max_model_len " + std::to_string(table_.max_model_len()));
+    }
+    prefetch(&table_.row(r));  // the token list's header
+  }
+}
+
+// ---- deferred samples (async scheduling) -------------------------------------------
+
+void BatchPacker::defer_sampled() {
+  if (sampled_appended_) fail("defer_sampled: no packed step is waiting for its sampled tokens");
+  if (num_deferred_ == kMaxDeferredSteps) {
+    fail("defer_sampled: " + std::to_string(kMaxDeferredSteps) +
+         " steps already wait for their tokens (resolve_deferred the oldest first)");
+  }
+  const int32_t n = batch_.num_seqs;
+  std::fill_n(sample_counts_.begin(), n, 1);
+  check_sampling_rows("defer_sampled", sample_counts_.data());
+  if (row_placeholders_.size() < static_cast<size_t>(table_.num_rows())) {
+    row_placeholders_.resize(static_cast<size_t>(table_.num_rows()));
+  }
+  DeferredStep& d = deferred_[(first_deferred_ + num_deferred_) % kMaxDeferredSteps];
+  d.serial = ++deferred_serial_;
+  d.samples.assign(static_cast<size_t>(n), DeferredSample{});
+  const int32_t placeholder = kPlaceholderToken;
+  for (int32_t b = 0; b < n; ++b) {
+    const size_t bi = static_cast<size_t>(b);
+    if (discard_sampled_[bi]) continue;
+    const int32_t r = req_rows_[bi];
+    const RowState& st = table_.state(r);
+    d.samples[bi] = DeferredSample{r, st.generation, st.num_tokens};
+    row_placeholders_[static_cast<size_t>(r)] = RowPlaceholder{d.serial, st.generation, st.num_tokens, b};
+    table_.append_tokens_to_row(r, Int32Span(&placeholder, 1));
+  }
+  num_deferred_ += 1;
+  sampled_appended_ = true;
+}
+
+void BatchPacker::resolve_deferred(const int32_t* token_ids, int32_t num_seqs) {
+  if (num_deferred_ == 0) fail("resolve_deferred: no step is waiting for its tokens");
+  DeferredStep& d = deferred_[first_deferred_];
+  if (static_cast<size_t>(num_seqs) != d.samples.size()) {
+    fail("resolve_deferred: expected the " + std::to_string(d.samples.size()) +
+         " tokens of the oldest deferred step, got " + std::to_string(num_seqs));
+  }
+  for (int32_t b = 0; b < num_seqs; ++b) {
+    if (d.samples[static_cast<size_t>(b)].row >= 0 && token_ids[b] < 0) {
+      fail("resolve_deferred: batch row " + std::to_string(b) + " has no token (" +
+           std::to_string(token_ids[b]) + ")");
+    }
+  }
+  for (int32_t b = 0; b < num_seqs; ++b) {
+    const DeferredSample& s = d.samples[static_cast<size_t>(b)];
+    if (s.row < 0 || !table_.is_live(s.row)) continue;
+    const RowState& st = table_.state(s.row);
+    if (st.generation != s.generation || s.index >= st.num_tokens) continue;
+    table_.overwrite_token(s.row, s.index, token_ids[b]);
+    RowPlaceholder& ph = row_placeholders_[static_cast<size_t>(s.row)];
+    if (ph.serial == d.serial) ph.serial = 0;
+  }
+  first_deferred_ = (first_deferred_ + 1) % kMaxDeferredSteps;
+  num_deferred_ -= 1;
+}
+
+const BatchPacker::DeferredStep* BatchPacker::newest_deferred() const {
+  if (num_deferred_ == 0) return nullptr;
+  return &deferred_[(first_deferred_ + num_deferred_ - 1) % kMaxDeferredSteps];
+}
+
+const BatchPacker::RowPlaceholder* BatchPacker::placeholder_in(int32_t r, int64_t begin,
+                                                               int64_t end) const {
+  if (num_deferred_ == 0 || static_cast<size_t>(r) >= row_placeholders_.size()) return nullptr;
+  const RowPlaceholder& ph = row_placeholders_[static_cast<size_t>(r)];
+  // serials of resolved steps are below the oldest waiting one
+  if (ph.serial == 0 || ph.serial < deferred_[first_deferred_].serial) return nullptr;
+  const RowState& st = table_.state(r);
+  if (ph.generation != st.generation || ph.index >= st.num_tokens) return nullptr;
+  return ph.index >= begin && ph.index < end ? &ph : nullptr;
+}
+
+void BatchPacker::write_input_sources() {
+  num_input_sources_ = 0;
+  if (num_deferred_ == 0) return;
+  std::fill_n(input_sources_.begin(), batch_.num_tokens, -1);
+  for (int32_t b = 0; b < batch_.num_seqs; ++b) {
+    const size_t bi = static_cast<size_t>(b);
+    const int32_t begin = seq_lens_[bi] - query_lens_[bi];  // num_computed_tokens
+    const int32_t drafts = cu_num_logits_[bi + 1] - cu_num_logits_[bi] - 1;
+    const RowPlaceholder* ph = placeholder_in(req_rows_[bi], begin, seq_lens_[bi] - drafts);
+    if (!ph) continue;  // validate_staged allowed only the newest step's placeholders
+    input_sources_[static_cast<size_t>(cu_seqlens_q_[bi] + ph->index - begin)] = ph->batch;
+    num_input_sources_ += 1;
+  }
 }
 
 }  // namespace vllm_metal::runtime

@@ -14,6 +14,10 @@
 //   cu_num_logits   int32 [S + 1]      request's query (rejection sampling reads them)
 //   req_rows        int32 [S]          batch index -> request-table row
 //   discard_sampled uint8 [S]          1: a partial prefill chunk, its sample is dropped
+//   input_sources   int32 [T]          with deferred samples (async scheduling): -1, or the
+//                                      batch index, in the newest deferred step, of the
+//                                      sample that this token is (input_ids holds a
+//                                      placeholder there until the step is resolved)
 // Rows: decode rows first (one new token, plus drafts), then prefill chunks,
 // each group in the order scheduled. Which leading rows the decode kernel
 // takes is split_decode_prefill()'s rule.
@@ -108,6 +112,20 @@ class BatchPacker {
   // nothing; once per packed step.
   void append_sampled(const int32_t* token_ids, int32_t num_seqs, int32_t stride);
 
+  // ---- async scheduling: the next step is packed before this one's tokens exist ----
+  // In place of append_sampled: appends a placeholder (kPlaceholderToken) to each row of
+  // the last packed step that samples and remembers where. At most kMaxDeferredSteps
+  // steps wait at once; a later pack() reports in input_sources() which of its tokens
+  // are the newest deferred step's samples.
+  void defer_sampled();
+  // The oldest deferred step's tokens [num_seqs], in its batch order, written over its
+  // placeholders. Rows that left the table, were replaced or were rolled back past the
+  // placeholder since are skipped. All or nothing.
+  void resolve_deferred(const int32_t* token_ids, int32_t num_seqs);
+  int32_t num_deferred_steps() const { return num_deferred_; }
+  static constexpr int32_t kPlaceholderToken = 0;
+  static constexpr int32_t kMaxDeferredSteps = 2;
+
   // ---- the last packed step --------------------------------------------------------
   const PackedBatch& batch() const { return batch_; }
   const int32_t* input_ids() const { return input_ids_.data(); }
@@ -126,6 +144,9 @@ class BatchPacker {
   const int32_t* cu_num_logits() const { return cu_num_logits_.data(); }
   const int32_t* req_rows() const { return req_rows_.data(); }
   const uint8_t* discard_sampled() const { return discard_sampled_.data(); }
+  // [T], valid when num_input_sources() > 0 (see the layout above)
+  const int32_t* input_sources() const { return input_sources_.data(); }
+  int32_t num_input_sources() const { return num_input_sources_; }
   int32_t num_groups() const { return table_.num_groups(); }
   int32_t position_dims() const { return config_.mrope_num_dims > 0 ? config_.mrope_num_dims : 1; }
 
@@ -144,7 +165,30 @@ class BatchPacker {
     uint32_t block_ids_version = 0;
   };
 
+  // A placeholder a step appended: token_ids[index] of (row, generation).
+  struct DeferredSample {
+    int32_t row = -1;  // -1: the batch row does not sample (partial prefill chunk)
+    uint32_t generation = 0;
+    int32_t index = 0;
+  };
+  struct DeferredStep {
+    uint64_t serial = 0;
+    std::vector<DeferredSample> samples;  // [num_seqs] in that step's batch order
+  };
+  // The newest deferred placeholder of each table row.
+  struct RowPlaceholder {
+    uint64_t serial = 0;  // 0: none waiting
+    uint32_t generation = 0;
+    int32_t index = 0;
+    int32_t batch = 0;  // its step's batch index
+  };
+
   void validate_staged(int32_t pad_tokens_to);
+  void check_sampling_rows(const char* what, const int32_t* counts) const;
+  const DeferredStep* newest_deferred() const;
+  // The placeholder of row r within tokens [begin, end), from a step still deferred, or null.
+  const RowPlaceholder* placeholder_in(int32_t r, int64_t begin, int64_t end) const;
+  void write_input_sources();
   void prefetch_request(const Staged& s) const;
   void write_request(int32_t b, const Staged& s, int32_t query_start, int32_t logits_start);
 
@@ -179,6 +223,16 @@ class BatchPacker {
   std::vector<int32_t> cu_num_logits_;   // [max_num_reqs + 1]
   std::vector<int32_t> req_rows_;        // [max_num_reqs]
   std::vector<uint8_t> discard_sampled_;  // [max_num_reqs]
+  std::vector<int32_t> input_sources_;    // [max_num_batched_tokens]
+  std::vector<int32_t> sample_counts_;    // [max_num_reqs] scratch: tokens each row appends
+  int32_t num_input_sources_ = 0;
+
+  // deferred samples: a ring of kMaxDeferredSteps, oldest at first_deferred_
+  DeferredStep deferred_[kMaxDeferredSteps];
+  int32_t first_deferred_ = 0;
+  int32_t num_deferred_ = 0;
+  uint64_t deferred_serial_ = 0;
+  std::vector<RowPlaceholder> row_placeholders_;  // [table rows]
 };
 
 }  // namespace vllm_metal::runtime

@@ -442,4 +442,15 @@ void RequestTable::append_tokens_to_row(int32_t r, Int32Span token_ids) {
   st.last_token = token_ids[token_ids.size - 1];
 }
 
+void RequestTable::overwrite_token(int32_t r, int32_t index, int32_t token_id) {
+  if (!is_live(r)) fail("row " + std::to_string(r) + " holds no request");
+  RowState& st = states_[static_cast<size_t>(r)];
+  if (index < 0 || index >= st.num_tokens) {
+    fail("request " + quoted(rows_[static_cast<size_t>(r)].req_id) + ": token index " +
+         std::to_string(index) + " is not below its " + std::to_string(st.num_tokens) + " tokens");
+  }
+  rows_[static_cast<size_t>(r)].token_ids[static_cast<size_t>(index)] = token_id;
+  if (index == st.num_tokens - 1) st.last_token = token_id;
+}
+
 }  // namespace vllm_metal::runtime

@@ -123,6 +123,9 @@ class RequestTable {
   // Appends tokens (sampled by the model) to a request.
   void append_tokens(std::string_view req_id, Int32Span token_ids);
   void append_tokens_to_row(int32_t row, Int32Span token_ids);
+  // Sets token_ids[index] of a live row (index < its num_tokens): a deferred sample's
+  // placeholder becomes the sampled token.
+  void overwrite_token(int32_t row, int32_t index, int32_t token_id);
 
   // Row of an id, or -1.
   int32_t find(std::string_view req_id) const;
