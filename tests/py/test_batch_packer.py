@@ -415,6 +415,28 @@ def test_append_sampled_follows_batch_order_and_skips_partial_chunks():
     assert list(p.token_ids("c")) == list(range(10))
 
 
+def test_deferred_samples_through_the_binding():
+    # async scheduling: step 2 is packed before step 1's tokens exist
+    p, reqs = make_packer(), {}
+    add(p, reqs, "a", range(4), 3, [[1, 3]])
+    add(p, reqs, "b", range(10, 14), 3, [[2, 4]])
+    p.pack({"a": 1, "b": 1})
+    assert p.num_input_sources == 0 and len(p.input_sources) == 0
+    p.defer_sampled()
+    assert p.num_deferred_steps == 1 and list(p.token_ids("a")) == [0, 1, 2, 3, 0]
+    p.update_requests(["a", "b"], [4, 4])
+    p.pack({"b": 1, "a": 1})
+    assert list(p.input_sources) == [1, 0]  # b was batch row 1 of step 1, a row 0
+    with pytest.raises(ValueError, match="expected the 2 tokens"):
+        p.resolve_deferred(np.array([5], np.int32))
+    with pytest.raises(TypeError):
+        p.resolve_deferred(np.array([[40, 41]], np.int32))  # one row of tokens per sequence
+    p.resolve_deferred(np.array([40, 41], np.int32))
+    assert list(p.token_ids("a")) == [0, 1, 2, 3, 40] and list(p.token_ids("b"))[-1] == 41
+    with pytest.raises(ValueError, match="no step is waiting"):
+        p.resolve_deferred(np.array([40, 41], np.int32))
+
+
 # ---- the SchedulerOutput adapter (vLLM 0.33 contracts) ------------------------------
 
 

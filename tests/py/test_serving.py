@@ -103,6 +103,22 @@ def test_v1_runner_contract_serves_concurrent_requests_with_preemption(tmp_path)
         s.stop()
 
 
+def test_penalties_read_the_tokens_of_the_step_still_computing(server):
+    # Async scheduling (the default) packs step N+1 before N's tokens are on the host; a
+    # penalized request's history must hold them anyway (the runner waits for that step).
+    # Reference: the same requests on a server that schedules synchronously.
+    kw = dict(max_tokens=24, temperature=0, repetition_penalty=1.5, frequency_penalty=0.8)
+    prompts = [PROMPTS[i] for i in (2, 3, 6)]
+    async_texts = [server.complete(p, **kw)["choices"][0]["text"] for p in prompts]
+    plain = [server.complete(p, max_tokens=24, temperature=0)["choices"][0]["text"] for p in prompts]
+    assert async_texts != plain  # the penalties change the tokens
+    sync = Server(smollm2_gguf(), "smollm2", SERVER_ARGS + ["--no-async-scheduling"])
+    try:
+        assert [sync.complete(p, **kw)["choices"][0]["text"] for p in prompts] == async_texts
+    finally:
+        sync.stop()
+
+
 def test_prefix_cache_hits_give_the_same_tokens(server):
     shared = "You are a helpful assistant. Answer briefly and precisely. " * 4
     first = server.complete(shared + "What is two plus two?", max_tokens=10)
