@@ -469,6 +469,35 @@ TEST(BatchPacker, DeferredSamplesArePlaceholdersUntilResolved) {
   EXPECT_EQ(p.num_input_sources(), 0);
 }
 
+TEST(BatchPacker, RolledBackOrResyncedTokensVoidTheirPlaceholders) {
+  rt::BatchPacker p(config());
+  add(p, "a", range(0, 4), 3, {{1, 6}});
+  add(p, "b", range(10, 4), 3, {{2, 3}});
+  p.begin_step();
+  p.schedule("a", 1);
+  p.schedule("b", 1);
+  p.pack();
+  p.defer_sampled();  // a and b: token 4 is a placeholder
+  rt::RequestUpdate u[2];
+  u[0].req_id = "a";  // rolled back to no outputs, then sampled again
+  u[0].num_computed_tokens = 3;
+  u[0].num_output_tokens = 0;
+  const Ints resync = concat(range(10, 4), {77});
+  const rt::Int32Span resync_span(resync);
+  u[1].req_id = "b";  // its tokens re-sent in full (V1 resume)
+  u[1].num_computed_tokens = 3;
+  u[1].token_ids = &resync_span;
+  p.requests().update(u, 2);
+  const Ints again{55};
+  p.requests().append_tokens("a", rt::Int32Span(again));
+  const Ints sampled{40, 41};
+  p.resolve_deferred(sampled.data(), 2);
+  const auto& t = p.requests();
+  EXPECT_EQ(t.row(t.row_of("a")).token_ids, concat(range(0, 4), {55}));
+  EXPECT_EQ(t.row(t.row_of("b")).token_ids, concat(range(10, 4), {77}));
+  EXPECT_EQ(t.state(t.row_of("a")).last_token, 55);
+}
+
 TEST(BatchPacker, APlaceholderOfAnOlderWaitingStepIsRefused) {
   rt::BatchPacker p(config());
   add(p, "a", range(0, 4), 3, {{1, 6}});

@@ -1,14 +1,18 @@
 """Hypothesis: random operation sequences on the BatchPacker (add, extend,
-step + sample, preempt and resume in both vLLM contracts, roll back, finish,
-and bad input) against the pure-Python model in test_batch_packer.py. After
-every step each packed array must equal the NumPy construction; after every
-rejected operation the table and the last outputs must be unchanged."""
+step + sample or step + defer the samples (async scheduling) and resolve them
+later, preempt and resume in both vLLM contracts, roll back, finish, and bad
+input) against the pure-Python model in test_batch_packer.py. After every step
+each packed array must equal the NumPy construction; after every rejected
+operation the table and the last outputs must be unchanged. In the model a
+deferred sample is a 0 in a request's token list until resolved; a list that
+is replaced (roll back, resync, V2 resume) leaves its placeholders behind, as
+the packer voids them."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -49,6 +53,7 @@ class PackerMachine(RuleBasedStateMachine):
         self.next_block = 1
         self.next_id = 0
         self.last = None  # outputs of the last packed step
+        self.pending = []  # deferred steps, oldest first: [(token list, index)] per batch row
 
     # ---- helpers -----------------------------------------------------------------
 
@@ -103,8 +108,37 @@ class PackerMachine(RuleBasedStateMachine):
                                 mrope_positions=pos, mrope_position_delta=delta)
         self.reqs[rid] = Request(list(prompt), len(prompt), computed, blocks, pos, delta)
 
+    def _resolve_oldest(self, data):
+        samples = self.pending.pop(0)
+        tokens = data.draw(st.lists(st.integers(0, 50000), min_size=len(samples),
+                                    max_size=len(samples)), label="resolved")
+        for (lst, i), t in zip(samples, tokens):
+            if lst is not None:
+                lst[i] = t
+        self.packer.resolve_deferred(np.array(tokens, np.int32))
+
+    def _expected_sources(self, want, sched):
+        newest = {id(lst): (i, b) for b, (lst, i) in enumerate(self.pending[-1]) if lst is not None} \
+            if self.pending else {}
+        drafts = {rid: len(d) for rid, _, d in sched}
+        sources = np.full(want["num_tokens"], -1, np.int32)
+        for b, rid in enumerate(want["req_ids"]):
+            r = self.reqs[rid]
+            i, prev = newest.get(id(r.tokens), (-1, -1))
+            if r.computed <= i < want["seq_lens"][b] - drafts[rid]:
+                sources[want["cu_seqlens_q"][b] + i - r.computed] = prev
+        return sources
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def resolve(self, data):
+        """The engine reads the oldest deferred step."""
+        self._resolve_oldest(data)
+
     @rule(data=st.data())
     def step(self, data):  # with no requests: an empty step
+        while len(self.pending) > 1:  # as the runner: only the newest may feed this step
+            self._resolve_oldest(data)
         ids = data.draw(st.permutations(sorted(self.reqs)), label="order")
         sched, budget, extensions = [], MAX_TOKENS, {}
         for rid in ids:
@@ -136,10 +170,37 @@ class PackerMachine(RuleBasedStateMachine):
         want = reference_pack(self.reqs, sched, self.groups, MAX_LEN, self.mrope, pad, self.threshold)
         got = outputs(self.packer)
         assert_outputs_equal(got, want)
+        sources = self._expected_sources(want, sched)
+        if (sources >= 0).any():
+            event("inputs that are deferred samples")
+            np.testing.assert_array_equal(np.array(self.packer.input_sources), sources)
+        else:
+            assert self.packer.num_input_sources == 0
         self.last = got
 
-        # the model samples: 1 + accepted drafts per row; partial chunks are discarded
         by_id = {rid: (q, len(d)) for rid, q, d in sched}
+        sampling = [rid for b, rid in enumerate(got["req_ids"]) if not got["discard_sampled"][b]]
+        if (not any(d for _, _, d in sched) and all(len(self.reqs[r].tokens) < MAX_LEN for r in sampling)
+                and data.draw(st.booleans(), label="defer")):
+            # async scheduling: placeholders now, the tokens when the engine reads the step
+            self.packer.defer_sampled()
+            event("samples deferred")
+            samples, computed = [], {}
+            for b, rid in enumerate(got["req_ids"]):
+                r = self.reqs[rid]
+                computed[rid] = r.computed + by_id[rid][0]
+                if got["discard_sampled"][b]:
+                    samples.append((None, 0))
+                    continue
+                samples.append((r.tokens, len(r.tokens)))
+                r.tokens.append(0)
+            self.pending.append(samples)
+            self.packer.update_requests(list(computed), list(computed.values()))
+            for rid, c in computed.items():
+                self.reqs[rid].computed = c
+            return
+
+        # the model samples: 1 + accepted drafts per row; partial chunks are discarded
         width = 3
         sampled = np.full((len(sched), width), -1, np.int32)
         computed = {}
@@ -195,6 +256,7 @@ class PackerMachine(RuleBasedStateMachine):
                                 prompt_len=r.prompt_len, mrope_positions=r.mrope,
                                 mrope_position_delta=r.delta, replace=replace)
         r.computed, r.blocks = c, blocks
+        r.tokens = list(r.tokens)  # a new request: placeholders of the old one are void
 
     @precondition(lambda self: any(len(r.tokens) > r.prompt_len for r in self.reqs.values()))
     @rule(data=st.data())
@@ -203,7 +265,7 @@ class PackerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(k for k, r in self.reqs.items() if len(r.tokens) > r.prompt_len)))
         r = self.reqs[rid]
         keep = data.draw(st.integers(0, len(r.tokens) - r.prompt_len - 1), label="keep")
-        del r.tokens[r.prompt_len + keep :]
+        r.tokens = r.tokens[: r.prompt_len + keep]  # a new list: its placeholders are void
         r.computed = min(r.computed, len(r.tokens) - 1) if len(r.tokens) > 1 else 0
         self.packer.update_requests([rid], [r.computed], num_output_tokens=[keep])
 

@@ -37,7 +37,7 @@ HOOK = textwrap.dedent(
         import numpy as np
 
         runner, shadow = mod.MetalModelRunner, {}
-        waiting = collections.deque()  # async: per submitted step, [(Request, index, batch row)]
+        waiting = collections.deque()  # async: per submitted step, [(token list, index, batch row)]
         log = open(os.environ["PACKER_SHADOW_LOG"], "a")
         execute_model, sample_tokens = runner.execute_model, runner.sample_tokens
 
@@ -69,12 +69,13 @@ HOOK = textwrap.dedent(
                 block_size = self.kv_caches[0][0].shape[1]
                 want = reference_pack(shadow, sched, [Group(block_size)], self.model_config.max_model_len)
                 # tokens that are samples of the newest step still waiting (async)
-                newest = {id(r): (i, b) for r, i, b in waiting[-1]} if waiting else {}
+                newest = {id(t): (i, b) for t, i, b in waiting[-1]} if waiting else {}
                 sources = np.full(int(want["cu_seqlens_q"][-1]), -1, np.int32)
                 for b, rid in enumerate(want["req_ids"]):
                     r = shadow[rid]
-                    if id(r) in newest and r.computed <= newest[id(r)][0] < want["seq_lens"][b]:
-                        sources[want["cu_seqlens_q"][b] + newest[id(r)][0] - r.computed] = newest[id(r)][1]
+                    i, b_prev = newest.get(id(r.tokens), (-1, -1))
+                    if r.computed <= i < want["seq_lens"][b]:
+                        sources[want["cu_seqlens_q"][b] + i - r.computed] = b_prev
                 try:
                     assert_outputs_equal(outputs(self.packer), want)
                     got = np.array(self.packer.input_sources)
@@ -88,7 +89,7 @@ HOOK = textwrap.dedent(
                     placeholders = []
                     for b, rid in enumerate(want["req_ids"]):
                         if not want["discard_sampled"][b]:
-                            placeholders.append((shadow[rid], len(shadow[rid].tokens), b))
+                            placeholders.append((shadow[rid].tokens, len(shadow[rid].tokens), b))
                             shadow[rid].tokens.append(0)
                     waiting.append(placeholders)
             return out
@@ -103,9 +104,8 @@ HOOK = textwrap.dedent(
 
             def shadowed_get_output():
                 out = get_output()
-                for r, i, b in placeholders:
-                    if i < len(r.tokens):  # else rolled back (V1 resume): as the packer skips it
-                        r.tokens[i] = out.sampled_token_ids[b][0]
+                for tokens, i, b in placeholders:  # a list replaced since (V1 resume) is left
+                    tokens[i] = out.sampled_token_ids[b][0]
                 waiting.remove(placeholders)
                 return out
 

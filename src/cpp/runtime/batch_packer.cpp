@@ -473,8 +473,9 @@ void BatchPacker::defer_sampled() {
     if (discard_sampled_[bi]) continue;
     const int32_t r = req_rows_[bi];
     const RowState& st = table_.state(r);
-    d.samples[bi] = DeferredSample{r, st.generation, st.num_tokens};
-    row_placeholders_[static_cast<size_t>(r)] = RowPlaceholder{d.serial, st.generation, st.num_tokens, b};
+    d.samples[bi] = DeferredSample{r, st.generation, st.tokens_version, st.num_tokens};
+    row_placeholders_[static_cast<size_t>(r)] =
+        RowPlaceholder{d.serial, st.generation, st.tokens_version, st.num_tokens, b};
     table_.append_tokens_to_row(r, Int32Span(&placeholder, 1));
   }
   num_deferred_ += 1;
@@ -498,7 +499,7 @@ void BatchPacker::resolve_deferred(const int32_t* token_ids, int32_t num_seqs) {
     const DeferredSample& s = d.samples[static_cast<size_t>(b)];
     if (s.row < 0 || !table_.is_live(s.row)) continue;
     const RowState& st = table_.state(s.row);
-    if (st.generation != s.generation || s.index >= st.num_tokens) continue;
+    if (st.generation != s.generation || st.tokens_version != s.tokens_version) continue;
     table_.overwrite_token(s.row, s.index, token_ids[b]);
     RowPlaceholder& ph = row_placeholders_[static_cast<size_t>(s.row)];
     if (ph.serial == d.serial) ph.serial = 0;
@@ -519,7 +520,7 @@ const BatchPacker::RowPlaceholder* BatchPacker::placeholder_in(int32_t r, int64_
   // serials of resolved steps are below the oldest waiting one
   if (ph.serial == 0 || ph.serial < deferred_[first_deferred_].serial) return nullptr;
   const RowState& st = table_.state(r);
-  if (ph.generation != st.generation || ph.index >= st.num_tokens) return nullptr;
+  if (ph.generation != st.generation || ph.tokens_version != st.tokens_version) return nullptr;
   return ph.index >= begin && ph.index < end ? &ph : nullptr;
 }
 

@@ -119,8 +119,8 @@ class BatchPacker {
   // are the newest deferred step's samples.
   void defer_sampled();
   // The oldest deferred step's tokens [num_seqs], in its batch order, written over its
-  // placeholders. Rows that left the table, were replaced or were rolled back past the
-  // placeholder since are skipped. All or nothing.
+  // placeholders. Rows that left the table, were replaced, rolled back or given new
+  // tokens (V1 resume) since are skipped. All or nothing.
   void resolve_deferred(const int32_t* token_ids, int32_t num_seqs);
   int32_t num_deferred_steps() const { return num_deferred_; }
   static constexpr int32_t kPlaceholderToken = 0;
@@ -165,10 +165,12 @@ class BatchPacker {
     uint32_t block_ids_version = 0;
   };
 
-  // A placeholder a step appended: token_ids[index] of (row, generation).
+  // A placeholder a step appended: token_ids[index] of (row, generation), valid while the
+  // row's tokens_version is unchanged (a rollback or a token resync voids it).
   struct DeferredSample {
     int32_t row = -1;  // -1: the batch row does not sample (partial prefill chunk)
     uint32_t generation = 0;
+    uint32_t tokens_version = 0;
     int32_t index = 0;
   };
   struct DeferredStep {
@@ -179,6 +181,7 @@ class BatchPacker {
   struct RowPlaceholder {
     uint64_t serial = 0;  // 0: none waiting
     uint32_t generation = 0;
+    uint32_t tokens_version = 0;
     int32_t index = 0;
     int32_t batch = 0;  // its step's batch index
   };

@@ -281,6 +281,7 @@ void RequestTable::set_tokens(int32_t r, Int32Span token_ids) {
   row.token_ids.assign(token_ids.begin(), token_ids.end());
   st.num_tokens = static_cast<int32_t>(token_ids.size);
   st.last_token = token_ids.size ? token_ids[token_ids.size - 1] : 0;
+  st.tokens_version += 1;
 }
 
 // Writes validated ids (one list per group) after the held ones, or in their place.
@@ -413,6 +414,7 @@ void RequestTable::update(const RequestUpdate* updates, size_t count) {
         tokens.resize(static_cast<size_t>(keep));
         st.num_tokens = static_cast<int32_t>(keep);
         st.last_token = keep > 0 ? tokens.back() : 0;
+        st.tokens_version += 1;
       }
     }
     if (u.new_block_ids) {

@@ -90,6 +90,7 @@ struct RowState {
   int32_t last_token = 0;          // token_ids[num_tokens - 1]: a decode's input
   uint32_t generation = 0;         // bumped on add and remove: (row, generation) names a request
   uint32_t block_ids_version = 0;  // bumped when block ids are replaced, not appended
+  uint32_t tokens_version = 0;     // bumped when tokens are replaced or rolled back
   int32_t live = 0;
 };
 
