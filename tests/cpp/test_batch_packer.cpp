@@ -405,79 +405,89 @@ TEST(BatchPacker, AppendSampledSkipsPartialChunksAndStopsAtMinusOne) {
   expect_error([&] { p.append_sampled(sampled.data(), 1, 3); }, "left the table after pack()");
 }
 
+namespace {
+
+void pack_step(rt::BatchPacker& p, const std::vector<std::pair<std::string, int32_t>>& sched) {
+  p.begin_step();
+  for (const auto& [id, n] : sched) p.schedule(id, n);
+  p.pack();
+}
+
+void set_computed(rt::BatchPacker& p, const std::string& id, int32_t computed) {
+  rt::RequestUpdate u;
+  u.req_id = id;
+  u.num_computed_tokens = computed;
+  p.requests().update(&u, 1);
+}
+
+Ints tokens_of(const rt::BatchPacker& p, const std::string& id) {
+  return p.requests().row(p.requests().row_of(id)).token_ids;
+}
+
+// "a" (tokens 0..3) and "b" (10..13) decode token 3 together; their samples are deferred,
+// so token 4 of each is a placeholder.
+void defer_a_and_b_decodes(rt::BatchPacker& p) {
+  add(p, "a", range(0, 4), 3, {{1, 6}});
+  add(p, "b", range(10, 4), 3, {{2, 3}});
+  pack_step(p, {{"a", 1}, {"b", 1}});
+  p.defer_sampled();
+}
+
+}  // namespace
+
 TEST(BatchPacker, DeferredSamplesArePlaceholdersUntilResolved) {
   rt::BatchPacker p(config());
   add(p, "a", range(0, 4), 3, {{1, 6}});
   add(p, "b", range(10, 4), 3, {{2, 3}});
   add(p, "c", range(20, 8), 0, {{4, 5}});
-  const auto step = [&](const std::vector<std::pair<std::string, int32_t>>& sched) {
-    p.begin_step();
-    for (const auto& [id, n] : sched) p.schedule(id, n);
-    p.pack();
-  };
-  const auto advance = [&](const std::string& id, int32_t computed) {
-    rt::RequestUpdate u;
-    u.req_id = id;
-    u.num_computed_tokens = computed;
-    p.requests().update(&u, 1);
-  };
-  const auto tokens = [&](const std::string& id) {
-    return p.requests().row(p.requests().row_of(id)).token_ids;
-  };
-  step({{"c", 4}, {"a", 1}, {"b", 1}});  // batch order a, b, c (c: a partial chunk)
+  pack_step(p, {{"c", 4}, {"a", 1}, {"b", 1}});  // batch order a, b, c (c: a partial chunk)
   EXPECT_EQ(p.num_input_sources(), 0);
   p.defer_sampled();
-  EXPECT_EQ(tokens("a"), concat(range(0, 4), {rt::BatchPacker::kPlaceholderToken}));
-  EXPECT_EQ(tokens("c"), range(20, 8));  // its sample is dropped: nothing deferred
+  EXPECT_EQ(tokens_of(p, "a"), concat(range(0, 4), {rt::BatchPacker::kPlaceholderToken}));
+  EXPECT_EQ(tokens_of(p, "c"), range(20, 8));  // its sample is dropped: nothing deferred
   expect_error([&] { p.defer_sampled(); }, "no packed step is waiting");
 
   // the next step is packed before the first one's tokens exist
-  advance("a", 4);
-  advance("b", 4);
-  advance("c", 4);
-  step({{"a", 1}, {"b", 1}, {"c", 4}});
+  set_computed(p, "a", 4);
+  set_computed(p, "b", 4);
+  set_computed(p, "c", 4);
+  pack_step(p, {{"a", 1}, {"b", 1}, {"c", 4}});
   EXPECT_EQ(vec(p.input_ids(), 6), (Ints{0, 0, 24, 25, 26, 27}));
   EXPECT_EQ(p.num_input_sources(), 2);
   EXPECT_EQ(vec(p.input_sources(), 6), (Ints{0, 1, -1, -1, -1, -1}));
   p.defer_sampled();
   EXPECT_EQ(p.num_deferred_steps(), 2);
-  advance("a", 5);
-  step({{"a", 1}});
+  set_computed(p, "a", 5);
+  pack_step(p, {{"a", 1}});
   expect_error([&] { p.defer_sampled(); }, "2 steps already wait");
 
   const Ints first{40, 41, 7};
   expect_error([&] { p.resolve_deferred(first.data(), 2); }, "expected the 3 tokens");
   const Ints negative{40, -1, 7};
   expect_error([&] { p.resolve_deferred(negative.data(), 3); }, "batch row 1 has no token");
-  EXPECT_EQ(tokens("a"), concat(range(0, 4), {0, 0}));  // errors change nothing
+  EXPECT_EQ(tokens_of(p, "a"), concat(range(0, 4), {0, 0}));  // errors change nothing
   p.resolve_deferred(first.data(), 3);
-  EXPECT_EQ(tokens("a"), concat(range(0, 4), {40, 0}));
-  EXPECT_EQ(tokens("b"), concat(range(10, 4), {41, 0}));
-  EXPECT_EQ(tokens("c"), concat(range(20, 8), {0}));  // its first placeholder came with step 2
+  EXPECT_EQ(tokens_of(p, "a"), concat(range(0, 4), {40, 0}));
+  EXPECT_EQ(tokens_of(p, "b"), concat(range(10, 4), {41, 0}));
+  EXPECT_EQ(tokens_of(p, "c"), concat(range(20, 8), {0}));  // its first placeholder came with step 2
 
   p.requests().remove("b");  // it left: its step-2 placeholder is skipped on resolve
   const Ints second{50, 51, 52};
   p.resolve_deferred(second.data(), 3);
-  EXPECT_EQ(tokens("a"), concat(range(0, 4), {40, 50}));
-  EXPECT_EQ(tokens("c"), concat(range(20, 8), {52}));
+  EXPECT_EQ(tokens_of(p, "a"), concat(range(0, 4), {40, 50}));
+  EXPECT_EQ(tokens_of(p, "c"), concat(range(20, 8), {52}));
   EXPECT_EQ(p.num_deferred_steps(), 0);
   expect_error([&] { p.resolve_deferred(second.data(), 3); }, "no step is waiting");
   // the last token is a decode's input once resolved
   p.append_sampled(second.data(), 1, 1);
-  step({{"a", 1}});
+  pack_step(p, {{"a", 1}});
   EXPECT_EQ(p.input_ids()[0], 50);
   EXPECT_EQ(p.num_input_sources(), 0);
 }
 
 TEST(BatchPacker, RolledBackOrResyncedTokensVoidTheirPlaceholders) {
   rt::BatchPacker p(config());
-  add(p, "a", range(0, 4), 3, {{1, 6}});
-  add(p, "b", range(10, 4), 3, {{2, 3}});
-  p.begin_step();
-  p.schedule("a", 1);
-  p.schedule("b", 1);
-  p.pack();
-  p.defer_sampled();  // a and b: token 4 is a placeholder
+  defer_a_and_b_decodes(p);
   rt::RequestUpdate u[2];
   u[0].req_id = "a";  // rolled back to no outputs, then sampled again
   u[0].num_computed_tokens = 3;
@@ -492,31 +502,18 @@ TEST(BatchPacker, RolledBackOrResyncedTokensVoidTheirPlaceholders) {
   p.requests().append_tokens("a", rt::Int32Span(again));
   const Ints sampled{40, 41};
   p.resolve_deferred(sampled.data(), 2);
-  const auto& t = p.requests();
-  EXPECT_EQ(t.row(t.row_of("a")).token_ids, concat(range(0, 4), {55}));
-  EXPECT_EQ(t.row(t.row_of("b")).token_ids, concat(range(10, 4), {77}));
-  EXPECT_EQ(t.state(t.row_of("a")).last_token, 55);
+  EXPECT_EQ(tokens_of(p, "a"), concat(range(0, 4), {55}));
+  EXPECT_EQ(tokens_of(p, "b"), concat(range(10, 4), {77}));
+  EXPECT_EQ(p.requests().state(p.requests().row_of("a")).last_token, 55);
 }
 
 TEST(BatchPacker, APlaceholderOfAnOlderWaitingStepIsRefused) {
   rt::BatchPacker p(config());
-  add(p, "a", range(0, 4), 3, {{1, 6}});
-  add(p, "b", range(10, 4), 3, {{2, 3}});
-  p.begin_step();
-  p.schedule("a", 1);
-  p.schedule("b", 1);
-  p.pack();
-  p.defer_sampled();  // step 1: a and b wait for tokens 4
-  rt::RequestUpdate u;
-  u.req_id = "a";
-  u.num_computed_tokens = 4;
-  p.requests().update(&u, 1);
-  p.begin_step();
-  p.schedule("a", 1);
-  p.pack();
+  defer_a_and_b_decodes(p);  // step 1
+  set_computed(p, "a", 4);
+  pack_step(p, {{"a", 1}});
   p.defer_sampled();  // step 2: only a
-  u.req_id = "b";
-  p.requests().update(&u, 1);
+  set_computed(p, "b", 4);
   p.begin_step();
   p.schedule("b", 1);  // its input is step 1's sample, and step 1 is not the newest
   expect_error([&] { p.pack(); }, "older than the newest");

@@ -421,7 +421,8 @@ void bind_runtime_packer(nb::module_& m) {
           },
           "token_ids"_a,
           "The oldest deferred step's sampled tokens [num_seqs] in its batch order, written\n"
-          "over its placeholders (rows that left or were replaced since are skipped).")
+          "over its placeholders (rows that left, were replaced, rolled back or resynced since\n"
+          "are skipped).")
       .def_prop_ro("num_deferred_steps", &rt::BatchPacker::num_deferred_steps)
       .def("__contains__",
            [](const rt::BatchPacker& p, nb::handle id) {

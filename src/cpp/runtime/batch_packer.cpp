@@ -190,7 +190,7 @@ void BatchPacker::validate_staged(int32_t pad_tokens_to) {
     }
     const RowPlaceholder* ph = placeholder_in(s.row, c, end - s.num_drafts);
     if (ph && ph->serial != newest_deferred()->serial) {
-      fail("request " + id() + ": its input token " + std::to_string(ph->index) +
+      fail("request " + id() + ": its input token " + std::to_string(ph->sample.index) +
            " is the sample of a deferred step older than the newest (resolve_deferred first)");
     }
     if (end > table_.max_model_len()) {
@@ -474,8 +474,7 @@ void BatchPacker::defer_sampled() {
     const int32_t r = req_rows_[bi];
     const RowState& st = table_.state(r);
     d.samples[bi] = DeferredSample{r, st.generation, st.tokens_version, st.num_tokens};
-    row_placeholders_[static_cast<size_t>(r)] =
-        RowPlaceholder{d.serial, st.generation, st.tokens_version, st.num_tokens, b};
+    row_placeholders_[static_cast<size_t>(r)] = RowPlaceholder{d.serial, d.samples[bi], b};
     table_.append_tokens_to_row(r, Int32Span(&placeholder, 1));
   }
   num_deferred_ += 1;
@@ -497,12 +496,7 @@ void BatchPacker::resolve_deferred(const int32_t* token_ids, int32_t num_seqs) {
   }
   for (int32_t b = 0; b < num_seqs; ++b) {
     const DeferredSample& s = d.samples[static_cast<size_t>(b)];
-    if (s.row < 0 || !table_.is_live(s.row)) continue;
-    const RowState& st = table_.state(s.row);
-    if (st.generation != s.generation || st.tokens_version != s.tokens_version) continue;
-    table_.overwrite_token(s.row, s.index, token_ids[b]);
-    RowPlaceholder& ph = row_placeholders_[static_cast<size_t>(s.row)];
-    if (ph.serial == d.serial) ph.serial = 0;
+    if (placeholder_current(s)) table_.overwrite_token(s.row, s.index, token_ids[b]);
   }
   first_deferred_ = (first_deferred_ + 1) % kMaxDeferredSteps;
   num_deferred_ -= 1;
@@ -517,11 +511,14 @@ const BatchPacker::RowPlaceholder* BatchPacker::placeholder_in(int32_t r, int64_
                                                                int64_t end) const {
   if (num_deferred_ == 0 || static_cast<size_t>(r) >= row_placeholders_.size()) return nullptr;
   const RowPlaceholder& ph = row_placeholders_[static_cast<size_t>(r)];
-  // serials of resolved steps are below the oldest waiting one
-  if (ph.serial == 0 || ph.serial < deferred_[first_deferred_].serial) return nullptr;
-  const RowState& st = table_.state(r);
-  if (ph.generation != st.generation || ph.tokens_version != st.tokens_version) return nullptr;
-  return ph.index >= begin && ph.index < end ? &ph : nullptr;
+  if (ph.serial < deferred_[first_deferred_].serial || !placeholder_current(ph.sample)) return nullptr;
+  return ph.sample.index >= begin && ph.sample.index < end ? &ph : nullptr;
+}
+
+bool BatchPacker::placeholder_current(const DeferredSample& s) const {
+  if (s.row < 0 || !table_.is_live(s.row)) return false;
+  const RowState& st = table_.state(s.row);
+  return st.generation == s.generation && st.tokens_version == s.tokens_version;
 }
 
 void BatchPacker::write_input_sources() {
@@ -534,7 +531,7 @@ void BatchPacker::write_input_sources() {
     const int32_t drafts = cu_num_logits_[bi + 1] - cu_num_logits_[bi] - 1;
     const RowPlaceholder* ph = placeholder_in(req_rows_[bi], begin, seq_lens_[bi] - drafts);
     if (!ph) continue;  // validate_staged allowed only the newest step's placeholders
-    input_sources_[static_cast<size_t>(cu_seqlens_q_[bi] + ph->index - begin)] = ph->batch;
+    input_sources_[static_cast<size_t>(cu_seqlens_q_[bi] + ph->sample.index - begin)] = ph->batch;
     num_input_sources_ += 1;
   }
 }

@@ -177,18 +177,19 @@ class BatchPacker {
     uint64_t serial = 0;
     std::vector<DeferredSample> samples;  // [num_seqs] in that step's batch order
   };
-  // The newest deferred placeholder of each table row.
+  // The newest deferred placeholder of each table row; a serial below the oldest waiting
+  // step's (0 included) means its step was resolved.
   struct RowPlaceholder {
-    uint64_t serial = 0;  // 0: none waiting
-    uint32_t generation = 0;
-    uint32_t tokens_version = 0;
-    int32_t index = 0;
+    uint64_t serial = 0;
+    DeferredSample sample;
     int32_t batch = 0;  // its step's batch index
   };
 
   void validate_staged(int32_t pad_tokens_to);
   void check_sampling_rows(const char* what, const int32_t* counts) const;
   const DeferredStep* newest_deferred() const;
+  // The sample's row still holds that request and token list (not left, replaced or rolled back).
+  bool placeholder_current(const DeferredSample& s) const;
   // The placeholder of row r within tokens [begin, end), from a step still deferred, or null.
   const RowPlaceholder* placeholder_in(int32_t r, int64_t begin, int64_t end) const;
   void write_input_sources();
