@@ -54,11 +54,18 @@ inline __m256i idot(__m256i u, __m256i s) {
 #endif
 }
 
-// 16 bytes of nibbles as 32 bytes: low nibbles (weights 0..15), then high (16..31).
+// 16 bytes of nibbles as 32 bytes: low nibbles (weights 0..15), then high (16..31). A
+// broadcast load and a per-lane shift: no shuffle-port uop (an insert would take one).
 inline __m256i nibbles32(const uint8_t* qs) {
-  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  __m256i q = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
-  return _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
+  const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  const __m256i by_half = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+  return _mm256_and_si256(_mm256_srlv_epi32(v, by_half), _mm256_set1_epi8(0x0F));
+}
+
+// Lanes 0 and 1: the two f16 values at p as floats (lanes 2, 3: the next four bytes, unused).
+// vcvtph2ps reading memory needs no shuffle-port uop, unlike a broadcast of one f16.
+inline __m128 f16_pair(const uint8_t* p) {
+  return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 
 // Byte l = 0x10 where bit l of qh is set (the fifth bit of Q5_0 / Q5_1 weights).
@@ -82,150 +89,148 @@ inline void prefetch_row_ahead(const uint8_t* row, int64_t r, int64_t rows, int6
 }
 
 // ---- legacy 32-weight blocks -----------------------------------------------------------
+//
+// One block: d (u . q_x) d_x plus a term from the activations' block sums. The one-row
+// kernels were bound by the shuffle port on Intel cores (an f16 broadcast, a 128-bit insert
+// and a scalar conversion per block: ~5 uops there against ~2 in llama.cpp's, 2026-12-04):
+// now the nibbles split with a per-lane shift, d and m convert straight from memory, and one
+// multiply by the activations' pair [d_x, d_x sum(q_x)] gives both factors of the block.
 
-// Per block: u8 weights (offset removed or not), the block's d, and its additive
-// term per activation-sum (-8 d, -16 d, m, or 0 for Q8_0).
 struct LegacyBlock {
-  __m256i u;
-  __m256 d;
-  float add;  // times d_x * sum(q_x)
+  __m256i u;  // the 32 weights as unsigned bytes (Q4_0 / Q5_0 / Q8_0: offset by 8 / 16 / 128)
+  __m128 dm;  // lane 0: d; lane 1: Q4_1 / Q5_1's m (other types: bytes that follow d, unused)
+  float d() const { return _mm_cvtss_f32(dm); }
+  float m() const { return _mm_cvtss_f32(_mm_movehdup_ps(dm)); }
 };
 
+// Per type: kBytes, load(), add() (the block's additive term per d_x sum(q_x)), and how the
+// kernels apply it: kMin (float m, Q4_1 / Q5_1) or kOffsetShift >= 0 (integer offset
+// -(1 << shift) per weight, subtracted as -(sum q_x) << shift in the integer dot).
 template <GGMLType T>
 struct Legacy;
 
 template <>
 struct Legacy<GGMLType::kQ4_0> {
-  static constexpr int kBytes = 18;
-  static LegacyBlock load(const uint8_t* b) {
-    __m256 d = f16_bcast(b);
-    return {nibbles32(b + 2), d, -8.0f * _mm256_cvtss_f32(d)};
-  }
+  static constexpr int kBytes = 18, kOffsetShift = 3;
+  static constexpr bool kMin = false;
+  static LegacyBlock load(const uint8_t* b) { return {nibbles32(b + 2), f16_pair(b)}; }
+  static float add(const LegacyBlock& wb) { return -8.0f * wb.d(); }
 };
 template <>
 struct Legacy<GGMLType::kQ4_1> {
-  static constexpr int kBytes = 20;
-  static LegacyBlock load(const uint8_t* b) { return {nibbles32(b + 4), f16_bcast(b), f16_at(b + 2)}; }
+  static constexpr int kBytes = 20, kOffsetShift = -1;
+  static constexpr bool kMin = true;
+  static LegacyBlock load(const uint8_t* b) { return {nibbles32(b + 4), f16_pair(b)}; }
+  static float add(const LegacyBlock& wb) { return wb.m(); }
 };
 template <>
 struct Legacy<GGMLType::kQ5_0> {
-  static constexpr int kBytes = 22;
+  static constexpr int kBytes = 22, kOffsetShift = 4;
+  static constexpr bool kMin = false;
   static LegacyBlock load(const uint8_t* b) {
     uint32_t qh;
     std::memcpy(&qh, b + 2, 4);
-    __m256 d = f16_bcast(b);
-    return {_mm256_or_si256(nibbles32(b + 6), fifth_bits(qh)), d, -16.0f * _mm256_cvtss_f32(d)};
+    return {_mm256_or_si256(nibbles32(b + 6), fifth_bits(qh)), f16_pair(b)};
   }
+  static float add(const LegacyBlock& wb) { return -16.0f * wb.d(); }
 };
 template <>
 struct Legacy<GGMLType::kQ5_1> {
-  static constexpr int kBytes = 24;
+  static constexpr int kBytes = 24, kOffsetShift = -1;
+  static constexpr bool kMin = true;
   static LegacyBlock load(const uint8_t* b) {
     uint32_t qh;
     std::memcpy(&qh, b + 4, 4);
-    return {_mm256_or_si256(nibbles32(b + 8), fifth_bits(qh)), f16_bcast(b), f16_at(b + 2)};
+    return {_mm256_or_si256(nibbles32(b + 8), fifth_bits(qh)), f16_pair(b)};
+  }
+  static float add(const LegacyBlock& wb) { return wb.m(); }
+};
+// Q8_0's signed weights. VNNI: u = q + 128 (offset -128). AVX2: u keeps q and the dot
+// takes |q| . sign(q_x, q) (maddubs' int16 pairs would overflow on q + 128).
+template <>
+struct Legacy<GGMLType::kQ8_0> {
+  static constexpr int kBytes = 34, kOffsetShift = GGUF_X86_VNNI ? 7 : -1;
+  static constexpr bool kMin = false;
+  static LegacyBlock load(const uint8_t* b) {
+    const __m256i q = load256(b + 2);
+#if GGUF_X86_VNNI
+    return {_mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80))), f16_pair(b)};
+#else
+    return {q, f16_pair(b)};
+#endif
   }
 };
 
-// sum_b a[b] * v[b] over n floats.
-inline float dot_floats(const float* a, const float* v, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 8 <= n; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + b), _mm256_loadu_ps(v + b), acc);
-  float s = hsum(acc);
-  for (; b < n; ++b) s += a[b] * v[b];
-  return s;
+// u . q_x as 8 int32 lanes, plus init.
+template <GGMLType T>
+inline __m256i legacy_dot(const LegacyBlock& wb, __m256i xq, __m256i init) {
+#if GGUF_X86_VNNI
+  return _mm256_dpbusd_epi32(init, wb.u, xq);
+#else
+  if constexpr (T == GGMLType::kQ8_0) {
+    return _mm256_add_epi32(init, idot(_mm256_sign_epi8(wb.u, wb.u), _mm256_sign_epi8(xq, wb.u)));
+  } else {
+    return _mm256_add_epi32(init, idot(wb.u, xq));
+  }
+#endif
 }
 
-// Blocks per row handled at once: the per-block additive terms of one stretch are
-// kept in a small array and dotted with the activations' block sums afterwards.
-constexpr int64_t kStretch = 64;
-
-// y[i] = sum_b d_w d_x (u . q_x) + add_b * dsum_x[b]
-template <GGMLType T, int M>
-void legacy_rows(const uint8_t* w, int64_t rb, int64_t rows, const GgufQ8Rows& x, float* y,
-                 int64_t ldy) {
-  const int64_t nb = x.k / 32;
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint8_t* blk = w + r * rb;
-    prefetch_row_ahead(blk, r, rows, rb);
-    __m256 acc[M];
-    float off[M];
-#pragma GCC unroll 8
-    for (int i = 0; i < M; ++i) {
-      acc[i] = _mm256_setzero_ps();
-      off[i] = 0.0f;
-    }
-    for (int64_t b0 = 0; b0 < nb; b0 += kStretch) {
-      const int64_t nbs = std::min(kStretch, nb - b0);
-      alignas(32) float add[kStretch];
-      for (int64_t b = b0; b < b0 + nbs; ++b) {
-        const LegacyBlock wb = Legacy<T>::load(blk + b * Legacy<T>::kBytes);
-        add[b - b0] = wb.add;
-#pragma GCC unroll 8
-        for (int i = 0; i < M; ++i) {
-          __m256i s = idot(wb.u, load256(x.q + i * x.k + 32 * b));
-          __m256 dd = _mm256_mul_ps(wb.d, _mm256_broadcast_ss(x.d + i * nb + b));
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dd, acc[i]);
-        }
-      }
-#pragma GCC unroll 8
-      for (int i = 0; i < M; ++i) off[i] += dot_floats(add, x.dsum + i * nb + b0, nbs);
-    }
-#pragma GCC unroll 8
-    for (int i = 0; i < M; ++i) y[i * ldy + r] = hsum(acc[i]) + off[i];
+// Lane 0: -(sum of the block's q_x) << shift, the other lanes 0 (a load, no shuffle).
+template <int kShift>
+inline __m256i offset_lane(const int32_t* neg_qsum) {
+  if constexpr (kShift < 0) {
+    return _mm256_setzero_si256();
+  } else {
+    return _mm256_slli_epi32(_mm256_zextsi128_si256(_mm_loadu_si32(neg_qsum)), kShift);
   }
 }
 
-// Q8_0: signed weights. AVX2: |w| . sign(q_x, w); VNNI: (w + 128) . q_x - 128 sum(q_x).
-template <int M>
-void q8_0_rows(const uint8_t* w, int64_t rb, int64_t rows, const GgufQ8Rows& x, float* y,
-               int64_t ldy) {
+// [d_x, d_x sum(q_x)] of activation row i's block b.
+inline __m128 x_pair(const GgufQ8Rows& x, int64_t nb, int i, int64_t b) {
+  return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x.dpair + 2 * (i * nb + b))));
+}
+
+// y[i] = sum_b d_w d_x (u . q_x) + (m d_x sum(q_x) | the integer offset). One activation row
+// runs two accumulator chains (the FMA latency, not the ports, bounded one chain).
+template <GGMLType T, int M>
+void legacy_rows(const uint8_t* w, int64_t rb, int64_t rows, const GgufQ8Rows& x, float* y,
+                 int64_t ldy) {
+  using B = Legacy<T>;
+  constexpr int kChains = M == 1 ? 2 : 1;
   const int64_t nb = x.k / 32;
   for (int64_t r = 0; r < rows; ++r) {
-    const uint8_t* blk = w + r * rb;
-    prefetch_row_ahead(blk, r, rows, rb);
-    __m256 acc[M];
-    float off[M];
+    const uint8_t* row = w + r * rb;
+    prefetch_row_ahead(row, r, rows, rb);
+    __m256 acc[M][kChains];
+    __m128 mins[M];
 #pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
-      acc[i] = _mm256_setzero_ps();
-      off[i] = 0.0f;
+      for (int c = 0; c < kChains; ++c) acc[i][c] = _mm256_setzero_ps();
+      mins[i] = _mm_setzero_ps();
     }
-    for (int64_t b0 = 0; b0 < nb; b0 += kStretch) {
-      const int64_t nbs = std::min(kStretch, nb - b0);
-#if GGUF_X86_VNNI
-      alignas(32) float add[kStretch];
-#endif
-      for (int64_t b = b0; b < b0 + nbs; ++b) {
-        const uint8_t* p = blk + 34 * b;
-        const __m256 d = f16_bcast(p);
-        const __m256i q = load256(p + 2);
-#if GGUF_X86_VNNI
-        const __m256i u = _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
-        add[b - b0] = -128.0f * _mm256_cvtss_f32(d);
-#else
-        const __m256i u = _mm256_sign_epi8(q, q);
-#endif
+    auto block = [&](int64_t b, int chain) {
+      const LegacyBlock wb = B::load(row + b * B::kBytes);
 #pragma GCC unroll 8
-        for (int i = 0; i < M; ++i) {
-          const __m256i xq = load256(x.q + i * x.k + 32 * b);
-#if GGUF_X86_VNNI
-          __m256i s = idot(u, xq);
-#else
-          __m256i s = idot(u, _mm256_sign_epi8(xq, q));
-#endif
-          __m256 dd = _mm256_mul_ps(d, _mm256_broadcast_ss(x.d + i * nb + b));
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dd, acc[i]);
-        }
+      for (int i = 0; i < M; ++i) {
+        const __m128 f = _mm_mul_ps(wb.dm, x_pair(x, nb, i, b));  // [d d_x, m d_x sum(q_x)]
+        const __m256i s = legacy_dot<T>(wb, load256(x.q + i * x.k + 32 * b),
+                                        offset_lane<B::kOffsetShift>(x.neg_qsum + i * nb + b));
+        if constexpr (B::kMin) mins[i] = _mm_add_ps(mins[i], f);
+        acc[i][chain] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcastss_ps(f), acc[i][chain]);
       }
-#if GGUF_X86_VNNI
-#pragma GCC unroll 8
-      for (int i = 0; i < M; ++i) off[i] += dot_floats(add, x.dsum + i * nb + b0, nbs);
-#endif
+    };
+    int64_t b = 0;
+    for (; b + kChains <= nb; b += kChains) {
+#pragma GCC unroll 2
+      for (int c = 0; c < kChains; ++c) block(b + c, c);
     }
+    for (; b < nb; ++b) block(b, 0);
 #pragma GCC unroll 8
-    for (int i = 0; i < M; ++i) y[i * ldy + r] = hsum(acc[i]) + off[i];
+    for (int i = 0; i < M; ++i) {
+      __m256 a = acc[i][0];
+      if constexpr (kChains == 2) a = _mm256_add_ps(a, acc[i][1]);
+      y[i * ldy + r] = hsum(a) + (B::kMin ? _mm_cvtss_f32(_mm_movehdup_ps(mins[i])) : 0.0f);
+    }
   }
 }
 
@@ -401,13 +406,6 @@ struct LegacyK {
     }
   };
 };
-template <int M>
-struct Q8_0K {
-  static void run(const uint8_t* w, int64_t rb, int64_t rows, const GgufQ8Rows& x, float* y,
-                  int64_t ldy) {
-    q8_0_rows<M>(w, rb, rows, x, y, ldy);
-  }
-};
 template <GGMLType T>
 struct Q45K {
   template <int M>
@@ -565,8 +563,8 @@ inline void exact_units(const uint8_t* b, __m256* u, __m256* d, float* add) {
     }
   } else {
     const LegacyBlock wb = Legacy<T>::load(b);
-    *d = wb.d;
-    *add = wb.add;
+    *d = _mm256_set1_ps(wb.d());
+    *add = Legacy<T>::add(wb);
     const __m128i lo = _mm256_castsi256_si128(wb.u);
     const __m128i hi = _mm256_extracti128_si256(wb.u, 1);
     u[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
@@ -587,14 +585,6 @@ inline void exact_weights(const uint8_t* b, __m256* w) {
   for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(w[j], d, a);
 }
 
-template <GGMLType T>
-constexpr int64_t exact_block_bytes() {
-  if constexpr (T == GGMLType::kQ8_0) {
-    return 34;
-  } else {
-    return Legacy<T>::kBytes;
-  }
-}
 
 // `exact` decode rows: the weights decoded in registers and dotted with float x, the sums
 // in float32 (no 8-bit activations), straight from the blocks like the integer path.
@@ -610,7 +600,7 @@ void exact_rows(const uint8_t* w, int64_t rb, int64_t rows, const float* x, int6
     for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       __m256 wv[4];
-      exact_weights<T>(src + b * exact_block_bytes<T>(), wv);
+      exact_weights<T>(src + b * Legacy<T>::kBytes, wv);
 #pragma GCC unroll 8
       for (int i = 0; i < M; ++i) {
         const float* xb = x + i * k + 32 * b;
@@ -747,7 +737,7 @@ GgufKernels make_x86_kernels(const char* name) {
   set(GGMLType::kQ4_1, ByRows<LegacyK<GGMLType::kQ4_1>::K>::run);
   set(GGMLType::kQ5_0, ByRows<LegacyK<GGMLType::kQ5_0>::K>::run);
   set(GGMLType::kQ5_1, ByRows<LegacyK<GGMLType::kQ5_1>::K>::run);
-  set(GGMLType::kQ8_0, ByRows<Q8_0K>::run);
+  set(GGMLType::kQ8_0, ByRows<LegacyK<GGMLType::kQ8_0>::K>::run);
   set(GGMLType::kQ4_K, ByRows<Q45K<GGMLType::kQ4_K>::K>::run);
   set(GGMLType::kQ5_K, ByRows<Q45K<GGMLType::kQ5_K>::K>::run);
   set(GGMLType::kQ6_K, ByRows<Q6K>::run);

@@ -32,6 +32,9 @@ struct GgufQ8Rows {
   const float* dsum = nullptr;    // [m, k / 32]: d * (sum of the block's q)
   const int16_t* sum16 = nullptr; // [m, k / 16]: sum of q over each 16 values
   const float* dsum16 = nullptr;  // [m, k / 16]: d * sum16 (two-half panels); may be null
+  // The x86 mat-vec kernels' forms (gguf_matmul fills them; other kernels ignore them):
+  const float* dpair = nullptr;     // [m, k / 32, 2]: d and dsum of each block side by side
+  const int32_t* neg_qsum = nullptr;  // [m, k / 32]: -(sum of the block's q)
 };
 
 // Quantizes x [m, k] (k a multiple of 32): per block, d = max|x| / 127 and

@@ -169,10 +169,16 @@ constexpr int64_t kGgufPanelMinRows = 9;
 // Rows i0 .. i0 + rows of x.
 GgufQ8Rows q8_rows(const GgufQ8Rows& x, int64_t i0, int64_t rows) {
   const int64_t nb = x.k / kGgufQ8Block;
-  return {rows,          x.k,
-          x.q + i0 * x.k, x.d + i0 * nb,
-          x.dsum + i0 * nb, x.sum16 + i0 * 2 * nb,
-          x.dsum16 ? x.dsum16 + i0 * 2 * nb : nullptr};
+  GgufQ8Rows r = x;
+  r.m = rows;
+  r.q = x.q + i0 * x.k;
+  r.d = x.d + i0 * nb;
+  r.dsum = x.dsum + i0 * nb;
+  r.sum16 = x.sum16 + i0 * 2 * nb;
+  r.dsum16 = x.dsum16 ? x.dsum16 + i0 * 2 * nb : nullptr;
+  r.dpair = x.dpair ? x.dpair + i0 * 2 * nb : nullptr;
+  r.neg_qsum = x.neg_qsum ? x.neg_qsum + i0 * nb : nullptr;
+  return r;
 }
 
 // Weight bytes one task should read at least, so that a hand-off to the pool
@@ -266,20 +272,35 @@ struct MatvecPlan {
   }
 };
 
-// x rounded to 8-bit blocks, in per-thread buffers kept across calls.
+// x rounded to 8-bit blocks, in per-thread buffers kept across calls, with every form of
+// the block scales and sums that some kernel reads.
 GgufQ8Rows quantize_x(const GgufKernels& kern, const float* xf, int64_t m, int64_t k) {
   static thread_local std::vector<int8_t> q_buf;
   static thread_local std::vector<float> d_buf;
   static thread_local std::vector<int16_t> s16_buf;
+  static thread_local std::vector<int32_t> qsum_buf;
   const int64_t nb = m * k / 32;
   if (static_cast<int64_t>(q_buf.size()) < m * k) q_buf.resize(m * k);
-  if (static_cast<int64_t>(d_buf.size()) < 4 * nb) d_buf.resize(4 * nb);
+  if (static_cast<int64_t>(d_buf.size()) < 6 * nb) d_buf.resize(6 * nb);
   if (static_cast<int64_t>(s16_buf.size()) < 2 * nb) s16_buf.resize(2 * nb);
-  float* d = d_buf.data();
+  if (static_cast<int64_t>(qsum_buf.size()) < nb) qsum_buf.resize(nb);
+  float* d = d_buf.data();  // d [nb] | dsum [nb] | dsum16 [2 nb] | dpair [2 nb]
+  float* dsum = d + nb;
   float* dsum16 = d + 2 * nb;
-  kern.quantize_q8(xf, m, k, q_buf.data(), d, d + nb, s16_buf.data());
-  for (int64_t b = 0; b < 2 * nb; ++b) dsum16[b] = d[b / 2] * static_cast<float>(s16_buf[b]);
-  return {m, k, q_buf.data(), d, d + nb, s16_buf.data(), dsum16};
+  float* dpair = d + 4 * nb;
+  const int16_t* s16 = s16_buf.data();
+  kern.quantize_q8(xf, m, k, q_buf.data(), d, dsum, s16_buf.data());
+  for (int64_t b = 0; b < nb; ++b) {
+    dsum16[2 * b] = d[b] * static_cast<float>(s16[2 * b]);
+    dsum16[2 * b + 1] = d[b] * static_cast<float>(s16[2 * b + 1]);
+    dpair[2 * b] = d[b];
+    dpair[2 * b + 1] = dsum[b];
+    qsum_buf[b] = -(static_cast<int32_t>(s16[2 * b]) + s16[2 * b + 1]);
+  }
+  GgufQ8Rows r{m, k, q_buf.data(), d, dsum, s16, dsum16};
+  r.dpair = dpair;
+  r.neg_qsum = qsum_buf.data();
+  return r;
 }
 
 // `xq` may already hold x rounded to 8 bits (xq.q != null), else it is made when needed.

@@ -36,8 +36,8 @@ inline void panel_block(const uint8_t* b, __m256i* u, float* a, float* c) {
   } else if constexpr (PanelBlock<T>::kChunks == 1) {
     const LegacyBlock wb = Legacy<T>::load(b);
     u[0] = wb.u;
-    a[0] = a[1] = _mm256_cvtss_f32(wb.d);
-    c[0] = c[1] = wb.add;
+    a[0] = a[1] = wb.d();
+    c[0] = c[1] = Legacy<T>::add(wb);
   } else if constexpr (T == GGMLType::kQ4_K || T == GGMLType::kQ5_K) {
     constexpr bool kQ5 = T == GGMLType::kQ5_K;
     __m256 sc, mn;
