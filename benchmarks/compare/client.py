@@ -68,8 +68,12 @@ async def run_cell(base: str, model: str, requests: list[Request], concurrency: 
     sem = asyncio.Semaphore(concurrency)
     t0 = time.perf_counter()
 
+    # A fresh connection per request: llama-server (cpp-httplib) closes kept-alive
+    # connections on its own schedule, and a request sent on one as it closes failed
+    # ("Server disconnected without sending a response", 2 of 12 at c=1 on 2026-12-04).
     async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0),
-                                 limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+                                 limits=httpx.Limits(max_connections=concurrency + 4,
+                                                     max_keepalive_connections=0)) as client:
         async def guarded(req):
             async with sem:
                 if time.perf_counter() - t0 > max_seconds:
