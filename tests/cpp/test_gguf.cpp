@@ -465,25 +465,30 @@ TEST(GgufCpu, QuantizeActivationsRoundToNearestOnEveryIsa) {
 // the float scaling differs.
 TEST(GgufCpu, EveryIsaMatchesTheScalarIntegerPath) {
   for (auto t : kInt8Types) {
-    const int64_t bs = g::type_info(t).block_size, n = 45;
+    const int64_t bs = g::type_info(t).block_size;
     // 608: an odd number of 32-weight blocks (the one-row kernels run two chains of blocks)
     for (int64_t k : bs == 32 ? std::vector<int64_t>{576, 608} : std::vector<int64_t>{768}) {
-      auto w = random_weights(t, n, k, 3);
-      // 9 .. 300: weight panels (x86), every remainder of their 3- and 6-row tiles; n = 45
-      // ends on a short panel
-      for (int64_t m : {1, 2, 5, 8, 9, 10, 14, 17, 21, 23, 300}) {
-        std::vector<uint16_t> xh;
-        std::vector<float> x = random_x(m, k, c::Elt::kF32, 9, &xh);
-        c::gguf_matmul_set_isa("scalar");
-        std::vector<float> ref = run_matmul(t, w, n, k, x, xh, m, c::Elt::kF32);
-        double scale = 0;
-        for (float v : ref) scale = std::max(scale, double(std::fabs(v)));
-        for_each_isa([&] {
-          std::vector<float> y = run_matmul(t, w, n, k, x, xh, m, c::Elt::kF32);
-          double worst = 0;
-          for (int64_t i = 0; i < m * n; ++i) worst = std::max(worst, double(std::fabs(y[i] - ref[i])));
-          EXPECT_LE(worst / scale, kFloatTol.at(c::Elt::kF32)) << case_name(t, m, n, k, c::Elt::kF32);
-        });
+      // n = 45 ends on a short panel of 8 and of 16 rows; 64: whole panels, float32 results
+      // written straight to y
+      for (int64_t n : {45, 64}) {
+        auto w = random_weights(t, n, k, 3);
+        // 9 .. 300: weight panels (x86), every remainder of their 3-, 6- and 8-row tiles
+        for (int64_t m : {1, 2, 5, 8, 9, 10, 11, 14, 16, 17, 21, 23, 300}) {
+          std::vector<uint16_t> xh;
+          std::vector<float> x = random_x(m, k, c::Elt::kF32, 9, &xh);
+          c::gguf_matmul_set_isa("scalar");
+          std::vector<float> ref = run_matmul(t, w, n, k, x, xh, m, c::Elt::kF32);
+          double scale = 0;
+          for (float v : ref) scale = std::max(scale, double(std::fabs(v)));
+          for_each_isa([&] {
+            std::vector<float> y = run_matmul(t, w, n, k, x, xh, m, c::Elt::kF32);
+            double worst = 0;
+            for (int64_t i = 0; i < m * n; ++i) {
+              worst = std::max(worst, double(std::fabs(y[i] - ref[i])));
+            }
+            EXPECT_LE(worst / scale, kFloatTol.at(c::Elt::kF32)) << case_name(t, m, n, k, c::Elt::kF32);
+          });
+        }
       }
     }
   }

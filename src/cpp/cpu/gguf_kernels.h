@@ -59,20 +59,23 @@ using GgufPanelFn = void (*)(const float* xp, const float* w, int64_t ldw, int n
                              float* out, int64_t ldo, bool accumulate);
 
 // ---- batched integer path: weight panels ---------------------------------------------
-// Eight weight rows decoded once into unsigned bytes laid out for the integer dot
-// instructions, then multiplied with every activation row of the call: chunk j (32
-// weights) is 8 vectors of 32 bytes, vector p holding weights 4p .. 4p + 3 of rows 0..7
-// (row r at bytes 4r .. 4r + 3), so one 4-byte broadcast of x feeds all eight rows.
-// Weight = a_h * u + c_h per 16-weight half h of a chunk; c_h multiplies the activations'
-// d * (sum of q) over that half. Types whose scales cover 32 weights keep one half.
-constexpr int kGgufPanelCols = 8;  // weight rows per panel
+// `cols` weight rows (8, or 16 where 512-bit dots pay) decoded once into unsigned bytes laid
+// out for the integer dot instructions, then multiplied with every activation row of the
+// call: chunk j (32 weights) is 8 vectors of 4 * cols bytes, vector p holding weights
+// 4p .. 4p + 3 of rows 0 .. cols - 1 (row r at bytes 4r .. 4r + 3), so one 4-byte broadcast
+// of x feeds every row. Weight = a_h * u + c_h per 16-weight half h of a chunk; c_h
+// multiplies the activations' d * (sum of q) over that half. Types whose scales cover 32
+// weights keep one half.
+constexpr int kGgufPanelCols = 8;      // weight rows per panel (most tables)
+constexpr int kGgufMaxPanelCols = 16;  // the widest panels any table uses
 
 struct GgufQ8Panel {
-  uint8_t* u = nullptr;  // [chunks][8 vectors][8 rows][4]
-  float* a = nullptr;    // [chunks][halves][8 rows]
-  float* c = nullptr;    // [chunks][halves][8 rows]
+  uint8_t* u = nullptr;  // [chunks][8 vectors][cols rows][4]
+  float* a = nullptr;    // [chunks][halves][cols rows]
+  float* c = nullptr;    // [chunks][halves][cols rows]
   int64_t chunks = 0;    // k / 32
   int halves = 1;
+  int cols = kGgufPanelCols;
   // u holds signed weights (AVX2 Q8_0, whose byte products could overflow maddubs' int16
   // pairs as unsigned): the dot takes |u| and moves the sign onto x.
   bool signed_u = false;
@@ -81,12 +84,12 @@ struct GgufQ8Panel {
 // 2 for the types whose scales cover 16 weights (Q6_K), else 1.
 inline int gguf_q8_panel_halves(gguf::GGMLType t) { return t == gguf::GGMLType::kQ6_K ? 2 : 1; }
 
-// Decodes weight rows 0 .. rows - 1 (<= 8; missing rows are zero) of k values into p,
+// Decodes weight rows 0 .. rows - 1 (<= p.cols; missing rows are zero) of k values into p,
 // whose buffers hold at least k / 32 chunks.
 using GgufQ8PackFn = void (*)(const uint8_t* w, int64_t row_bytes, int rows, int64_t k,
                               GgufQ8Panel& p);
-// y[i * ldy + r] = dot(panel row r, x row i) for i < x.m, r < 8 (two-half panels need
-// x.dsum16).
+// y[i * ldy + r] = dot(panel row r, x row i) for i < x.m, r < p.cols (two-half panels
+// need x.dsum16).
 using GgufQ8PanelDotFn = void (*)(const GgufQ8Panel& p, const GgufQ8Rows& x, float* y,
                                   int64_t ldy);
 
@@ -104,6 +107,7 @@ struct GgufKernels {
   // mat-vec passes and float tiles serve every row count.
   GgufQ8PackFn q8_pack[kGgufNumTypeIds] = {};
   GgufQ8PanelDotFn q8_panel_dot = nullptr;
+  int q8_panel_cols = kGgufPanelCols;             // weight rows per panel (GgufQ8Panel::cols)
   GgufPanelFn panel = nullptr;
   int panel_rows = 0;                             // weight rows per panel call
 };

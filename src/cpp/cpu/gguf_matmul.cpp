@@ -201,7 +201,8 @@ struct MatvecPlan {
   // Weight rows one pool task should take at least (kMinTaskBytes of them; whole panels).
   int64_t grain() const {
     const int64_t g = std::max<int64_t>(1, kMinTaskBytes / std::max<int64_t>(1, rb));
-    return pack ? (g + kGgufPanelCols - 1) / kGgufPanelCols * kGgufPanelCols : g;
+    const int64_t cols = kern->q8_panel_cols;
+    return pack ? (g + cols - 1) / cols * cols : g;
   }
 
   void rows(int64_t begin, int64_t end) const {
@@ -241,7 +242,7 @@ struct MatvecPlan {
     }
   }
 
-  // Weight rows begin .. end (begin a multiple of 8) as panels of 8, each dotted with all
+  // Weight rows begin .. end (begin a multiple of the panel width) as panels, each dotted with all
   // of x; float32 results go straight into y, others through a float buffer of a few
   // panels converted together (one conversion per panel and row would cost more than it
   // converts).
@@ -252,18 +253,20 @@ struct MatvecPlan {
     static thread_local std::vector<uint8_t> ubuf;
     static thread_local std::vector<float> sbuf, ybuf;
     GgufQ8Panel panel;
-    panel.u = aligned_bytes(ubuf, k * kGgufPanelCols, 64);
-    float* scales = scratch_floats(sbuf, 2 * (k / 32) * halves * kGgufPanelCols);
+    panel.cols = kern->q8_panel_cols;
+    const int64_t pc = panel.cols;
+    panel.u = aligned_bytes(ubuf, k * pc, 64);
+    float* scales = scratch_floats(sbuf, 2 * (k / 32) * halves * pc);
     panel.a = scales;
-    panel.c = scales + (k / 32) * halves * kGgufPanelCols;
-    constexpr int64_t kBufferCols = 8 * kGgufPanelCols;
-    for (int64_t c0 = begin; c0 < end; c0 += kBufferCols) {
-      const int64_t cols = std::min(kBufferCols, end - c0);
-      const bool direct = a->elt == Elt::kF32 && cols % kGgufPanelCols == 0;
-      float* y = direct ? static_cast<float*>(a->y) + c0 : scratch_floats(ybuf, m * kBufferCols);
-      const int64_t ldy = direct ? n : kBufferCols;
-      for (int64_t r0 = c0; r0 < c0 + cols; r0 += kGgufPanelCols) {
-        const int nr = static_cast<int>(std::min<int64_t>(kGgufPanelCols, end - r0));
+    panel.c = scales + (k / 32) * halves * pc;
+    const int64_t buffer_cols = 8 * pc;
+    for (int64_t c0 = begin; c0 < end; c0 += buffer_cols) {
+      const int64_t cols = std::min(buffer_cols, end - c0);
+      const bool direct = a->elt == Elt::kF32 && cols % pc == 0;
+      float* y = direct ? static_cast<float*>(a->y) + c0 : scratch_floats(ybuf, m * buffer_cols);
+      const int64_t ldy = direct ? n : buffer_cols;
+      for (int64_t r0 = c0; r0 < c0 + cols; r0 += pc) {
+        const int nr = static_cast<int>(std::min(pc, end - r0));
         pack(w + r0 * rb, rb, nr, k, panel);
         kern->q8_panel_dot(panel, xq, y + (r0 - c0), ldy);
       }
@@ -327,7 +330,7 @@ void matvec(const GgufKernels& kern, const GgufMatmul& a, const float* xf) {
   GgufQ8Rows xq;
   const MatvecPlan p = plan_matvec(kern, a, xf, xq);
   // panels: split the work on whole panels
-  const int64_t unit = p.pack ? kGgufPanelCols : 1;
+  const int64_t unit = p.pack ? kern.q8_panel_cols : 1;
   gguf_parallel_for((a.n + unit - 1) / unit, p.grain() / unit, [&](int64_t begin, int64_t end) {
     p.rows(begin * unit, std::min(a.n, end * unit));
   });
