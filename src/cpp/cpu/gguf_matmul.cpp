@@ -181,9 +181,12 @@ GgufQ8Rows q8_rows(const GgufQ8Rows& x, int64_t i0, int64_t rows) {
   return r;
 }
 
-// Weight bytes one task should read at least, so that a hand-off to the pool
-// (a few microseconds) stays small against the work it carries.
-constexpr int64_t kMinTaskBytes = 48 << 10;
+// Weight bytes one task should read at least, so that a claim from the spinning pool
+// (well under a microsecond) stays small against the work it carries. Smaller tasks
+// balance a small matrix better over the threads: 48 KB split SmolLM2's 576 x 576 Q4_1
+// into 5 tasks, 3 of them on one thread; 16 KB took 2 threads 1.18 -> 1.09 ms over 120
+// such mat-vecs (2026-12-04, Xeon VM, interleaved runs).
+constexpr int64_t kMinTaskBytes = 16 << 10;
 constexpr int64_t kDecodeRows = 16;  // rows decoded to float together (types without int path)
 
 // One weight matrix's decode rows: which kernel dots them and with what x.
@@ -242,10 +245,10 @@ struct MatvecPlan {
     }
   }
 
-  // Weight rows begin .. end (begin a multiple of the panel width) as panels, each dotted with all
-  // of x; float32 results go straight into y, others through a float buffer of a few
-  // panels converted together (one conversion per panel and row would cost more than it
-  // converts).
+  // Weight rows begin .. end (begin a multiple of the panel width) as panels, each
+  // dotted with all of x; float32 results go straight into y, others through a float
+  // buffer of a few panels converted together (one conversion per panel and row would
+  // cost more than it converts).
   void panel_rows(int64_t begin, int64_t end) const {
     const int64_t m = a->m, n = a->n, k = a->k;
     const auto* w = static_cast<const uint8_t*>(a->w);
