@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "cpu/gguf_kernels.h"
 #include "cpu/vec.h"
@@ -21,11 +22,20 @@
 
 namespace vllm_metal::cpu {
 
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12 reports the undefined pass-through operand inside its own 512-bit intrinsics
+// (_mm512_undefined_*) as maybe-uninitialized wherever they are inlined.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #define GGUF_X86_VNNI 1
 #define GGUF_X86_AVX512 1
 #include "cpu/gguf_dot_x86.h"
 #undef GGUF_X86_VNNI
 #undef GGUF_X86_AVX512
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 const GgufKernels& gguf_kernels_avx512() {
   static const GgufKernels t = make_x86_kernels("avx512");

@@ -644,9 +644,133 @@ inline void exact_row1_q8_0(const uint8_t* w, int64_t rb, int64_t rows, const fl
   }
 }
 
+#if GGUF_X86_AVX512
+// Q4_0 / Q4_1 `exact` rows on AVX-512: each block's 16 possible weights d·u + add as a table
+// of 16 floats (one FMA; the same roundings as exact_weights), and its 32 nibbles looked up
+// with two vpermps, which read only the low 4 bits of each index lane: a dword lane shifted
+// right by 4 j holds nibble j of its dword at the bottom, so two per-lane shifts of the
+// block's 16 bytes broadcast four times give every weight's index. Lane i of the two lookups
+// holds weight 4 (i % 4) + i / 4 (+ 16), so x is permuted to match once per call (one
+// vpermps per 16 values). The scales of a row are converted 8 or 16 at a time a row ahead
+// (copied then, converted at the next row, so the vector load does not wait on the copies).
+// 1.75x the exact_weights kernel at one x row (SmolLM2's Q4_1 matrices, one core, 2026-12-04:
+// 6.1 -> 10.7 GB/s).
+
+// x rows [m, k] -> per 32-value block [X0 (16), X1 (16)] in the lookups' lane order.
+inline void permute_x_for_lookup(const float* x, int64_t m, int64_t k, float* xp) {
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (int64_t o = 0; o < m * k; o += 16) {
+    _mm512_storeu_ps(xp + o, _mm512_permutexvar_ps(order, _mm512_loadu_ps(x + o)));
+  }
+}
+
+// A row's block scales: Q4_1 [d, m] pairs, Q4_0 d alone.
+template <GGMLType T>
+struct LookupScales {
+  static constexpr bool kMin = T == GGMLType::kQ4_1;
+  static constexpr int kWords = kMin ? 2 : 1;  // f16 values per block
+  static constexpr int64_t kMaxBlocks = 512;   // k <= 16384
+  alignas(64) uint16_t raw[2][kWords * kMaxBlocks];
+  alignas(64) float f[kWords * kMaxBlocks];
+
+  // Then zeros up to a whole vector of f16 values.
+  void copy(const uint8_t* row, int64_t nb, int slot) {
+    for (int64_t b = 0; b < nb; ++b) {
+      std::memcpy(raw[slot] + kWords * b, row + b * Legacy<T>::kBytes, 2 * kWords);
+    }
+    for (int64_t o = kWords * nb; o % 16 != 0; ++o) raw[slot][o] = 0;
+  }
+  void convert(int64_t nb, int slot) {
+    for (int64_t o = 0; o < kWords * nb; o += 16) {
+      _mm512_store_ps(f + o, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(raw[slot] + o))));
+    }
+  }
+  // The block's 16 possible weights.
+  __m512 table(int64_t b) const {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    if constexpr (kMin) {
+      return _mm512_fmadd_ps(iota, _mm512_set1_ps(f[2 * b]), _mm512_set1_ps(f[2 * b + 1]));
+    } else {  // fma(u, d, -8 d) = (u - 8) d, rounded once either way
+      return _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.0f)), _mm512_set1_ps(f[b]));
+    }
+  }
+};
+
+template <GGMLType T, int M>
+void lookup_rows(const uint8_t* w, int64_t rb, int64_t rows, const float* xp, int64_t k, float* y,
+                 int64_t ldy) {
+  constexpr int kQs = T == GGMLType::kQ4_0 ? 2 : 4;
+  constexpr int kChains = M == 1 ? 2 : 1;  // one x row: two chains per half (FMA latency)
+  const int64_t nb = k / 32;
+  const __m512i sh_lo = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
+  const __m512i sh_hi = _mm512_add_epi32(sh_lo, _mm512_set1_epi32(4));
+  LookupScales<T> sc;
+  sc.copy(w, nb, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = w + r * rb;
+    prefetch_row_ahead(row, r, rows, rb);
+    sc.convert(nb, r & 1);
+    if (r + 1 < rows) sc.copy(row + rb, nb, (r + 1) & 1);
+    __m512 acc[M][2 * kChains];
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+      for (int c = 0; c < 2 * kChains; ++c) acc[i][c] = _mm512_setzero_ps();
+    }
+    auto block = [&](int64_t b, int chain) {
+      const __m512i q = _mm512_broadcast_i32x4(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * Legacy<T>::kBytes + kQs)));
+      const __m512 table = sc.table(b);
+      const __m512 w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(q, sh_lo), table);
+      const __m512 w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(q, sh_hi), table);
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) {
+        const float* xb = xp + i * k + 32 * b;
+        acc[i][2 * chain] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[i][2 * chain]);
+        acc[i][2 * chain + 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc[i][2 * chain + 1]);
+      }
+    };
+    int64_t b = 0;
+    for (; b + kChains <= nb; b += kChains) {
+#pragma GCC unroll 2
+      for (int c = 0; c < kChains; ++c) block(b + c, c);
+    }
+    for (; b < nb; ++b) block(b, 0);
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+      __m512 a = _mm512_add_ps(acc[i][0], acc[i][1]);
+      if constexpr (kChains == 2) a = _mm512_add_ps(a, _mm512_add_ps(acc[i][2], acc[i][3]));
+      y[i * ldy + r] = _mm512_reduce_add_ps(a);
+    }
+  }
+}
+
+template <GGMLType T>
+void lookup_dot(const uint8_t* w, int64_t rb, int64_t rows, const float* x, int64_t m, int64_t k,
+                float* y, int64_t ldy) {
+  static thread_local std::vector<float> xp;
+  if (static_cast<int64_t>(xp.size()) < m * k) xp.resize(m * k);
+  permute_x_for_lookup(x, m, k, xp.data());
+  switch (m) {
+    case 1: return lookup_rows<T, 1>(w, rb, rows, xp.data(), k, y, ldy);
+    case 2: return lookup_rows<T, 2>(w, rb, rows, xp.data(), k, y, ldy);
+    case 3: return lookup_rows<T, 3>(w, rb, rows, xp.data(), k, y, ldy);
+    case 4: return lookup_rows<T, 4>(w, rb, rows, xp.data(), k, y, ldy);
+    case 5: return lookup_rows<T, 5>(w, rb, rows, xp.data(), k, y, ldy);
+    case 6: return lookup_rows<T, 6>(w, rb, rows, xp.data(), k, y, ldy);
+    case 7: return lookup_rows<T, 7>(w, rb, rows, xp.data(), k, y, ldy);
+    default: return lookup_rows<T, 8>(w, rb, rows, xp.data(), k, y, ldy);
+  }
+}
+#endif
+
 template <GGMLType T>
 void exact_dot(const uint8_t* w, int64_t rb, int64_t rows, const float* x, int64_t m, int64_t k,
                float* y, int64_t ldy) {
+#if GGUF_X86_AVX512
+  if constexpr (T == GGMLType::kQ4_0 || T == GGMLType::kQ4_1) {
+    if (k <= 32 * LookupScales<T>::kMaxBlocks) return lookup_dot<T>(w, rb, rows, x, m, k, y, ldy);
+  }
+#endif
   switch (m) {
     case 1:
       if constexpr (T == GGMLType::kQ8_0) return exact_row1_q8_0(w, rb, rows, x, k, y);

@@ -350,10 +350,6 @@ void panel_dot_h(const GgufQ8Panel& p, const GgufQ8Rows& x, float* y, int64_t ld
 // dpbusd per 4 weights of all 16 rows (on Intel cores with two 512-bit ports twice the
 // 256-bit rate: 240 against 132 GMAC/s a core, 2026-12-04). Unsigned u only (VNNI packs
 // Q8_0 as q + 128).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push  // GCC 12 reads _mm512_cvtepi32_ps's undefined pass-through
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // source as uninitialized
-#endif
 template <int R, int H>
 void panel16_dot_rows(const GgufQ8Panel& p, const GgufQ8Rows& x, int64_t i0, float* y,
                       int64_t ldy) {
@@ -399,9 +395,6 @@ void panel16_dot_rows(const GgufQ8Panel& p, const GgufQ8Rows& x, int64_t i0, flo
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + (i0 + i) * ldy, acc[i]);
 }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
 
 constexpr int kPanel16DotRows = 8;  // 8 weight vectors + 8 accumulators + temporaries
 
