@@ -66,8 +66,7 @@ using GgufPanelFn = void (*)(const float* xp, const float* w, int64_t ldw, int n
 // of x feeds every row. Weight = a_h * u + c_h per 16-weight half h of a chunk; c_h
 // multiplies the activations' d * (sum of q) over that half. Types whose scales cover 32
 // weights keep one half.
-constexpr int kGgufPanelCols = 8;      // weight rows per panel (most tables)
-constexpr int kGgufMaxPanelCols = 16;  // the widest panels any table uses
+constexpr int kGgufPanelCols = 8;  // weight rows per panel (most tables)
 
 struct GgufQ8Panel {
   uint8_t* u = nullptr;  // [chunks][8 vectors][cols rows][4]

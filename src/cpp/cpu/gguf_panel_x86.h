@@ -120,7 +120,8 @@ struct PanelGroup {
   int cols;
 };
 inline PanelGroup panel_group(GgufQ8Panel& p, int g) {
-  return {reinterpret_cast<__m256i*>(p.u) + g, p.a + 8 * g, p.c + 8 * g, p.cols / 8, p.cols};
+  return {reinterpret_cast<__m256i*>(p.u) + g, p.a + kGroupRows * g, p.c + kGroupRows * g,
+          p.cols / kGroupRows, p.cols};
 }
 
 // Rows r0 .. r0 + NR of the panel from block `blk` of each row (NR = 8, or 1 for the
@@ -223,15 +224,15 @@ void pack_block_q8x8(const uint8_t* w, int64_t rb, int64_t blk, const PanelGroup
 template <GGMLType T, bool kSigned>
 void pack_group(const uint8_t* w, int64_t rb, int rows, int64_t blocks, int halves,
                 const PanelGroup& g) {
-  if (rows < 8) {
+  if (rows < kGroupRows) {
     for (int64_t blk = 0; blk < blocks; ++blk) pack_block<T, kSigned>(w, rb, rows, blk, halves, g);
     return;
   }
   // The rows after these eight come next: fetch them a block's share at a time while these
   // are decoded (the weights come from DRAM, read once per step). Past the last panel these
   // are addresses beyond the matrix: prefetches do not fault.
-  const uint8_t* next = w + 8 * rb;
-  constexpr int kShare = 8 * PanelBlock<T>::kBytes;
+  const uint8_t* next = w + kGroupRows * rb;
+  constexpr int kShare = kGroupRows * PanelBlock<T>::kBytes;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     prefetch_bytes(next + blk * kShare, kShare);
     if constexpr (T == GGMLType::kQ4_0 || T == GGMLType::kQ4_1) {
@@ -239,7 +240,7 @@ void pack_group(const uint8_t* w, int64_t rb, int rows, int64_t blocks, int halv
     } else if constexpr (T == GGMLType::kQ8_0) {
       pack_block_q8x8<kSigned>(w, rb, blk, g);
     } else {
-      pack_block<T, kSigned>(w, rb, 8, blk, halves, g);
+      pack_block<T, kSigned>(w, rb, kGroupRows, blk, halves, g);
     }
   }
 }
@@ -250,9 +251,10 @@ void pack_panel(const uint8_t* w, int64_t rb, int rows, int64_t k, GgufQ8Panel& 
   p.chunks = k / 32;
   p.halves = gguf_q8_panel_halves(T);
   p.signed_u = kSigned;
-  for (int g = 0; g < p.cols / 8; ++g) {
-    const int group_rows = std::clamp(rows - 8 * g, 0, 8);
-    pack_group<T, kSigned>(w + 8 * g * rb, rb, group_rows, blocks, p.halves, panel_group(p, g));
+  for (int g = 0; g < p.cols / kGroupRows; ++g) {
+    const int group_rows = std::clamp(rows - kGroupRows * g, 0, kGroupRows);
+    pack_group<T, kSigned>(w + kGroupRows * g * rb, rb, group_rows, blocks, p.halves,
+                           panel_group(p, g));
   }
 }
 
