@@ -190,6 +190,18 @@ inline __m128 x_pair(const GgufQ8Rows& x, int64_t nb, int i, int64_t b) {
   return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x.dpair + 2 * (i * nb + b))));
 }
 
+// block(b, chain) for b < nb, consecutive blocks on kChains accumulator chains in turn (the
+// tail on chain 0).
+template <int kChains, class F>
+inline void for_blocks_in_chains(int64_t nb, const F& block) {
+  int64_t b = 0;
+  for (; b + kChains <= nb; b += kChains) {
+#pragma GCC unroll 2
+    for (int c = 0; c < kChains; ++c) block(b + c, c);
+  }
+  for (; b < nb; ++b) block(b, 0);
+}
+
 // y[i] = sum_b d_w d_x (u . q_x) + (m d_x sum(q_x) | the integer offset). One activation row
 // runs two accumulator chains (the FMA latency, not the ports, bounded one chain).
 template <GGMLType T, int M>
@@ -219,12 +231,7 @@ void legacy_rows(const uint8_t* w, int64_t rb, int64_t rows, const GgufQ8Rows& x
         acc[i][chain] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcastss_ps(f), acc[i][chain]);
       }
     };
-    int64_t b = 0;
-    for (; b + kChains <= nb; b += kChains) {
-#pragma GCC unroll 2
-      for (int c = 0; c < kChains; ++c) block(b + c, c);
-    }
-    for (; b < nb; ++b) block(b, 0);
+    for_blocks_in_chains<kChains>(nb, block);
 #pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
       __m256 a = acc[i][0];
@@ -729,12 +736,7 @@ void lookup_rows(const uint8_t* w, int64_t rb, int64_t rows, const float* xp, in
         acc[i][2 * chain + 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc[i][2 * chain + 1]);
       }
     };
-    int64_t b = 0;
-    for (; b + kChains <= nb; b += kChains) {
-#pragma GCC unroll 2
-      for (int c = 0; c < kChains; ++c) block(b + c, c);
-    }
-    for (; b < nb; ++b) block(b, 0);
+    for_blocks_in_chains<kChains>(nb, block);
 #pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
       __m512 a = _mm512_add_ps(acc[i][0], acc[i][1]);

@@ -279,6 +279,19 @@ inline __m256i idot_acc_signed(__m256i acc, __m256i u_abs, __m256i u, const int8
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u_abs, xb), _mm256_set1_epi16(1)));
 }
 
+// A tile kernel: activation rows i0 .. i0 + R of x against the whole panel.
+using PanelTileFn = void (*)(const GgufQ8Panel&, const GgufQ8Rows&, int64_t, float*, int64_t);
+
+// Every row of x in tiles of the widest kernel (tile[N - 1]), the rest by the one of its size.
+template <size_t N>
+void run_row_tiles(const PanelTileFn (&tile)[N], const GgufQ8Panel& p, const GgufQ8Rows& x,
+                   float* y, int64_t ldy) {
+  constexpr int64_t kMax = N;
+  int64_t i = 0;
+  for (; i + kMax <= x.m; i += kMax) tile[kMax - 1](p, x, i, y, ldy);
+  if (i < x.m) tile[x.m - i - 1](p, x, i, y, ldy);
+}
+
 template <int R, int H, bool kSigned>
 void panel_dot_rows(const GgufQ8Panel& p, const GgufQ8Rows& x, int64_t i0, float* y, int64_t ldy) {
   const int64_t k = x.k, nb = k / 32;
@@ -335,12 +348,8 @@ constexpr int kPanelDotRows = GGUF_X86_AVX512 ? 6 : 3;
 template <int H, bool kSigned, int... R>
 void panel_dot_h(const GgufQ8Panel& p, const GgufQ8Rows& x, float* y, int64_t ldy,
                  std::integer_sequence<int, R...>) {
-  using Fn = void (*)(const GgufQ8Panel&, const GgufQ8Rows&, int64_t, float*, int64_t);
-  static constexpr Fn tile[] = {panel_dot_rows<R + 1, H, kSigned>...};
-  constexpr int kMax = sizeof...(R);
-  int64_t i = 0;
-  for (; i + kMax <= x.m; i += kMax) tile[kMax - 1](p, x, i, y, ldy);
-  if (i < x.m) tile[x.m - i - 1](p, x, i, y, ldy);
+  static constexpr PanelTileFn tile[] = {panel_dot_rows<R + 1, H, kSigned>...};
+  run_row_tiles(tile, p, x, y, ldy);
 }
 template <int H, bool kSigned>
 void panel_dot_h(const GgufQ8Panel& p, const GgufQ8Rows& x, float* y, int64_t ldy) {
@@ -403,12 +412,8 @@ constexpr int kPanel16DotRows = 8;  // 8 weight vectors + 8 accumulators + tempo
 template <int H, int... R>
 void panel16_dot_h(const GgufQ8Panel& p, const GgufQ8Rows& x, float* y, int64_t ldy,
                    std::integer_sequence<int, R...>) {
-  using Fn = void (*)(const GgufQ8Panel&, const GgufQ8Rows&, int64_t, float*, int64_t);
-  static constexpr Fn tile[] = {panel16_dot_rows<R + 1, H>...};
-  constexpr int kMax = sizeof...(R);
-  int64_t i = 0;
-  for (; i + kMax <= x.m; i += kMax) tile[kMax - 1](p, x, i, y, ldy);
-  if (i < x.m) tile[x.m - i - 1](p, x, i, y, ldy);
+  static constexpr PanelTileFn tile[] = {panel16_dot_rows<R + 1, H>...};
+  run_row_tiles(tile, p, x, y, ldy);
 }
 #endif
 
