@@ -63,6 +63,14 @@ ENVIRONMENT: dict[str, tuple[Callable[[str], Any], Any, str]] = {
         "Sample with the native MLX sampler; 0 runs vLLM's own torch Sampler on the same "
         "logits instead (for comparison).",
     ),
+    "VLLM_BATCH_INVARIANT": (
+        _bool,
+        False,
+        "vLLM's batch-invariant mode: every kernel gives a request's rows results that do not "
+        "depend on the rest of the batch (fixed reduction order and split sizes per row), so "
+        "greedy and seeded outputs and logprobs are bit-identical alone or batched "
+        "(docs/serving.md).",
+    ),
     "VLLM_METAL_DISABLE": (
         _bool,
         False,

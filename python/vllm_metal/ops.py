@@ -20,7 +20,8 @@ gguf_matmul = _core.gguf_matmul  # x @ W.T straight from GGUF blocks
 paged_attention = _core.paged_attention
 
 __all__ = ["rms_norm", "add_rms_norm", "reshape_and_cache", "rope", "gguf_dequantize", "gguf_matmul",
-           "paged_attention", "set_kernel_backend", "kernel_backend"]
+           "paged_attention", "set_kernel_backend", "kernel_backend",
+           "set_batch_invariant", "batch_invariant"]
 
 
 def kernel_backend() -> str:
@@ -36,9 +37,19 @@ def set_kernel_backend(name: str) -> None:
     _core.set_kernel_backend(name)
 
 
+def set_batch_invariant(on: bool) -> None:
+    """Batch-invariant kernels (VLLM_BATCH_INVARIANT): a row's result independent of the batch."""
+    _core.set_batch_invariant(bool(on))
+
+
+def batch_invariant() -> bool:
+    return _core.batch_invariant()
+
+
 def _configure_from_env() -> None:
     _core.set_num_threads(envs.VLLM_METAL_NUM_THREADS)
     set_kernel_backend(envs.VLLM_METAL_KERNELS)
+    _core.set_batch_invariant(envs.VLLM_BATCH_INVARIANT)
 
 
 _configure_from_env()

@@ -11,6 +11,7 @@
 
 #include "bindings/bindings.h"
 #include "bindings/common.h"
+#include "cpu/batch_invariant.h"
 #include "cpu/parallel.h"
 #include "cpu/vec.h"
 #include "mlx/array.h"
@@ -206,6 +207,9 @@ void bind_ops(nb::module_& m) {
   m.def("set_num_threads", &vm::cpu::set_num_threads, "n"_a,
         "Threads of the CPU kernels (0 = all cores).");
   m.def("num_threads", &vm::cpu::num_threads);
+  m.def("set_batch_invariant", &vm::cpu::set_batch_invariant, "on"_a,
+        "Batch-invariant kernels: a row's result independent of the rest of the batch.");
+  m.def("batch_invariant", &vm::cpu::batch_invariant);
   m.def("has_avx2_fma", &vm::cpu::has_avx2_fma);
 
   bind_launches(m);
