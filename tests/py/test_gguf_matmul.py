@@ -1,4 +1,4 @@
-"""gguf_matmul against dequantize-then-matmul (float64), on both backends.
+"""gguf_matmul against dequantize-then-matmul (float64), on every backend.
 
 Shapes cross the kernel thresholds: m = 1 / 4 / 5, 8 / 9 (CPU int8 mat-vec and
 Metal mat-vec limit 8), 33 (Metal 32 x 32 tile + 1); n = 1, 7, 37
@@ -15,10 +15,10 @@ from test_gguf_fixtures import SUPPORTED, T, block_size, random_blocks, referenc
 from vllm_metal import _core, ops
 
 # The one tolerance table of the gguf_matmul tests (tests/cpp/test_gguf.cpp has the same).
-# "float": paths that sum exact weights times x in float32 (Metal, float weights, types
-#   without an integer kernel): max |y - ref| / max |ref|, one rounding of
-#   the output in the activation dtype.
-# "int8": on the CPU, INT8_TYPES round x to 8 bits per value (every row count) (a float
+# "float": paths that sum exact weights times x in float32 (every Metal kernel, emulated or
+#   on the GPU; float weights; types without an integer kernel): max |y - ref| / max |ref|,
+#   one rounding of the output in the activation dtype.
+# "int8": on the CPU ("native" backend) only, INT8_TYPES round x to 8 bits per value (every row count) (a float
 #   scale d = max|x| / 127 per 32, llama.cpp's scheme), an error of about |w| d / sqrt(12)
 #   per output. Measured as rms(y - ref) / rms(|x_i| |w_j| / sqrt(k)), the error against
 #   the size an output of those rows typically has (no accidental cancellation in ref can
@@ -39,7 +39,9 @@ def k_values(t):
     return [bs, 3 * bs] if bs == 32 else [bs, 2 * bs]
 
 
-def check(t, m, n, k, dtype, seed, lead=()):
+def check(t, m, n, k, dtype, seed, backend, lead=()):
+    """backend: the `backend` fixture's name. Not ops.kernel_backend(): on the GPU ("metal")
+    that stays "native", yet the Metal kernels sum in float32 like the emulated ones."""
     blocks = random_blocks(t, n, k, seed=seed)
     w = reference_dequantize(blocks, t, (n, k)).astype(np.float64)
     rng = np.random.default_rng(seed + 1)
@@ -51,7 +53,7 @@ def check(t, m, n, k, dtype, seed, lead=()):
     got = to_numpy(y).reshape(ref.shape)
     assert np.isfinite(got).all(), "non-finite output"
     case = f"gguf_matmul({t.name},m={m},n={n},k={k},dt={dtype})"
-    if ops.kernel_backend() == "native" and t in INT8_TYPES:
+    if backend == "native" and t in INT8_TYPES:
         typical = np.outer((xs ** 2).sum(1), (w ** 2).sum(1)) / k  # [rows, n]
         err = np.sqrt(((got - ref) ** 2).sum() / typical.sum())
         tol = TOLERANCE["int8"][t] + TOLERANCE["float"][dtype]
@@ -66,7 +68,7 @@ def check(t, m, n, k, dtype, seed, lead=()):
 def test_matmul_every_type(backend, t):
     for i, (m, n) in enumerate([(1, 7), (4, 37), (5, 1), (8, 5), (9, 37), (33, 7)]):
         for k in k_values(t):
-            check(t, m, n, k, "float32", seed=100 * i + k)
+            check(t, m, n, k, "float32", seed=100 * i + k, backend=backend)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -75,16 +77,26 @@ def test_matmul_every_type(backend, t):
 def test_matmul_half_activations(backend, t, dtype):
     k = max(256, block_size(t))
     for m, n in [(1, 37), (8, 5), (40, 33)]:
-        check(t, m, n, k, dtype, seed=7)
+        check(t, m, n, k, dtype, seed=7, backend=backend)
 
 
 def test_matmul_batched_leading_axes(backend):
-    check(T.Q8_0, 3, 9, 64, "float32", seed=3, lead=(2,))
+    check(T.Q8_0, 3, 9, 64, "float32", seed=3, backend=backend, lead=(2,))
 
 
 def test_matmul_real_decode_shape(backend):
     # SmolLM2-135M q_proj: 576 x 576 Q4_1 (Metal emulation is slow: one row)
-    check(T.Q4_1, 1, 576 if backend == "native" else 40, 576, "float32", seed=5)
+    check(T.Q4_1, 1, 576 if backend == "native" else 40, 576, "float32", seed=5, backend=backend)
+
+
+def test_metal_backend_is_held_to_float32_sums():
+    """An output with the CPU's 8-bit activation error passes as "native" and fails as
+    "metal": the GPU's kernels sum in float32. Run here under the "native" kernel backend,
+    as the metal fixture leaves it, so the op computes exactly that 8-bit output."""
+    assert ops.kernel_backend() == "native"
+    check(T.Q4_0, 4, 37, 64, "float32", seed=1, backend="native")
+    with pytest.raises(AssertionError, match=r"relative error .* > 2e-05"):
+        check(T.Q4_0, 4, 37, 64, "float32", seed=1, backend="metal")
 
 
 @pytest.mark.slow
@@ -93,7 +105,7 @@ def test_matmul_model_shapes_native(t):
     # prefill and decode at SmolLM2 / Gemma-3 sizes on the CPU kernels
     d = 576 if block_size(t) == 32 else 512
     for m, n, k in [(1, 1536, d), (3, 640, 2048), (77, 1536, d), (512, 576, 1536)]:
-        check(t, m, n, k, "float32", seed=m)
+        check(t, m, n, k, "float32", seed=m, backend="native")
 
 
 @pytest.mark.parametrize(
