@@ -6,11 +6,12 @@ Sources:
 - a .gguf file, or a directory prepare_gguf_dir made (config.json + model.gguf):
   gguf_loader; matrices stay in GGUF block form (memory ~ file size).
 
-linear: "gguf" (default) runs every linear layer and the lm_head on
-ops.gguf_matmul (GGUFLinear / GGUFEmbedding): GGUF matrices straight from
-their blocks, dense weights as type F32/F16/BF16. "mlx" is the reference
-path: GGUF weights dequantized at load, mlx-lm's nn.Linear (MLX matmul).
-MLX-quantized checkpoints keep their QuantizedLinear layers either way.
+linear: "gguf" (default) runs GGUF matrices on ops.gguf_matmul straight from
+their blocks (GGUFLinear / GGUFEmbedding); dense layers follow the device
+(linear_choice.py: MLX's matmul on the GPU, gguf_matmul as type F32/F16/BF16
+on the CPU). "mlx" is the reference path: GGUF weights dequantized at load,
+mlx-lm's nn.Linear (MLX matmul). MLX-quantized checkpoints keep their
+QuantizedLinear layers either way.
 
 dtype: the requested one, else the checkpoint's own: the dtype most of the
 weights are stored in (a float16 checkpoint whose config says bfloat16 stays
@@ -27,8 +28,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from vllm_metal.models.architectures import architecture_of, layer_sliding_windows, mlx_lm_classes, mlx_lm_config
-from vllm_metal.models.gguf_linear import install_block_weights, swap_dense_linears
+from vllm_metal.models.gguf_linear import install_block_weights
 from vllm_metal.models.gguf_loader import GGUF_FILE_IN_DIR
+from vllm_metal.models.linear_choice import choose_dense_layers
 from vllm_metal.models.paged_model import PagedCausalLM
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -125,8 +127,7 @@ def _stored_dtype(lm) -> mx.Dtype:
 def _finish(lm, config: dict, hf_config: dict, dtype: mx.Dtype, eos_ids: list[int], linear: str):
     from vllm_metal.models import LoadedModel, ModelSpec
 
-    if linear == "gguf":
-        swap_dense_linears(lm)
+    choose_dense_layers(lm, linear)
     model = PagedCausalLM.adapt(lm, config)
     model.set_dtype(dtype)
     model.fold_norm_offsets()

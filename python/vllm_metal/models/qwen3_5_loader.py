@@ -98,10 +98,10 @@ def load_gguf(gguf_path: Path, hf_config: dict, dtype: str | None, linear: str):
 
 def finish(lm, config: dict, hf_config: dict, dtype: mx.Dtype, eos_ids: list[int], linear: str):
     from vllm_metal.models import LoadedModel, ModelSpec, loader
-    from vllm_metal.models.gguf_linear import GGUFEmbedding, swap_dense_linears
+    from vllm_metal.models.gguf_linear import GGUFEmbedding
+    from vllm_metal.models.linear_choice import choose_dense_layers
 
-    if linear == "gguf":
-        swap_dense_linears(lm)
+    choose_dense_layers(lm, linear)
     model = PagedQwen3_5(lm, config)
     # A_log stays float32 as mlx-lm keeps it (cast_predicate): the decay is exp(A_log).
     a_logs = [(layer.linear_attn, layer.linear_attn.A_log.astype(mx.float32))

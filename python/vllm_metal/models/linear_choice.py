@@ -1,0 +1,39 @@
+"""Which matmul a model's dense layers run on: decided here, and only here.
+
+GGUF weights kept in block form always run on ops.gguf_matmul (nothing else reads
+the blocks). MLX-quantized layers (nn.QuantizedLinear / nn.QuantizedEmbedding, the
+mlx-community checkpoints) always keep MLX's quantized_matmul. Dense float layers
+(safetensors checkpoints, GGUF tensors dequantized at load) depend on the device:
+
+- GPU (Apple): keep MLX's nn.Linear / nn.Embedding. MLX's Metal GEMM is tuned for
+  Apple GPUs; gguf_matmul's F16/BF16/F32 kernels exist for GGUF files' dense tensors.
+- CPU: move them to gguf_matmul as types F32/F16/BF16 (GGUFLinear / GGUFEmbedding):
+  our CPU GEMM, where MLX's CPU matmul is reference BLAS on Linux.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from vllm_metal.models.gguf_linear import swap_dense_linears
+
+
+def model_runs_on_gpu() -> bool:
+    """The platform fact: MLX's default device is a Metal GPU."""
+    return mx.default_device() == mx.gpu and bool(mx.metal.is_available())
+
+
+def dense_layers_on_gguf_matmul(linear: str, on_gpu: bool) -> bool:
+    """linear: the loader's "gguf" (default) or "mlx" (reference: MLX's modules everywhere)."""
+    return linear == "gguf" and not on_gpu
+
+
+def choose_dense_layers(lm: nn.Module, linear: str, on_gpu: bool | None = None) -> int:
+    """Apply the choice to an mlx-lm model (after its GGUF blocks are installed).
+    on_gpu: None asks the device. Returns how many modules moved to gguf_matmul."""
+    if on_gpu is None:
+        on_gpu = model_runs_on_gpu()
+    if not dense_layers_on_gguf_matmul(linear, on_gpu):
+        return 0
+    return swap_dense_linears(lm)
