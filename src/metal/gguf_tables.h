@@ -7,7 +7,9 @@
 
 #ifdef __METAL_VERSION__
 #include <metal_stdlib>
-#define GGUF_TABLE constant
+// static: program-scope `constant` variables have external linkage in MSL, and two .metal files
+// that include this header are linked into one metallib (duplicate symbols otherwise).
+#define GGUF_TABLE static constant
 #else
 #include <cstdint>
 #define GGUF_TABLE static constexpr
