@@ -186,6 +186,57 @@ def type_alias_names(clean):
     return names - {"void", "auto"}
 
 
+def namespace_scope_mask(clean):
+    """For each character of `clean`: True where every enclosing brace is a namespace's
+    (or an `extern "C"` block's), i.e. at program scope, and outside parentheses."""
+    mask = [False] * len(clean)
+    stack, paren = [], 0
+    for i, ch in enumerate(clean):
+        if ch == "{":
+            head = clean[max(0, i - 200):i]
+            stack.append(bool(re.search(r"(?:\bnamespace(?:\s+[\w:]+)?|\bextern\s*\"\s*\")\s*$", head)))
+        elif ch == "}":
+            if stack:
+                stack.pop()
+        elif ch == "(":
+            paren += 1
+        elif ch == ")":
+            paren -= 1
+        mask[i] = paren == 0 and all(stack)
+    return mask
+
+
+def program_scope_external_constants(clean):
+    """Start offsets of program-scope declarations `constant T x = ...;` whose specifiers
+    have none of static / const / constexpr / extern (and that are not function constants
+    or templates): the declarations MSL gives external linkage."""
+    mask = None
+    out = []
+    for m in re.finditer(r"(?<![\w.])constant(?!\w)", clean):
+        if mask is None:
+            mask = namespace_scope_mask(clean)
+        if not mask[m.start()]:
+            continue
+        k = m.start() - 1
+        while k >= 0 and clean[k] not in ";{}":
+            k -= 1
+        start = k + 1
+        while True:  # past blanks and preprocessor line markers (`# 17 "x.h"`)
+            while start < m.start() and clean[start] in " \t\r\n":
+                start += 1
+            if clean.startswith("#", start):
+                start = clean.find("\n", start) + 1
+                continue
+            break
+        end = clean.find(";", m.end())
+        head = clean[start:m.start()] + clean[m.end():end if end >= 0 else len(clean)].split("=")[0]
+        if re.search(r"\b(?:static|const|constexpr|extern|template|typedef|using)\b", head) or \
+                "function_constant" in head or not re.match(r"\s*\w", clean[start:]):
+            continue
+        out.append(start)
+    return out
+
+
 def tg_declaration(body):
     """`float4 a[4][8], b` -> ['auto &a = *mslemu::tg_var<float4[4][8]>([]{});', ...]"""
     parts = split_top(body)
@@ -242,6 +293,12 @@ def rewrite(src, clean):
     #    `constant` is otherwise `const`.
     for m in FC_RE.finditer(clean):
         edits.append((m.start(), m.start() + len("constant"), " " * len("constant")))
+    # 9. program-scope `constant T x[] = {...};` has EXTERNAL linkage in MSL (a clang C++
+    #    frontend with address spaces: only `static`, `const` or `constexpr` make it internal),
+    #    while the `constant` -> `const` macro alone would give C++'s internal linkage.  Keep
+    #    MSL's rule, so linking several .metal files (mslemu.link) finds duplicate tables.
+    for pos in program_scope_external_constants(clean):
+        edits.append((pos, pos, "extern "))
     # 8. `#pragma unroll(expr)` / `#pragma clang loop ...`: perf hints whose argument
     #    may use names the Metal compiler never evaluates -> blank them.
     for m in re.finditer(r"^[ \t]*#[ \t]*pragma[ \t]+(?:unroll|nounroll|clang[ \t]+loop)\b[^\n]*", clean, re.M):
