@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/batch_invariant.h"
 #include "cpu/gguf_kernels.h"
 #include "cpu/gguf_matmul.h"
 #include "cpu/gguf_pool.h"
@@ -347,6 +348,45 @@ TEST(GgufCpu, RowResultIndependentOfBatchSize) {
       }
     }
   });
+}
+
+// Batch-invariant mode: row r of any batch is bit-identical to the same row multiplied
+// alone, for every type, activation scheme, element type, ISA, row count and thread count.
+TEST(GgufCpu, BatchInvariantRowsAreBitIdentical) {
+  c::set_batch_invariant(true);
+  std::mt19937 pick(29);
+  for (int threads : {1, 2}) {
+    c::set_num_threads(threads);
+    for_each_isa([&] {
+      for (auto t : kTypes) {
+        const int64_t bs = g::type_info(t).block_size;
+        const int64_t n = 37, k = bs == 1 ? 64 : (bs == 32 ? 608 : 512);
+        const std::vector<uint8_t> w = random_weights(t, n, k, 13);
+        for (c::Elt elt : {c::Elt::kF32, c::Elt::kF16, c::Elt::kBF16}) {
+          for (bool exact : {false, true}) {
+            // a batch size from 1 to 40 (and once 300, beyond every row-count switch)
+            const int64_t m = threads == 1 && elt == c::Elt::kF32 ? 300 : 1 + pick() % 40;
+            std::vector<uint16_t> xh;
+            const std::vector<float> x = random_x(m, k, elt, 7 + m, &xh);
+            const std::vector<float> y = run_matmul(t, w, n, k, x, xh, m, elt, exact);
+            for (int64_t r : {int64_t(0), m / 2, m - 1}) {
+              const std::vector<float> xr(x.begin() + r * k, x.begin() + (r + 1) * k);
+              const std::vector<uint16_t> xhr(xh.begin() + r * k, xh.begin() + (r + 1) * k);
+              const std::vector<float> alone = run_matmul(t, w, n, k, xr, xhr, 1, elt, exact);
+              for (int64_t j = 0; j < n; ++j) {
+                ASSERT_EQ(y[r * n + j], alone[j])
+                    << case_name(t, m, n, k, elt) << " row " << r << " col " << j
+                    << (exact ? " exact" : " int8") << " isa " << c::gguf_matmul_isa()
+                    << " threads " << threads;
+              }
+            }
+          }
+        }
+      }
+    });
+  }
+  c::set_num_threads(0);
+  c::set_batch_invariant(false);
 }
 
 TEST(GgufCpu, ExactMatmulKeepsFloatSumsForDecodeRows) {

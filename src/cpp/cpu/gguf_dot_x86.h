@@ -202,13 +202,14 @@ inline void for_blocks_in_chains(int64_t nb, const F& block) {
   for (; b < nb; ++b) block(b, 0);
 }
 
-// y[i] = sum_b d_w d_x (u . q_x) + (m d_x sum(q_x) | the integer offset). One activation row
-// runs two accumulator chains (the FMA latency, not the ports, bounded one chain).
+// y[i] = sum_b d_w d_x (u . q_x) + (m d_x sum(q_x) | the integer offset). Every activation
+// row runs two accumulator chains, even and odd blocks (the FMA latency, not the ports, bounds
+// one chain at one row), whatever M: a row's sum does not depend on the rows beside it.
 template <GGMLType T, int M>
 void legacy_rows(const uint8_t* w, int64_t rb, int64_t rows, const GgufQ8Rows& x, float* y,
                  int64_t ldy) {
   using B = Legacy<T>;
-  constexpr int kChains = M == 1 ? 2 : 1;
+  constexpr int kChains = 2;
   const int64_t nb = x.k / 32;
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* row = w + r * rb;
@@ -622,35 +623,6 @@ void exact_rows(const uint8_t* w, int64_t rb, int64_t rows, const float* x, int6
   }
 }
 
-// Q8_0, one row of x: sum_b d_b (q_b . x_b), the block's partial sum scaled once instead
-// of every weight (3 fewer vector operations a block: the lm_head of SmolLM2 2.54 -> 2.11
-// ms on one core). The types with an additive term gain nothing this way at m = 1.
-inline void exact_row1_q8_0(const uint8_t* w, int64_t rb, int64_t rows, const float* x,
-                            int64_t k, float* y) {
-  const int64_t nb = k / 32;
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint8_t* src = w + r * rb;
-    prefetch_row_ahead(src, r, rows, rb);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      __m256 u[4], d;
-      float add;
-      exact_units<GGMLType::kQ8_0>(src + b * 34, u, &d, &add);
-      const float* xb = x + 32 * b;
-      __m256 s0 = _mm256_mul_ps(u[0], _mm256_loadu_ps(xb));
-      __m256 s1 = _mm256_mul_ps(u[1], _mm256_loadu_ps(xb + 8));
-      s0 = _mm256_fmadd_ps(u[2], _mm256_loadu_ps(xb + 16), s0);
-      s1 = _mm256_fmadd_ps(u[3], _mm256_loadu_ps(xb + 24), s1);
-      if (b & 1) {
-        acc1 = _mm256_fmadd_ps(_mm256_add_ps(s0, s1), d, acc1);
-      } else {
-        acc0 = _mm256_fmadd_ps(_mm256_add_ps(s0, s1), d, acc0);
-      }
-    }
-    y[r] = hsum(_mm256_add_ps(acc0, acc1));
-  }
-}
-
 #if GGUF_X86_AVX512
 // Q4_0 / Q4_1 `exact` rows on AVX-512: each block's 16 possible weights d·u + add as a table
 // of 16 floats (one FMA; the same roundings as exact_weights), and its 32 nibbles looked up
@@ -707,7 +679,7 @@ template <GGMLType T, int M>
 void lookup_rows(const uint8_t* w, int64_t rb, int64_t rows, const float* xp, int64_t k, float* y,
                  int64_t ldy) {
   constexpr int kQs = T == GGMLType::kQ4_0 ? 2 : 4;
-  constexpr int kChains = M == 1 ? 2 : 1;  // one x row: two chains per half (FMA latency)
+  constexpr int kChains = 2;  // two chains per half (FMA latency), for every M: rows independent
   const int64_t nb = k / 32;
   const __m512i sh_lo = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
   const __m512i sh_hi = _mm512_add_epi32(sh_lo, _mm512_set1_epi32(4));
@@ -752,15 +724,16 @@ void lookup_dot(const uint8_t* w, int64_t rb, int64_t rows, const float* x, int6
   static thread_local std::vector<float> xp;
   if (static_cast<int64_t>(xp.size()) < m * k) xp.resize(m * k);
   permute_x_for_lookup(x, m, k, xp.data());
-  switch (m) {
-    case 1: return lookup_rows<T, 1>(w, rb, rows, xp.data(), k, y, ldy);
-    case 2: return lookup_rows<T, 2>(w, rb, rows, xp.data(), k, y, ldy);
-    case 3: return lookup_rows<T, 3>(w, rb, rows, xp.data(), k, y, ldy);
-    case 4: return lookup_rows<T, 4>(w, rb, rows, xp.data(), k, y, ldy);
-    case 5: return lookup_rows<T, 5>(w, rb, rows, xp.data(), k, y, ldy);
-    case 6: return lookup_rows<T, 6>(w, rb, rows, xp.data(), k, y, ldy);
-    case 7: return lookup_rows<T, 7>(w, rb, rows, xp.data(), k, y, ldy);
-    default: return lookup_rows<T, 8>(w, rb, rows, xp.data(), k, y, ldy);
+  // passes of up to 4 x rows: 4 accumulators a row fill 16 of the 32 registers
+  for (int64_t i0 = 0; i0 < m; i0 += 4) {
+    const float* xi = xp.data() + i0 * k;
+    float* yi = y + i0 * ldy;
+    switch (std::min<int64_t>(4, m - i0)) {
+      case 1: lookup_rows<T, 1>(w, rb, rows, xi, k, yi, ldy); break;
+      case 2: lookup_rows<T, 2>(w, rb, rows, xi, k, yi, ldy); break;
+      case 3: lookup_rows<T, 3>(w, rb, rows, xi, k, yi, ldy); break;
+      default: lookup_rows<T, 4>(w, rb, rows, xi, k, yi, ldy); break;
+    }
   }
 }
 #endif
@@ -774,9 +747,7 @@ void exact_dot(const uint8_t* w, int64_t rb, int64_t rows, const float* x, int64
   }
 #endif
   switch (m) {
-    case 1:
-      if constexpr (T == GGMLType::kQ8_0) return exact_row1_q8_0(w, rb, rows, x, k, y);
-      return exact_rows<T, 1>(w, rb, rows, x, k, y, ldy);
+    case 1: return exact_rows<T, 1>(w, rb, rows, x, k, y, ldy);
     case 2: return exact_rows<T, 2>(w, rb, rows, x, k, y, ldy);
     case 3: return exact_rows<T, 3>(w, rb, rows, x, k, y, ldy);
     case 4: return exact_rows<T, 4>(w, rb, rows, x, k, y, ldy);

@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu/batch_invariant.h"
 #include "cpu/gguf_kernels.h"
 #include "cpu/gguf_pool.h"
 #include "cpu/gguf_quants.h"
@@ -151,7 +152,11 @@ bool int8_path(const GgufKernels& kern, GGMLType type, bool exact) {
 // rows re-decode the weights in registers, cheaper than decoding them to float tiles up to
 // about 24 rows: benchmarks/gguf_bench.py); else kGgufMatvecMaxRows.
 constexpr int64_t kGgufExactMaxRows = 24;
+// Batch-invariant mode: the mat-vec passes serve every row count. Their kernels give a row
+// the same sums whatever the pass size (gguf_dot_*.h), while panels and float tiles sum
+// in other orders, so a row must never move between them with the batch.
 int64_t matvec_max_rows(const GgufKernels& kern, GGMLType type, bool exact) {
+  if (batch_invariant()) return INT64_MAX;
   const int tid = static_cast<int>(type);
   if (int8_path(kern, type, exact)) {
     return kern.q8_pack[tid] != nullptr ? INT64_MAX : kGgufInt8MaxRows;
@@ -223,7 +228,9 @@ struct MatvecPlan {
       const int64_t ldy = direct ? n : nr;
       const uint8_t* wr = w + r0 * rb;
       if (fdot) {
-        fdot(wr, rb, nr, xf, m, k, y, ldy);
+        for (int64_t i0 = 0; i0 < m; i0 += kGgufMatvecMaxRows) {
+          fdot(wr, rb, nr, xf + i0 * k, std::min(kGgufMatvecMaxRows, m - i0), k, y + i0 * ldy, ldy);
+        }
       } else if (edot) {
         for (int64_t i0 = 0; i0 < m; i0 += kGgufMatvecMaxRows) {
           edot(wr, rb, nr, xf + i0 * k, std::min(kGgufMatvecMaxRows, m - i0), k, y + i0 * ldy, ldy);
@@ -237,8 +244,11 @@ struct MatvecPlan {
       } else {
         float* wf = scratch_floats(wbuf, nr * k);
         gguf_decode_row(a->type, wr, nr * k, wf);
-        kern->float_dot[static_cast<int>(GGMLType::kF32)](reinterpret_cast<const uint8_t*>(wf),
-                                                          4 * k, nr, xf, m, k, y, ldy);
+        const GgufFloatDotFn dot = kern->float_dot[static_cast<int>(GGMLType::kF32)];
+        for (int64_t i0 = 0; i0 < m; i0 += kGgufMatvecMaxRows) {
+          dot(reinterpret_cast<const uint8_t*>(wf), 4 * k, nr, xf + i0 * k,
+              std::min(kGgufMatvecMaxRows, m - i0), k, y + i0 * ldy, ldy);
+        }
       }
       if (!direct) store_block(a->elt, y, ldy, m, nr, a->y, n, r0);
       r0 += nr;
@@ -321,7 +331,9 @@ MatvecPlan plan_matvec(const GgufKernels& kern, const GgufMatmul& a, const float
   p.fdot = kern.float_dot[tid];
   p.qdot = int8_path(kern, a.type, a.exact) ? kern.q8_dot[tid] : nullptr;
   p.edot = p.fdot || p.qdot ? nullptr : kern.exact_dot[tid];
-  if (p.qdot && a.m >= kGgufPanelMinRows && kern.q8_panel_dot != nullptr) p.pack = kern.q8_pack[tid];
+  if (p.qdot && a.m >= kGgufPanelMinRows && kern.q8_panel_dot != nullptr && !batch_invariant()) {
+    p.pack = kern.q8_pack[tid];
+  }
   if (p.qdot) {
     if (xq.q == nullptr) xq = quantize_x(kern, xf, a.m, a.k);
     p.xq = xq;

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "cpu/attention_vec.h"
+#include "cpu/batch_invariant.h"
 #include "cpu/paged_attention_blocked.h"
 #include "cpu/parallel.h"
 
@@ -158,7 +159,11 @@ struct Task {
 template <Elt E>
 void run(const PagedAttentionParams& p) {
   const bool blocked = blocked_attention_available(p.head_size);
-  const int64_t tile = blocked ? kBlockedQueryTile : kQueryTile;
+  // The blocked kernel sums a one-row tile (decode) differently from a wider one, so in
+  // batch-invariant mode every row is its own tile: a token gets the same result whether
+  // it decodes, ends a prefill chunk or is recomputed after preemption. The per-key kernel
+  // treats each row alike in any tile.
+  const int64_t tile = !blocked ? kQueryTile : batch_invariant() ? 1 : kBlockedQueryTile;
   std::vector<Task> tasks;
   for (int64_t s = 0; s < p.num_seqs; ++s) {
     const int64_t q_len = p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s];
