@@ -180,6 +180,9 @@ def _refuse_unsupported(vllm_config: VllmConfig) -> None:
     model = vllm_config.model_config
     if model is None:
         return
+    if getattr(model, "enable_prompt_embeds", False):
+        # the runner feeds token ids only: embeddings would be replaced by placeholder ids
+        _refuse("--enable-prompt-embeds (prompt embeddings as input)", "send prompts as text or token ids")
     if model.runner_type != "generate":
         _refuse(f"the '{model.runner_type}' runner (pooling/embedding)", "only text generation is served")
     archs = set(getattr(model.hf_config, "architectures", None) or [])
