@@ -1,0 +1,94 @@
+"""The promise of docs/serving.md, tested as a user would meet it: with VLLM_BATCH_INVARIANT=1 a
+request gets the same tokens and bit-identical logprobs alone and inside any batch.
+
+One `vllm serve` of the offline SmolLM2 model, async scheduling on (the default), chunked
+prefill forced by a small token budget, prefix caching on and a KV pool small enough that
+crowded compositions preempt (and later recompute) requests. The probes of issue 30 (seeded at
+temperature 1.0 over the full vocabulary, with top-p and top-k, and greedy) are sent alone,
+then inside random compositions of 1-32 other requests of random lengths, some sharing the
+probes' prompts as cached prefixes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import re
+
+import numpy as np
+import pytest
+
+from serving_harness import Server
+
+pytestmark = [pytest.mark.slow, pytest.mark.serving]
+
+PROBES = [
+    {"prompt": "Once upon a time", "max_tokens": 20, "seed": 1234, "temperature": 1.0},
+    {"prompt": "Once upon a time", "max_tokens": 20, "seed": 99, "temperature": 1.0,
+     "top_p": 0.9, "top_k": 50},
+    {"prompt": "Count from 0 to 5:", "max_tokens": 12, "temperature": 0},
+]
+
+WORDS = ("river stone market garden winter engine letter window silver music bridge "
+         "forest paper candle harbor mountain story morning copper lantern").split()
+
+# 56 blocks of 16 tokens: a crowded composition does not fit and some requests are preempted
+SERVER_ARGS = ["--max-model-len", "512", "--max-num-seqs", "40", "--max-num-batched-tokens", "96",
+               "--num-gpu-blocks-override", "56", "--enable-prefix-caching"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    from vllm_metal.models.offline import smollm2_gguf
+
+    s = Server(str(smollm2_gguf()), "smollm2", SERVER_ARGS, env={"VLLM_BATCH_INVARIANT": "1"})
+    yield s
+    s.stop()
+
+
+def complete(server: Server, body: dict) -> dict:
+    r = server.client.post("/v1/completions", json={"model": server.name, "logprobs": 2, **body})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    return {"text": choice["text"], "tokens": lp["tokens"], "logprobs": lp["token_logprobs"],
+            "top": lp["top_logprobs"]}
+
+
+def random_other(rng: np.random.Generator) -> dict:
+    """A request of random length and sampling; a third of them extend a probe's prompt, so
+    they hit (or fill) the prefix cache the probes use."""
+    words = " ".join(rng.choice(WORDS, size=int(rng.integers(2, 120))))
+    prompt = (PROBES[int(rng.integers(0, 3))]["prompt"] + " " + words) if rng.random() < 0.33 else words
+    body = {"prompt": prompt, "max_tokens": int(rng.integers(4, 40)),
+            "temperature": float(rng.choice([0.0, 0.7, 1.0]))}
+    if rng.random() < 0.5:
+        body["seed"] = int(rng.integers(0, 2**31))
+    return body
+
+
+def preemptions(server: Server) -> float:
+    text = server.client.get("/metrics").text
+    return sum(float(v) for v in re.findall(r"^vllm:num_preemptions_total\{[^}]*\} (\S+)", text, re.M))
+
+
+def test_probes_are_bit_identical_alone_and_in_random_compositions(server):
+    alone = [complete(server, p) for p in PROBES]
+    assert alone[0]["tokens"] != alone[1]["tokens"]  # the probes differ among themselves
+    rng = np.random.default_rng(2026)
+    with cf.ThreadPoolExecutor(max_workers=40) as pool:
+        for composition in range(10):
+            others = [random_other(rng) for _ in range(int(rng.integers(1, 33)))]
+            jobs = [pool.submit(complete, server, body) for body in others[: len(others) // 2]]
+            probe_jobs = [pool.submit(complete, server, p) for p in PROBES]
+            jobs += [pool.submit(complete, server, body) for body in others[len(others) // 2:]]
+            got = [j.result() for j in probe_jobs]
+            for j in jobs:
+                j.result()
+            for p, want, have in zip(PROBES, alone, got):
+                where = f"composition {composition} ({len(others)} others), probe {p}"
+                assert have["tokens"] == want["tokens"], where
+                assert have["logprobs"] == want["logprobs"], where  # bitwise: floats compare exactly
+                assert have["top"] == want["top"], where
+    assert preemptions(server) > 0, "no composition preempted a request: the pool is too large"
+    # and alone again, after all that (prefix cache warm, preempted requests recomputed)
+    assert [complete(server, p) for p in PROBES] == alone
