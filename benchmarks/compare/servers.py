@@ -37,9 +37,10 @@ class Peer:
 
 
 def ours(gguf: str, port: int, threads: int, max_seqs: int, int8_activations: bool,
-         async_scheduling: bool = True) -> Peer:
+         async_scheduling: bool = True, batch_invariant: bool = False) -> Peer:
     vllm = Path(sys.executable).with_name("vllm")
-    name = "vllm-metal" + (" int8" if int8_activations else "") + ("" if async_scheduling else " sync")
+    name = ("vllm-metal" + (" int8" if int8_activations else "") + ("" if async_scheduling else " sync")
+            + (" invariant" if batch_invariant else ""))
     return Peer(
         name=name,
         argv=[str(vllm), "serve", gguf, "--served-model-name", "m", "--host", "127.0.0.1",
@@ -49,7 +50,8 @@ def ours(gguf: str, port: int, threads: int, max_seqs: int, int8_activations: bo
         model="m",
         no_eos={"ignore_eos": True},
         env={"VLLM_METAL_NUM_THREADS": str(threads),
-             "VLLM_METAL_INT8_ACTIVATIONS": "1" if int8_activations else "0"},
+             "VLLM_METAL_INT8_ACTIVATIONS": "1" if int8_activations else "0",
+             "VLLM_BATCH_INVARIANT": "1" if batch_invariant else "0"},
     )
 
 
