@@ -62,7 +62,8 @@ class MetalPlatform(Platform):
 
     @classmethod
     def get_device_total_memory(cls, device_id: int = 0) -> int:
-        return psutil.virtual_memory().total
+        # on Apple, what Metal lets the GPU keep resident, not all of the unified memory
+        return metal_working_set() or psutil.virtual_memory().total
 
     @classmethod
     def is_pin_memory_available(cls) -> bool:
@@ -161,6 +162,16 @@ def _name_gguf_models_after_their_file(vllm_config: VllmConfig) -> None:
         model.served_model_name = source
 
 
+def metal_working_set() -> int | None:
+    """Bytes Metal recommends the GPU keep resident (MTLDevice.recommendedMaxWorkingSetSize,
+    about 2/3 to 3/4 of the unified memory), as MLX reports it; None without a Metal GPU."""
+    import mlx.core as mx
+
+    if not mx.metal.is_available():
+        return None
+    return int(mx.device_info(mx.gpu)["max_recommended_working_set_size"])
+
+
 def _on_apple() -> bool:
     import platform
 
@@ -182,7 +193,8 @@ def _refuse_unsupported(vllm_config: VllmConfig) -> None:
         return
     if getattr(model, "enable_prompt_embeds", False):
         # the runner feeds token ids only: embeddings would be replaced by placeholder ids
-        _refuse("--enable-prompt-embeds (prompt embeddings as input)", "send prompts as text or token ids")
+        _refuse("--enable-prompt-embeds (prompt embeddings as input)",
+                "send prompts as text or token ids")
     if model.runner_type != "generate":
         _refuse(f"the '{model.runner_type}' runner (pooling/embedding)", "only text generation is served")
     archs = set(getattr(model.hf_config, "architectures", None) or [])

@@ -12,12 +12,75 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import psutil
 import torch
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 logger = logging.getLogger(__name__)
+
+# Apple: Metal memory the budget leaves free besides the weights: a step's activations,
+# MLX's buffer cache and the driver's own allocations share the working set with them.
+APPLE_MARGIN_BYTES = 1 << 30
+
+
+@dataclass
+class DeviceMemory:
+    """What the KV-cache budget is cut from.
+
+    limit: the memory this instance may fill (vLLM's "GPU memory"): Metal's recommended
+    working set on Apple, the machine's RAM on the CPU. in_use: what it holds already
+    (Apple: MLX's Metal buffers, i.e. the weights; CPU: the process's RSS). available:
+    RAM the rest of the system leaves free (psutil), so the cache never pushes it to swap.
+    """
+    limit: int
+    in_use: int
+    available: int
+    margin: int
+    source: str
+
+    @classmethod
+    def measure(cls) -> "DeviceMemory":
+        from vllm_metal.platform import metal_working_set
+
+        available = psutil.virtual_memory().available
+        working_set = metal_working_set()
+        if working_set is not None:
+            import mlx.core as mx
+
+            return cls(working_set, mx.get_active_memory(), available, APPLE_MARGIN_BYTES,
+                       "Metal recommended working set")
+        rss = psutil.Process(os.getpid()).memory_info().rss
+        return cls(psutil.virtual_memory().total, rss, available, 0, "system memory")
+
+    def kv_cache_budget(self, utilization: float, requested: int | None, state: int) -> int:
+        """KV blocks' bytes (state: bytes of hybrid state slots, also out of the budget)."""
+        if requested is not None:
+            budget = int(requested) - state
+            if budget <= 0:
+                raise ValueError(
+                    f"[vllm-metal] --kv-cache-memory-bytes {requested} does not "
+                    f"cover the {state} bytes of linear-attention state (max_num_seqs slots)")
+            room = min(self.available, self.limit - self.in_use)
+            if requested > room:
+                raise ValueError(
+                    f"[vllm-metal] --kv-cache-memory-bytes {requested} exceeds the "
+                    f"{room} bytes of memory available ({self})")
+            return budget
+        allowed = int(self.limit * utilization)
+        budget = min(allowed - self.in_use, self.available) - self.margin - state
+        if budget <= 0:
+            raise ValueError(
+                f"[vllm-metal] no memory left for the KV cache: the worker uses {self.in_use} bytes "
+                f"of the {allowed} allowed by --gpu-memory-utilization {utilization} ({self}); "
+                "raise it or set --kv-cache-memory-bytes")
+        return budget
+
+    def __str__(self) -> str:
+        gib = 2**30
+        return (f"{self.source} {self.limit / gib:.2f} GiB, in use {self.in_use / gib:.2f} GiB, "
+                f"RAM available {self.available / gib:.2f} GiB, margin {self.margin / gib:.2f} GiB")
 
 
 class MetalWorker(WorkerBase):
@@ -61,36 +124,17 @@ class MetalWorker(WorkerBase):
             raise ValueError(f"[vllm-metal] KV cache layout {kv_cache_layout} is not supported")
 
     def determine_available_memory(self) -> int:
-        """Bytes for the KV cache: --kv-cache-memory-bytes, else the share of
-        system memory (--gpu-memory-utilization) left after the weights."""
+        """Bytes for the KV cache: --kv-cache-memory-bytes, else the share
+        (--gpu-memory-utilization) of the device's memory left after the weights."""
         cache = self.cache_config
-        available = psutil.virtual_memory().available
         # Hybrid models keep per-request state outside vLLM's blocks: it comes out of
         # the same budget, so blocks + state stay within what was asked for.
         state = self.model_runner.state_memory_bytes()
         if state:
             logger.info("vllm-metal: %d bytes of the KV-cache budget go to state slots", state)
-        if cache.kv_cache_memory_bytes is not None:
-            budget = int(cache.kv_cache_memory_bytes) - state
-            if budget <= 0:
-                raise ValueError(
-                    f"[vllm-metal] --kv-cache-memory-bytes {cache.kv_cache_memory_bytes} does not "
-                    f"cover the {state} bytes of linear-attention state (max_num_seqs slots)")
-            if budget + state > available:
-                raise ValueError(
-                    f"[vllm-metal] --kv-cache-memory-bytes {cache.kv_cache_memory_bytes} exceeds the "
-                    f"{available} bytes of memory available")
-            return budget
-        total = psutil.virtual_memory().total
-        used_by_us = psutil.Process(os.getpid()).memory_info().rss
-        budget = int(total * cache.gpu_memory_utilization) - used_by_us - state
-        budget = min(budget, available - state)
-        if budget <= 0:
-            raise ValueError(
-                f"[vllm-metal] no memory left for the KV cache: the worker uses {used_by_us} bytes "
-                f"of the {int(total * cache.gpu_memory_utilization)} allowed by "
-                f"--gpu-memory-utilization {cache.gpu_memory_utilization}; raise it or set "
-                "--kv-cache-memory-bytes")
+        memory = DeviceMemory.measure()
+        budget = memory.kv_cache_budget(cache.gpu_memory_utilization, cache.kv_cache_memory_bytes, state)
+        logger.info("vllm-metal KV-cache budget %.2f GiB (%s)", budget / 2**30, memory)
         return budget
 
     def initialize_from_config(self, kv_cache_config) -> None:
