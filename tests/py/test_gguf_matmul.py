@@ -18,12 +18,13 @@ from vllm_metal import _core, ops
 # "float": paths that sum exact weights times x in float32 (every Metal kernel, emulated or
 #   on the GPU; float weights; types without an integer kernel): max |y - ref| / max |ref|,
 #   one rounding of the output in the activation dtype.
-# "int8": on the CPU ("native" backend) only, INT8_TYPES round x to 8 bits per value (every row count) (a float
-#   scale d = max|x| / 127 per 32, llama.cpp's scheme), an error of about |w| d / sqrt(12)
-#   per output. Measured as rms(y - ref) / rms(|x_i| |w_j| / sqrt(k)), the error against
-#   the size an output of those rows typically has (no accidental cancellation in ref can
-#   shrink it): about 0.0052 for Gaussian x; each bound is 1.5x the largest of 750 random
-#   cases here and 900 in the C++ test. The output rounding's "float" bound is added.
+# "int8": on the CPU ("native" backend) only, INT8_TYPES round x to 8 bits per value (every
+#   row count) (a float scale d = max|x| / 127 per 32, llama.cpp's scheme), an error of
+#   about |w| d / sqrt(12) per output. Measured as rms(y - ref) / rms(|x_i| |w_j| / sqrt(k)),
+#   the error against the size an output of those rows typically has (no accidental
+#   cancellation in ref can shrink it): about 0.0052 for Gaussian x; each bound is 1.5x the
+#   largest of 750 random cases here and 900 in the C++ test. The output rounding's "float"
+#   bound is added.
 TOLERANCE = {
     "float": {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.6e-2},
     "int8": {T.Q4_0: 0.015, T.Q4_1: 0.018, T.Q5_0: 0.015, T.Q5_1: 0.021, T.Q8_0: 0.015,
