@@ -152,9 +152,13 @@ bool int8_path(const GgufKernels& kern, GGMLType type, bool exact) {
 // rows re-decode the weights in registers, cheaper than decoding them to float tiles up to
 // about 24 rows: benchmarks/gguf_bench.py); else kGgufMatvecMaxRows.
 constexpr int64_t kGgufExactMaxRows = 24;
-// Batch-invariant mode: the mat-vec passes serve every row count. Their kernels give a row
-// the same sums whatever the pass size (gguf_dot_*.h), while panels and float tiles sum
-// in other orders, so a row must never move between them with the batch.
+// Batch-invariant mode: one path serves every row count, so a row never moves between
+// kernels that sum in different orders as the batch changes. Float32 sums: the mat-vec
+// passes, whose kernels sum a row alike whatever the pass size (gguf_dot_*.h); from 64 rows
+// they take 1.4x the default's float tiles. Integer path: the weight
+// panels where the type has them, from one row up (1.7x the one-row kernel alone, but
+// 1.0-1.1x the default at 16-64 rows where passes of 8 cost 2.7x:
+// benchmarks/batch_invariance_bench.py), else the mat-vec passes.
 int64_t matvec_max_rows(const GgufKernels& kern, GGMLType type, bool exact) {
   if (batch_invariant()) return INT64_MAX;
   const int tid = static_cast<int>(type);
@@ -331,7 +335,8 @@ MatvecPlan plan_matvec(const GgufKernels& kern, const GgufMatmul& a, const float
   p.fdot = kern.float_dot[tid];
   p.qdot = int8_path(kern, a.type, a.exact) ? kern.q8_dot[tid] : nullptr;
   p.edot = p.fdot || p.qdot ? nullptr : kern.exact_dot[tid];
-  if (p.qdot && a.m >= kGgufPanelMinRows && kern.q8_panel_dot != nullptr && !batch_invariant()) {
+  const bool panels_from_one_row = batch_invariant();  // see matvec_max_rows
+  if (p.qdot && kern.q8_panel_dot != nullptr && (a.m >= kGgufPanelMinRows || panels_from_one_row)) {
     p.pack = kern.q8_pack[tid];
   }
   if (p.qdot) {

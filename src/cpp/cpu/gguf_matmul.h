@@ -3,7 +3,9 @@
 // Activations of the integer-capable types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
 // Q5_K, Q6_K) are rounded to 8-bit blocks of 32, llama.cpp's scheme (results
 // differ from float32 by that rounding, see docs/gguf.md) — for every row
-// count, so a row's result does not depend on the batch it is in. Decode rows
+// count. The kernels that serve a call change with its row count and sum in
+// different orders, so a row's last bits depend on the batch it is in, unless
+// batch-invariant mode (cpu/batch_invariant.h) fixes one path per type. Decode rows
 // (m <= kGgufMatvecMaxRows) then dot every weight block with them in integers,
 // straight from its packed bytes; more rows (x86) decode panels of 8 weight rows
 // once into bytes laid out for the integer dot instructions and multiply them
