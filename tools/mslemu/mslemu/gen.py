@@ -9,7 +9,7 @@ The .metal source itself is NOT edited.  The generator
   b) applies mechanical token-level rewrites that a header cannot express
      (line markers are kept, so diagnostics point to the original .metal):
        1. `threadgroup T name[N];` object declarations ->
-          `auto &name = *mslemu::tg_var<T[N]>([]{});` (one instance per running
+          `auto &name = *mslemu::tg_var<T[N]>([]{}, "name");` (one instance per running
           threadgroup, shared by its fibers);
           `threadgroup` used as a pointer/reference qualifier is left to the
           shim, which erases it.
@@ -238,7 +238,7 @@ def program_scope_external_constants(clean):
 
 
 def tg_declaration(body):
-    """`float4 a[4][8], b` -> ['auto &a = *mslemu::tg_var<float4[4][8]>([]{});', ...]"""
+    """`float4 a[4][8], b` -> ['auto &a = *mslemu::tg_var<float4[4][8]>([]{}, "a");', ...]"""
     parts = split_top(body)
     m = re.match(r"\s*((?:const\s+|volatile\s+)*[\w:]+(?:\s*<[^;]*>)?)\s+(\w+)\s*((?:\[[^\]]*\]\s*)*)$", parts[0])
     if not m:
@@ -252,7 +252,7 @@ def tg_declaration(body):
                 return None
         name, dims = m.group(2), "".join(m.group(3).split())
         # `auto &` (not `T (&x)[N]`): `half4 (` would trigger the half4(...) ctor macro
-        out.append("auto &%s = *mslemu::tg_var<%s%s>([]{});" % (name, ty, dims))
+        out.append('auto &%s = *mslemu::tg_var<%s%s>([]{}, "%s");' % (name, ty, dims, name))
     return out
 
 

@@ -34,6 +34,9 @@ BASE_FLAGS = ["-std=c++17", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden
               "-Xclang", "-ffloat16-excess-precision=none",
               "-Wno-unknown-attributes", "-Wno-unused-parameter", "-Wno-duplicate-decl-specifier"]
 
+# checked builds: the counting builds' instrumentation, calling include/mslemu/checks.h
+CHECK_FLAGS = ["-DMSLEMU_CHECKS=1"] + [f for f in _accounting.FLAGS if f != "-DMSLEMU_ACCOUNTING=1"]
+
 # error codes of the C ABI (include/mslemu/runtime.h)
 E_NO_KERNEL, E_FC_SIZE, E_LAUNCH, E_KERNEL = -1, -2, -3, -4
 
@@ -143,10 +146,13 @@ class Library:
     kernels (sorted host names).
 
     accounting=True builds a separate, slower counting variant: every dispatch then runs
-    on one worker thread and returns an mslemu.accounting.LaunchCounts record."""
+    on one worker thread and returns an mslemu.accounting.LaunchCounts record.
+    checks=True builds the checked variant (include/mslemu/checks.h): out-of-bounds
+    accesses, threadgroup-memory races and device write-write races fail the dispatch;
+    the default is $MSLEMU_CHECKS (when not counting)."""
 
     def __init__(self, metal_path, include_dirs=(), defines=None, *, opt="-O2", extra_flags=(), cxx=None,
-                 cache_dir=None, accounting=False):
+                 cache_dir=None, accounting=False, checks=None):
         self.metal_path = os.path.abspath(metal_path)
         if not os.path.isfile(self.metal_path):
             raise FileNotFoundError(self.metal_path)
@@ -155,8 +161,15 @@ class Library:
         defs = gen.define_flags(defines)
         flags = BASE_FLAGS + [opt, "-I", gen.INCLUDE_DIR, "-I", os.path.dirname(self.metal_path)] + list(extra_flags)
         self.accounting = bool(accounting)
+        if checks is None:
+            checks = not self.accounting and os.environ.get("MSLEMU_CHECKS", "0") not in ("", "0")
+        if checks and self.accounting:
+            raise ValueError("a build either counts (accounting=True) or checks (checks=True), not both")
+        self.checks = bool(checks)
         if self.accounting:
             flags += _accounting.FLAGS
+        if self.checks:
+            flags += CHECK_FLAGS
         key = hashlib.sha256()
         for p in [self.metal_path] + sorted(_deps(self.metal_path, include_dirs)) + _tool_files():
             key.update(p.encode() + b"\0")

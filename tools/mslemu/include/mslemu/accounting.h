@@ -56,7 +56,7 @@ inline thread_local Acct *tl_acct __attribute__((tls_model("initial-exec"))) = n
 MSLEMU_NOASAN inline void acct_access(uintptr_t a, size_t n, bool write) {
   Acct *A = tl_acct;
   if (!A || !tl_fiber || A->busy) return;
-  const bool mute = tl_fiber->acct_mute;
+  const bool mute = tl_fiber->mute;
   A->busy = true;
   for (uint32_t i = 0; i < A->n_tg_ranges; ++i)
     if (a >= A->tg_ranges[i][0] && a < A->tg_ranges[i][1]) {
@@ -138,28 +138,9 @@ inline void acct_worker(Acct &A, Worker &w) {
   }
 }
 
-// The first live lane of the caller's simdgroup: simdgroup matrix ops are emulated
-// redundantly in every lane, but count once per simdgroup.
-inline bool acct_simd_leader() {
-  Fiber *f = tl_fiber;
-  uint32_t live = tl_worker->sgs[f->sg].live_mask;
-  return live && f->lane == (uint32_t)__builtin_ctz(live);
-}
-
-// Silences the accesses of a scope (the redundant lanes of a simdgroup matrix load/store).
-struct AcctMute {
-  bool prev;
-  // The barriers keep the optimiser from dropping the first store as dead: the
-  // instrumentation that reads the flag is inserted after optimisation.
-  explicit AcctMute(bool mute) : prev(tl_fiber->acct_mute) {
-    tl_fiber->acct_mute = prev || mute;
-    __asm__ __volatile__("" ::: "memory");
-  }
-  ~AcctMute() {
-    __asm__ __volatile__("" ::: "memory");
-    tl_fiber->acct_mute = prev;
-  }
-};
+// simdgroup-matrix work and poisoning count once per simdgroup / not at all (runtime.h)
+inline bool acct_simd_leader() { return simd_leader(); }
+using AcctMute = AccessMute;
 
 }  // namespace mslemu
 

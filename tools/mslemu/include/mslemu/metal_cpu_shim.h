@@ -173,9 +173,9 @@ template <class V, class... A> inline V mk(const A &...a) {
 // `threadgroup T x[N];` inside a kernel is rewritten by mslemu.gen to
 // `auto &x = *mslemu::tg_var<T[N]>([]{});` -- the lambda type makes the key
 // unique per declaration and per template instantiation.
-template <class T, class K> inline T *tg_var(K) {
+template <class T, class K> inline T *tg_var(K, const char *name = "") {
   static const char key = 0;
-  return static_cast<T *>(tg_var_lookup(&key, sizeof(T), alignof(T) < 16 ? 16 : alignof(T)));
+  return static_cast<T *>(tg_var_lookup(&key, sizeof(T), alignof(T) < 16 ? 16 : alignof(T), name));
 }
 // `(half4) x` is rewritten by mslemu.gen to `mslemu::vcast<half4>()->* x`: MSL
 // C-style vector casts convert values, clang's ext_vector casts reinterpret bits.
@@ -621,18 +621,20 @@ inline uint64_t site_key(const char *file, unsigned line, unsigned col) {
 #endif
 
 namespace metal {
-inline void threadgroup_barrier(mem_flags = mem_flags::mem_none, uint64_t site = MSLEMU_SITE()) {
-  mslemu::barrier_wait(site);
+// The flags matter to checked builds: only mem_threadgroup orders threadgroup memory and
+// only mem_device orders device memory between the threads of a threadgroup.
+inline void threadgroup_barrier(mem_flags f = mem_flags::mem_none, uint64_t site = MSLEMU_SITE()) {
+  mslemu::barrier_wait(site, (uint)f);
 }
 namespace detail {
-inline void simd_sync(uint64_t site) {
+inline void simd_sync(uint64_t site, uint32_t fence = 0) {
   uint32_t m;
-  mslemu::simd_exchange(nullptr, 0, site, &m);
+  mslemu::simd_exchange(nullptr, 0, site, &m, nullptr, nullptr, fence);
 }
 }  // namespace detail
-inline void simdgroup_barrier(mem_flags = mem_flags::mem_none, uint64_t site = MSLEMU_SITE()) {
+inline void simdgroup_barrier(mem_flags f = mem_flags::mem_none, uint64_t site = MSLEMU_SITE()) {
   MSLEMU_COUNT(simd_ops, 1);
-  detail::simd_sync(site);
+  detail::simd_sync(site, (uint)f);
 }
 
 // ----------------------------------------------------------------------------
@@ -834,16 +836,20 @@ typedef atomic<long> atomic_long;
 
 #define MSLEMU_AT(A) std::enable_if_t<!std::is_void_v<decltype(std::declval<A &>().__v)>, int> = 0
 template <class A, class T, MSLEMU_AT(A)> inline void atomic_store_explicit(A *o, T v, memory_order, ...) {
+  mslemu::AtomicScope in_atomic;
   std::remove_cv_t<decltype(o->__v)> x = v; __atomic_store(&o->__v, &x, __ATOMIC_SEQ_CST);
 }
 template <class A, MSLEMU_AT(A)> inline auto atomic_load_explicit(A *o, memory_order, ...) {
+  mslemu::AtomicScope in_atomic;
   std::remove_cv_t<decltype(o->__v)> x; __atomic_load(&o->__v, &x, __ATOMIC_SEQ_CST); return x;
 }
 template <class A, class T, MSLEMU_AT(A)> inline auto atomic_exchange_explicit(A *o, T v, memory_order, ...) {
+  mslemu::AtomicScope in_atomic;
   std::remove_cv_t<decltype(o->__v)> x = v, r; __atomic_exchange(&o->__v, &x, &r, __ATOMIC_SEQ_CST); return r;
 }
 template <class A, class E, class T, MSLEMU_AT(A)>
 inline bool atomic_compare_exchange_weak_explicit(A *o, E *expected, T desired, memory_order, memory_order, ...) {
+  mslemu::AtomicScope in_atomic;
   std::remove_cv_t<decltype(o->__v)> d = desired;
   return __atomic_compare_exchange(&o->__v, expected, &d, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
 }
@@ -853,6 +859,7 @@ inline bool atomic_compare_exchange_strong_explicit(A *o, E *expected, T desired
 }
 namespace detail {
 template <class A, class T, class F> inline auto atomic_rmw(A *o, T v, F f) {
+  mslemu::AtomicScope in_atomic;
   using V = std::remove_cv_t<decltype(o->__v)>;
   V old, nv;
   __atomic_load(&o->__v, &old, __ATOMIC_RELAXED);
@@ -898,11 +905,9 @@ template <class T, int R, int C, class U>
 inline void simdgroup_load(simdgroup_matrix<T, R, C> &d, const U *src, ulong elements_per_row = C,
                            ulong2 origin = ulong2(0), bool transpose = false, uint64_t site = MSLEMU_SITE()) {
   {
-#ifdef MSLEMU_ACCOUNTING
-    const bool leader = mslemu::acct_simd_leader();
+    const bool leader = mslemu::simd_leader();
     if (leader) MSLEMU_COUNT(matrix_loads, 1);
-    mslemu::AcctMute mute(!leader);  // one simdgroup load, not one per lane
-#endif
+    mslemu::AccessMute mute(!leader);  // one simdgroup load (counted, checked), not one per lane
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) {
         ulong row = origin.y + (transpose ? c : r), col = origin.x + (transpose ? r : c);
@@ -916,11 +921,9 @@ inline void simdgroup_store(const simdgroup_matrix<T, R, C> &a, U *dst, ulong el
                             ulong2 origin = ulong2(0), bool transpose = false, uint64_t site = MSLEMU_SITE()) {
   // every lane writes its (identical) copy; the sync below keeps lanes in lockstep
   {
-#ifdef MSLEMU_ACCOUNTING
-    const bool leader = mslemu::acct_simd_leader();
+    const bool leader = mslemu::simd_leader();
     if (leader) MSLEMU_COUNT(matrix_stores, 1);
-    mslemu::AcctMute mute(!leader);
-#endif
+    mslemu::AccessMute mute(!leader);
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) {
         ulong row = origin.y + (transpose ? c : r), col = origin.x + (transpose ? r : c);

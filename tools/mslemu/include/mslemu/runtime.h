@@ -14,6 +14,7 @@
 // Environment (read at every dispatch): MSLEMU_THREADS, MSLEMU_STACK_KB, MSLEMU_POISON,
 // MSLEMU_STRICT, MSLEMU_VERBOSE.
 #pragma once
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -72,7 +73,9 @@ struct Fiber {
   uint64_t site = 0;           // call-site key of the pending sync op
   uint32_t active_mask = 0;    // participating lanes of the last collective
   uint64_t epoch = 0;          // id of the last resolved collective (result cache key)
-  bool acct_mute = false;      // counting builds: this fiber's accesses are not counted
+  bool mute = false;           // accesses are the emulator's or a redundant lane's: not counted or checked
+  bool in_atomic = false;      // inside an atomic_* function (checked builds: not a race)
+  uint32_t fence = 0;          // mem_flags of the pending barrier
   uint32_t acct_seq = 0;       // counting builds: device accesses so far in this threadgroup
   ThreadCtx ctx{};
 };
@@ -83,6 +86,7 @@ struct SimdGroup {
   alignas(64) unsigned char cache[kSlotBytes];  // reduction result shared by the group
   uint64_t cache_epoch = ~0ull;
   uint32_t live_mask = 0;
+  uint32_t phase = 0;  // simdgroup_barrier(mem_threadgroup) releases so far (race detector)
 };
 
 typedef void (*KernelBody)();
@@ -97,7 +101,9 @@ struct LaunchState {
   uint64_t n_tg = 0;
   std::atomic<uint64_t> warn_barrier_after_exit{0};
   std::atomic<uint64_t> warn_divergent_barrier{0};
+  const char *kernel = "";  // host name, for error messages
   bool poison = false;   // MSLEMU_POISON
+  uint64_t schedule = 0; // MSLEMU_SCHEDULE: seed of the fuzzed fiber / threadgroup order (0: in order)
   bool strict = false;   // MSLEMU_STRICT
   size_t tg_mem_dynamic = 0;  // bytes of [[threadgroup(i)]] memory, for the strict limit
   std::atomic<bool> failed{false};
@@ -116,10 +122,16 @@ struct Worker {
 #endif
   std::vector<std::vector<unsigned char>> tg_mem;  // dynamic [[threadgroup(i)]]
   // threadgroup-scope variables declared in kernels (`threadgroup float x[32];`)
-  std::vector<std::pair<const void *, void *>> tg_vars;
+  struct TgVar { const void *key; void *p; size_t size; const char *name; };
+  std::vector<TgVar> tg_vars;
   std::vector<unsigned char> tg_arena;
   size_t tg_arena_used = 0;
   uint64_t epoch = 0;
+  // barrier releases with mem_threadgroup / mem_device, counted over the worker's life so
+  // a record from an earlier threadgroup never looks current (race detector)
+  uint32_t tg_phase = 1, dev_phase = 1;
+  uint32_t tg_index = 0;  // linear index of the running threadgroup
+  uint64_t rng = 0;       // schedule fuzzing state (splitmix64)
   LaunchState *ls = nullptr;
   ~Worker() {
     for (char *s : stacks) munmap(s - 4096, stack_size + 4096);
@@ -130,6 +142,54 @@ struct Worker {
 // initial-exec: avoid a __tls_get_addr call per access inside a dlopen'ed .so
 inline thread_local Worker *tl_worker __attribute__((tls_model("initial-exec"))) = nullptr;
 inline thread_local Fiber *tl_fiber __attribute__((tls_model("initial-exec"))) = nullptr;
+
+// The first live lane of the caller's simdgroup: simdgroup-matrix operations are emulated
+// redundantly by every lane, but are one operation of the simdgroup (counted and checked once).
+inline bool simd_leader() {
+  Fiber *f = tl_fiber;
+  uint32_t live = tl_worker->sgs[f->sg].live_mask;
+  return live && f->lane == (uint32_t)__builtin_ctz(live);
+}
+
+// Silences the accesses of a scope for counting and checking builds (the redundant lanes
+// of a simdgroup-matrix load/store, the emulator's own poisoning).
+struct AccessMute {
+  bool prev;
+  // The barriers on both sides of each store keep the optimiser from dropping one as dead
+  // (the instrumentation that reads the flag is inserted after optimisation), also
+  // between two scopes in a row.
+  explicit AccessMute(bool mute) : prev(tl_fiber->mute) {
+    __asm__ __volatile__("" ::: "memory");
+    tl_fiber->mute = prev || mute;
+    __asm__ __volatile__("" ::: "memory");
+  }
+  ~AccessMute() {
+    __asm__ __volatile__("" ::: "memory");
+    tl_fiber->mute = prev;
+    __asm__ __volatile__("" ::: "memory");
+  }
+};
+
+// Marks an atomic operation: checked builds bound-check it but never report it as a race.
+struct AtomicScope {
+  AtomicScope() {  // barriers: as in AccessMute
+    __asm__ __volatile__("" ::: "memory");
+    if (tl_fiber) tl_fiber->in_atomic = true;
+    __asm__ __volatile__("" ::: "memory");
+  }
+  ~AtomicScope() {
+    __asm__ __volatile__("" ::: "memory");
+    if (tl_fiber) tl_fiber->in_atomic = false;
+    __asm__ __volatile__("" ::: "memory");
+  }
+};
+
+inline uint64_t splitmix64(uint64_t &s) {
+  uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
 
 }  // namespace mslemu
 
@@ -213,6 +273,8 @@ inline void launch_fail(LaunchState &ls, const std::string &msg) {
 
 }  // namespace mslemu
 
+#include "checks.h"
+
 #ifdef MSLEMU_IMPLEMENTATION
 extern "C" void mslemu_fiber_main(mslemu::Fiber *f) {
   using namespace mslemu;
@@ -254,7 +316,7 @@ struct FunctionConstantEntry {
 };
 
 size_t default_stack_size();
-int run_launch(const mslemu_launch *L, KernelBody body);
+int run_launch(const mslemu_launch *L, KernelBody body, const char *kernel = "");
 const char *last_error();
 int api_dispatch(const KernelEntry *kernels, const FunctionConstantEntry *fcs, const char *name,
                  const mslemu_launch *L, const mslemu_function_constant *set, uint32_t n_set);
@@ -357,6 +419,9 @@ static void run_threadgroup(Worker &w, LaunchState &ls, u3 tgpos) {
 #endif
   if (ls.poison)  // 0xff bytes: NaN as float/half, all-ones as integers
     for (auto &m : w.tg_mem) memset(m.data(), 0xff, m.size());
+  ++w.tg_phase;  // nothing recorded by an earlier threadgroup is current
+  ++w.dev_phase;
+  if (ls.schedule) w.rng = ls.schedule * 0x2545F4914F6CDD1Dull + w.tg_index;
   w.tg_vars.clear();
   if (ls.poison && w.tg_arena_used) memset(w.tg_arena.data(), 0xff, w.tg_arena_used);
   w.tg_arena_used = 0;
@@ -371,7 +436,7 @@ static void run_threadgroup(Worker &w, LaunchState &ls, u3 tgpos) {
         Fiber &f = w.fibers[t];
         f.state = FState::Runnable;
         f.tid = t; f.lane = t % kSimdWidth; f.sg = t / kSimdWidth;
-        f.site = 0; f.active_mask = 0; f.acct_seq = 0;
+        f.site = 0; f.active_mask = 0; f.acct_seq = 0; f.mute = false; f.in_atomic = false;
         ThreadCtx &c = f.ctx;
         c.tpitg = {x, y, z};
         c.tgpig = tgpos;
@@ -384,10 +449,19 @@ static void run_threadgroup(Worker &w, LaunchState &ls, u3 tgpos) {
         prepare_fiber(w, f, w.stacks[t]);
       }
   uint32_t live = T;
+  std::vector<uint32_t> order;  // MSLEMU_SCHEDULE: a fresh random fiber order every pass
+  if (ls.schedule) {
+    order.resize(T);
+    for (uint32_t i = 0; i < T; ++i) order[i] = i;
+  }
   while (live) {
-    for (uint32_t i = 0; i < T; ++i) {
-      Fiber &f = w.fibers[i];
+    bool ran = false;
+    if (ls.schedule)
+      for (uint32_t i = T; i > 1; --i) std::swap(order[i - 1], order[splitmix64(w.rng) % i]);
+    for (uint32_t j = 0; j < T; ++j) {
+      Fiber &f = w.fibers[ls.schedule ? order[j] : j];
       if (f.state != FState::Runnable) continue;
+      ran = true;
       switch_to(w, f);
       if (f.state == FState::Aborted) return;  // abandon the whole threadgroup
       if (f.state == FState::Done) {
@@ -396,6 +470,11 @@ static void run_threadgroup(Worker &w, LaunchState &ls, u3 tgpos) {
       }
     }
     if (!live) break;
+    if (ran) {  // a fiber preempted at a memory access (checked builds) is still runnable
+      bool runnable = false;
+      for (uint32_t i = 0; i < T && !runnable; ++i) runnable = w.fibers[i].state == FState::Runnable;
+      if (runnable) continue;
+    }
     // 1) resolve simd-group collectives: lanes waiting at the same call site form
     //    the active set (divergent lanes elsewhere / exited lanes are inactive).
     bool resolved = false;
@@ -416,6 +495,7 @@ static void run_threadgroup(Worker &w, LaunchState &ls, u3 tgpos) {
         pending &= ~mask;
         SimdGroup &g = w.sgs[s];
         const uint64_t ep = ++w.epoch;
+        if (base[first].fence & 2u) ++g.phase;  // simdgroup_barrier(mem_threadgroup)
         for (uint32_t m = mask; m; m &= m - 1) {
           uint32_t l = __builtin_ctz(m);
           memcpy(g.snap[l], g.slots[l], kSlotBytes);
@@ -432,7 +512,12 @@ static void run_threadgroup(Worker &w, LaunchState &ls, u3 tgpos) {
     for (uint32_t i = 0; i < T; ++i) {
       Fiber &f = w.fibers[i];
       if (f.state != FState::Barrier) continue;
-      if (first) { site = f.site; first = false; }
+      if (first) {
+        site = f.site;
+        first = false;
+        if (f.fence & 1u) ++w.dev_phase;  // mem_device orders device memory
+        if (f.fence & 2u) ++w.tg_phase;   // mem_threadgroup orders threadgroup memory
+      }
       else if (f.site != site) divergent = true;
       f.state = FState::Runnable;
     }
@@ -471,16 +556,35 @@ static void worker_loop(LaunchState *ls, size_t stack_size) {
     w.stacks.push_back(m + 4096);
   }
   w.tg_mem.resize(L->n_tg_mem);
-  for (uint32_t i = 0; i < L->n_tg_mem; ++i) w.tg_mem[i].assign((L->tg_mem_len[i] + 15) & ~15ull, 0);
+  for (uint32_t i = 0; i < L->n_tg_mem; ++i) {
+    w.tg_mem[i].assign((L->tg_mem_len[i] + 15) & ~15ull, 0);
+#ifdef MSLEMU_CHECKS
+    w.tg_mem[i].reserve(w.tg_mem[i].size() + kCheckRedzone);  // an overflow lands in our own memory
+#endif
+  }
   w.tg_arena.assign(1 << 20, 0);  // the real limit (32 KiB) is checked under MSLEMU_STRICT
   tl_worker = &w;
 #ifdef MSLEMU_ACCOUNTING
   if (tl_acct) acct_worker(*tl_acct, w);
 #endif
   const uint64_t nx = ls->tgpg.x, nxy = (uint64_t)ls->tgpg.x * ls->tgpg.y;
+  // MSLEMU_SCHEDULE: threadgroups in the order i -> (a i + b) mod n, gcd(a, n) = 1
+  uint64_t pa = 1, pb = 0;
+  if (ls->schedule && ls->n_tg > 1) {
+    uint64_t s = ls->schedule;
+    pb = splitmix64(s) % ls->n_tg;
+    for (;;) {
+      pa = 1 + splitmix64(s) % (ls->n_tg - 1);
+      uint64_t a = pa, b = ls->n_tg;
+      while (b) { uint64_t t = a % b; a = b; b = t; }
+      if (a == 1) break;
+    }
+  }
   while (!ls->failed.load(std::memory_order_relaxed)) {
     uint64_t i = ls->next_tg.fetch_add(1, std::memory_order_relaxed);
     if (i >= ls->n_tg) break;
+    if (ls->schedule) i = (unsigned __int128)(pa * (unsigned __int128)i + pb) % ls->n_tg;
+    w.tg_index = (uint32_t)i;
     u3 p{(uint32_t)(i % nx), (uint32_t)((i % nxy) / nx), (uint32_t)(i / nxy)};
 #ifdef MSLEMU_ACCOUNTING
     if (tl_acct) tl_acct->tg_id = (uint32_t)(i + 1);
@@ -494,11 +598,12 @@ static void worker_loop(LaunchState *ls, size_t stack_size) {
   tl_worker = nullptr;
 }
 
-int run_launch(const mslemu_launch *L, KernelBody body) {
+int run_launch(const mslemu_launch *L, KernelBody body, const char *kernel) {
   if (!L) return set_error(MSLEMU_E_LAUNCH, "mslemu_launch is NULL");
   LaunchState ls;
   ls.L = L;
   ls.body = body;
+  ls.kernel = kernel;
   ls.tg = {L->tg[0] ? L->tg[0] : 1, L->tg[1] ? L->tg[1] : 1, L->tg[2] ? L->tg[2] : 1};
   const uint64_t T = (uint64_t)ls.tg.x * ls.tg.y * ls.tg.z;
   if (T > 1024) {
@@ -520,6 +625,7 @@ int run_launch(const mslemu_launch *L, KernelBody body) {
   ls.n_tg = (uint64_t)ls.tgpg.x * ls.tgpg.y * ls.tgpg.z;
   ls.poison = env_flag("MSLEMU_POISON");
   ls.strict = env_flag("MSLEMU_STRICT");
+  if (const char *e = getenv("MSLEMU_SCHEDULE")) ls.schedule = strtoull(e, nullptr, 0);
   for (uint32_t i = 0; i < L->n_tg_mem; ++i) ls.tg_mem_dynamic += (L->tg_mem_len[i] + 15) & ~15ull;
   if (ls.strict && ls.tg_mem_dynamic > kTgMemLimit) {
     char msg[160];
@@ -535,7 +641,18 @@ int run_launch(const mslemu_launch *L, KernelBody body) {
   if (nw < 1) nw = 1;
   if (nw > ls.n_tg) nw = (unsigned)ls.n_tg;
   size_t ss = default_stack_size();
-#ifdef MSLEMU_ACCOUNTING
+#ifdef MSLEMU_CHECKS
+  // checking runs on this thread alone, on guarded copies of the buffers
+  Checks checks;
+  mslemu_launch copy = *L;
+  if (!checks_begin(checks, L, copy)) return set_error(MSLEMU_E_LAUNCH, "mmap of a checked buffer copy failed");
+  ls.L = &copy;
+  tl_checks = &checks;
+  worker_loop(&ls, ss);
+  tl_checks = nullptr;
+  checks_end(checks, L);
+  if (false) {
+#elif defined(MSLEMU_ACCOUNTING)
   // counting runs on this thread alone: exact first-touch maps, no atomics
   Acct acct;
   acct_begin(acct, L);
@@ -598,7 +715,7 @@ int api_dispatch(const KernelEntry *kernels, const FunctionConstantEntry *fcs, c
     int r = set_constant_locked(fcs, set[i].index, set[i].value, set[i].size);
     if (r) return r;
   }
-  return run_launch(L, k->body);
+  return run_launch(L, k->body, k->name);
 }
 
 const char *api_kernel_name(const KernelEntry *kernels, int i) {
@@ -612,24 +729,28 @@ const char *api_kernel_name(const KernelEntry *kernels, int i) {
 // ---- accessors used by the shim ----------------------------------------------
 inline const ThreadCtx &ctx() { return tl_fiber->ctx; }
 
-inline void barrier_wait(uint64_t site) {
+inline void barrier_wait(uint64_t site, uint32_t fence = 2) {
 #ifdef MSLEMU_ACCOUNTING
   if (tl_acct) ++tl_acct->c.barriers;
 #endif
   Fiber *f = tl_fiber;
   f->site = site;
+  f->fence = fence;
   f->state = FState::Barrier;
   yield_to_scheduler();
 }
 
 // Publish `bytes` of this lane's data, wait until all active lanes of the
 // simdgroup have arrived at the same call site, return the snapshot table.
+// `fence`: mem_flags of a simdgroup_barrier (0 for the other collectives).
 inline const unsigned char (*simd_exchange(const void *data, size_t bytes, uint64_t site, uint32_t *mask,
-                                           SimdGroup **grp = nullptr, uint64_t *epoch = nullptr))[kSlotBytes] {
+                                           SimdGroup **grp = nullptr, uint64_t *epoch = nullptr,
+                                           uint32_t fence = 0))[kSlotBytes] {
   Fiber *f = tl_fiber;
   SimdGroup &g = tl_worker->sgs[f->sg];
   if (bytes) memcpy(g.slots[f->lane], data, bytes);
   f->site = site;
+  f->fence = fence;
   f->state = FState::Simd;
   yield_to_scheduler();
   f = tl_fiber;
@@ -641,10 +762,10 @@ inline const unsigned char (*simd_exchange(const void *data, size_t bytes, uint6
 
 // Storage of a `threadgroup T x;` declared inside a kernel: one instance per
 // running threadgroup, shared by all its fibers (looked up by a per-declaration key).
-inline void *tg_var_lookup(const void *key, size_t size, size_t align) {
+inline void *tg_var_lookup(const void *key, size_t size, size_t align, const char *name = "") {
   Worker *w = tl_worker;
   for (auto &e : w->tg_vars)
-    if (e.first == key) return e.second;
+    if (e.key == key) return e.p;
   size_t off = (w->tg_arena_used + align - 1) & ~(align - 1);
   if (off + size > w->tg_arena.size()) kernel_fail("threadgroup variables exceed the emulator's 1 MiB arena");
   const LaunchState &ls = *w->ls;
@@ -656,11 +777,9 @@ inline void *tg_var_lookup(const void *key, size_t size, size_t align) {
   }
   void *p = w->tg_arena.data() + off;
   w->tg_arena_used = off + size;
-#ifdef MSLEMU_ACCOUNTING
-  AcctMute mute(true);  // poisoning is the emulator's, not the kernel's, traffic
-#endif
+  AccessMute mute(true);  // poisoning is the emulator's, not the kernel's, traffic
   if (ls.poison) memset(p, 0xff, size);
-  w->tg_vars.emplace_back(key, p);
+  w->tg_vars.push_back(Worker::TgVar{key, p, size, name});
   return p;
 }
 
