@@ -1,0 +1,152 @@
+"""Every Metal kernel under the emulator's checks: races, out-of-bounds accesses, schedules.
+
+The launches of the kernel tests that run plans on NumPy (test_metal_sources, test_rope,
+test_hybrid_launches, test_paged_attention) and a few more here (cache copy, paged-attention
+prefill, GGUF dequantize / mat-vec / mat-mat) run on the checked builds of src/metal
+(mslemu checks.h): an out-of-bounds device or threadgroup access, a threadgroup-memory race
+or a device write-write race fails the launch, naming kernel, buffer, offset and threads.
+Each plan runs in thread order and under three fuzzed schedules (MSLEMU_SCHEDULE: random
+fiber order every pass, preemption at shared-memory accesses, shuffled threadgroups); all
+outputs must be bit-identical, and the original test's reference assertions still apply.
+Verified in the emulator on Linux only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import hybrid_reference  # noqa: F401 (the hybrid tests' reference, imported by them)
+import test_hybrid_launches as hybrid
+import test_metal_sources as sources
+import test_paged_attention as attention
+import test_rope as rope
+from paged_attention_reference import paged_attention_reference
+from test_gguf_fixtures import T, random_blocks, reference_dequantize
+from vllm_metal import _core, emulation
+
+SCHEDULES = (0, 11, 12, 13)  # 0: threads in order; the others: fuzzed, seeded
+
+
+@functools.lru_cache(maxsize=None)
+def checked_library(source: str):
+    path = emulation.metal_source_dir() / f"{source}.metal"
+    return emulation.mslemu_module().Library(str(path), checks=True)
+
+
+def _copies(arrays):
+    """Fresh copies, the same copy wherever the same array is passed twice."""
+    by_id = {}
+    for i, a in enumerate(arrays):
+        for b in arrays[:i]:
+            if b is not a and np.shares_memory(a, b):
+                raise AssertionError("two different arrays of one plan share memory")
+        by_id.setdefault(id(a), a.copy())
+    return [by_id[id(a)] for a in arrays]
+
+
+@pytest.fixture
+def checked(monkeypatch):
+    """emulation.run_plan on the checked builds, once per schedule; returns the names of
+    the kernels launched."""
+    real = emulation.run_plan
+    launched = []
+
+    def run(plan, arrays, counts=None):
+        assert counts is None
+        results = []
+        for seed in SCHEDULES:
+            monkeypatch.setenv("MSLEMU_SCHEDULE", str(seed))
+            copies = _copies(arrays)
+            real(plan, copies)
+            results.append(copies)
+        kernels = [l.kernel for l in plan]
+        for seed, res in zip(SCHEDULES[1:], results[1:]):
+            for slot, (a, b) in enumerate(zip(results[0], res)):
+                assert a.tobytes() == b.tobytes(), (
+                    f"{kernels}: array slot {slot} differs between the in-order schedule and "
+                    f"MSLEMU_SCHEDULE={seed}")
+        for a, c in zip(arrays, results[0]):
+            if a.flags.writeable:
+                np.copyto(a, c)
+        launched.extend((l.source, l.kernel) for l in plan)
+
+    monkeypatch.setattr(emulation, "library", checked_library)
+    monkeypatch.setattr(emulation, "run_plan", run)
+    return launched
+
+
+def cache_copy_and_write():
+    t, h, d, n = 5, 2, 64, 16
+    rng = np.random.default_rng(7)
+    key = rng.standard_normal((t, h, d)).astype(np.float16)
+    kc_in = rng.standard_normal((n, h, d)).astype(np.float16)
+    kc_out = np.zeros_like(kc_in)
+    slots = np.array([3, -1, 15, 0, 9], np.int64)
+    plan = _core.plan_cache_write("float16", t, h, d, n, [h * d, d, 1], copy_cache=True)
+    emulation.run_plan(plan, [key, kc_in, slots, kc_out])
+    expect = kc_in.copy()
+    for i, s in enumerate(slots):
+        if s >= 0:
+            expect[s] = key[i]
+    np.testing.assert_array_equal(kc_out, expect)
+
+
+def paged_prefill():
+    q_lens, ctx_lens, hq, hkv, d, bs = [7, 1, 3], [20, 9, 3], 4, 2, 64, 8
+    q, kc, vc, tables, seq_lens, cu = attention.make_batch(q_lens, ctx_lens, hq, hkv, d, bs, "float32", 3)
+    qn, kcn, vcn = (np.array(a) for a in (q, kc, vc))
+    plan = _core.plan_paged_attention("float32", sum(q_lens), len(q_lens), hq, hkv, d, bs, kcn.shape[0],
+                                      tables.shape[1], num_decode_seqs=0, max_seq_len=max(ctx_lens),
+                                      max_query_len=max(q_lens), scale=0.125)
+    assert any("prefill" in l.kernel for l in plan)
+    out = np.zeros((sum(q_lens), hq, d), np.float32)
+    emulation.run_plan(plan, [qn, kcn, vcn, tables, seq_lens, cu, np.zeros(1, np.float32), out])
+    ref = paged_attention_reference(qn.astype(np.float64), kcn, vcn, tables, seq_lens, cu, 0.125)
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+
+
+def gguf(t, m, n, k):
+    blocks = random_blocks(t, n, k, seed=m)
+    w = reference_dequantize(blocks, t, (n, k)).astype(np.float64)
+    rows = np.zeros((n, k), np.float32)
+    emulation.run_plan(_core.plan_gguf_dequantize(t.name, "float32", n, k), [blocks, rows])
+    np.testing.assert_allclose(rows, w, rtol=1e-6, atol=0)
+    x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+    y = np.zeros((m, n), np.float32)
+    emulation.run_plan(_core.plan_gguf_matmul(t.name, "float32", m, n, k), [x, blocks, y])
+    ref = x.astype(np.float64) @ w.T
+    assert np.abs(y - ref).max() <= 2e-5 * np.abs(ref).max()
+
+
+# case -> (the src/metal sources it must launch, the case)
+CASES = {
+    "rms_norm": ({"rms_norm"}, lambda: sources.test_rms_norm_launches_on_numpy(3, 33, "float16", True)),
+    "rms_norm_wide": ({"rms_norm"}, lambda: sources.test_rms_norm_launches_on_numpy(2, 1000, "float32", False)),
+    "cache_write": ({"reshape_and_cache"}, sources.test_cache_write_launches_never_write_outside_the_cache),
+    "cache_copy_and_write": ({"reshape_and_cache"}, cache_copy_and_write),
+    "rope": ({"rope"}, lambda: rope.test_launches_on_numpy_stay_inside_the_output(
+        5, 3, 80, 20, False, "float16", "int64")),
+    "mrope": ({"mrope"}, lambda: hybrid.test_mrope_launches(True)),
+    "gated_delta": ({"gated_delta"}, lambda: hybrid.test_gated_delta_launches(True)),
+    "causal_conv1d": ({"causal_conv1d"}, hybrid.test_causal_conv1d_launches),
+    "paged_decode_split_kv": ({"paged_attention"}, attention.test_split_kv_launches_on_numpy_with_many_partitions),
+    "paged_prefill": ({"paged_attention"}, paged_prefill),
+    "gguf_q4_k_matvec": ({"gguf_dequantize", "gguf_matmul"}, lambda: gguf(T.Q4_K, 3, 9, 512)),
+    "gguf_q4_0_matmat": ({"gguf_dequantize", "gguf_matmul"}, lambda: gguf(T.Q4_0, 9, 40, 64)),
+    "gguf_iq3_s_matmat": ({"gguf_dequantize", "gguf_matmul"}, lambda: gguf(T.IQ3_S, 33, 7, 256)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_passes_the_checks_under_fuzzed_schedules(checked, case):
+    expected, run = CASES[case]
+    run()
+    assert {s for s, _ in checked} == expected, f"{case} launched {checked}"
+
+
+def test_every_kernel_source_has_a_case():
+    assert set().union(*(s for s, _ in CASES.values())) == set(emulation.kernel_sources())
