@@ -179,3 +179,46 @@ def test_mode_switch_reaches_the_kernels():
     assert _core.batch_invariant() is True
     ops.set_batch_invariant(False)
     assert ops.batch_invariant() is False
+
+
+# ---- sampling: a row's filters do not depend on what the other rows need ---------------------
+
+def sampling_batch(temperature, top_k, top_p, vocab):
+    from vllm_metal.sampling.batch import SamplingBatch
+
+    n = len(top_p)
+    f32 = lambda v: np.asarray(v, np.float32)  # noqa: E731
+    return SamplingBatch(vocab_size=vocab, temperature=f32(temperature), top_k=np.asarray(top_k, np.int32),
+                         top_p=f32(top_p), min_p=f32([0] * n), repetition_penalty=f32([1] * n),
+                         frequency_penalty=f32([0] * n), presence_penalty=f32([0] * n),
+                         uniforms=np.full(n, 0.5))
+
+
+@pytest.mark.parametrize("neighbour_k", [None, 10000], ids=["top-p-only", "top-k-10000"])
+def test_top_p_row_alone_equals_the_row_beside_one_that_needs_a_full_sort(neighbour_k):
+    from vllm_metal.sampling import filters
+
+    vocab, k = 49152, 50
+    rng = np.random.default_rng(5)
+    peaked = mx.array(rng.standard_normal((1, vocab)).astype(np.float32) * 4.0)  # narrow nucleus
+    flat = mx.array(rng.standard_normal((1, vocab)).astype(np.float32) * 0.01)   # wider than 4096
+    # top-p values just above the nucleus masses: there the full sort's other rounding moves
+    # the cut by a token, so a row sent to it by its neighbour would differ
+    top = -mx.sort(-peaked, axis=-1)[0, :k]
+    before = np.cumsum(np.array(mx.exp(top - mx.logsumexp(top))), dtype=np.float32)
+    kk = np.array([k], np.int32)
+    split = []
+    for mass in before[1:40]:
+        top_p = np.nextafter(np.nextafter(mass, np.float32(1)), np.float32(1))  # 2 ulps above
+        b1 = sampling_batch([1.0], [k], [top_p], vocab)
+        cand, _ = filters._cut_in_candidates(peaked, b1, kk, 512, None)
+        if float(cand[0, 0]) != float(filters._cut_by_sorting(peaked, b1, kk)[0, 0]):
+            split.append(float(top_p))
+    assert split, "no top_p where the two paths round differently: the test would not catch a regression"
+    for top_p in split[:3]:
+        alone, _ = filters.apply_filters(peaked, sampling_batch([1.0], [k], [top_p], vocab))
+        both, _ = filters.apply_filters(
+            mx.concatenate([flat, peaked]),
+            sampling_batch([1.0, 1.0], [neighbour_k or vocab, k], [0.999, top_p], vocab))
+        assert int(np.isfinite(np.array(both[0])).sum()) > 4096  # the neighbour took the full sort
+        assert_same_bits(both[1:], alone, f"top_k={k} top_p={top_p}")

@@ -63,6 +63,10 @@ def random_other(rng: np.random.Generator) -> dict:
             "temperature": float(rng.choice([0.0, 0.7, 1.0]))}
     if rng.random() < 0.5:
         body["seed"] = int(rng.integers(0, 2**31))
+    if rng.random() < 0.3:  # wide nuclei and large k send these rows down other filter paths
+        body["top_p"] = float(rng.choice([0.95, 0.999]))
+    if rng.random() < 0.2:
+        body["top_k"] = int(rng.choice([5, 5000]))
     return body
 
 

@@ -68,33 +68,62 @@ def _top_k_top_p(x: mx.array, b: SamplingBatch, lse: mx.array | None = None) -> 
         kth = mx.take_along_axis(top, mx.array(np.clip(kmax - k, 0, kmax - 1))[:, None], axis=-1)
         kth = mx.where(mx.array(b.top_k < v)[:, None], kth, NEG_INF)
         return mx.where(x < kth, NEG_INF, x)
+    # Each row's cut comes from the first candidate count that holds its nucleus, else from
+    # sorting its whole row, whatever the other rows need: the candidate counts give a row
+    # bit-identical cuts (a prefix of the same sorted values), the full sort does not, so a
+    # row must not be sent there by another (batch invariance, docs/serving.md).
+    n = x.shape[0]
+    todo = np.ones(n, bool)
+    parts = []  # (batch rows, their cuts [rows, 1])
     for c in _TOPP_CANDIDATES:
-        if kmax <= c:
-            cut = _cut_in_candidates(x, b, k, c, lse)
-            if cut is not None:
-                return mx.where(x < cut, NEG_INF, x)
-    xs = mx.sort(x, axis=-1)  # [B, V] ascending: the exact path for wide nuclei
-    if use_k:
-        kth = mx.take_along_axis(xs, mx.array(v - k)[:, None], axis=-1)
-        xs = mx.where(xs < kth, NEG_INF, xs)
-        x = mx.where(x < kth, NEG_INF, x)
-    if use_p:
-        cum = mx.cumsum(mx.softmax(xs, axis=-1), axis=-1)
-        drop = cum <= mx.array(1.0 - b.top_p)[:, None]
-        # number of dropped entries (a prefix, cum is non-decreasing), at most V-1
-        n_drop = mx.minimum(mx.sum(drop, axis=-1, keepdims=True), v - 1)
-        cut = mx.take_along_axis(xs, n_drop.astype(mx.int32), axis=-1)
-        x = mx.where(x < cut, NEG_INF, x)
-    return x
+        fits = todo & ((b.top_k >= v) | (k <= c))
+        if not fits.any():
+            continue
+        idx = np.flatnonzero(fits)
+        sub = rows.subset(fits)
+        cut, covered = _cut_in_candidates(rows.take(x, sub), rows.batch_rows(b, sub), k[idx], c,
+                                          None if lse is None else rows.take(lse, sub))
+        if not covered.all():
+            cut, idx = cut[mx.array(np.flatnonzero(covered))], idx[covered]
+        parts.append((idx, cut))
+        todo[idx] = False
+        if not todo.any():
+            break
+    if todo.any():
+        sub = rows.subset(todo)
+        parts.append((np.flatnonzero(todo), _cut_by_sorting(rows.take(x, sub), rows.batch_rows(b, sub),
+                                                            k[todo])))
+    if len(parts) == 1:
+        cut = parts[0][1]
+    else:
+        order = np.argsort(np.concatenate([idx for idx, _ in parts]))
+        cut = mx.concatenate([c for _, c in parts])[mx.array(order)]
+    return mx.where(x < cut, NEG_INF, x)
+
+
+def _cut_by_sorting(x: mx.array, b: SamplingBatch, k: np.ndarray) -> mx.array:
+    """[B, 1] threshold of the rows' top-k and top-p from the whole sorted rows (the exact
+    path for wide nuclei)."""
+    v = x.shape[-1]
+    xs = mx.sort(x, axis=-1)  # [B, V] ascending
+    kth = mx.where(mx.array(b.top_k < v)[:, None],
+                   mx.take_along_axis(xs, mx.array(v - k)[:, None], axis=-1), NEG_INF)
+    xs = mx.where(xs < kth, NEG_INF, xs)
+    cum = mx.cumsum(mx.softmax(xs, axis=-1), axis=-1)
+    drop = cum <= mx.array(1.0 - b.top_p)[:, None]
+    # number of dropped entries (a prefix, cum is non-decreasing), at most V-1
+    n_drop = mx.minimum(mx.sum(drop, axis=-1, keepdims=True), v - 1)
+    pcut = mx.take_along_axis(xs, n_drop.astype(mx.int32), axis=-1)
+    return mx.where(mx.array(b.top_p < 1.0)[:, None], mx.maximum(kth, pcut), kth)
 
 
 def _cut_in_candidates(x: mx.array, b: SamplingBatch, k: np.ndarray, c: int,
-                       lse_x: mx.array | None) -> mx.array | None:
+                       lse_x: mx.array | None) -> tuple[mx.array, np.ndarray]:
     """Both cuts from the top c logits (one selection, no full sort, which
-    costs ~10x on MLX's CPU backend): the k-th largest, then the
-    nucleus, when the candidates hold at least top_p of each row's top-k mass
-    (then the nucleus lies among them); None otherwise. Reads one [B] flag
-    back (a sync), only for top-p batches."""
+    costs ~10x on MLX's CPU backend): the k-th largest, then the nucleus.
+    -> ([B, 1] cuts, [B] whether the candidates hold at least top_p of the row's
+    top-k mass: where not, the nucleus may lie beyond them and the cut is void).
+    Reads the [B] flags back (a sync), only for top-p batches."""
     v = x.shape[-1]
     c = min(c, v)
     vs = -mx.sort(-mx.topk(x, c, axis=-1), axis=-1)  # [B, c] descending
@@ -109,13 +138,11 @@ def _cut_in_candidates(x: mx.array, b: SamplingBatch, k: np.ndarray, c: int,
     p = mx.exp(vs - lse)
     used = mx.array(b.top_p < 1.0)
     covered = mx.logical_or(mx.sum(p, axis=-1) >= mx.array(b.top_p), mx.logical_not(used))
-    if not bool(mx.all(covered).item()):
-        return None
     # vLLM drops token i when the ascending mass up to it, 1 - before_i, is <= 1 - top_p
     before = mx.cumsum(p, axis=-1) - p  # mass of the larger candidates
     keep = mx.sum(before < mx.array(b.top_p)[:, None], axis=-1, keepdims=True)  # prefix, >= 1
     pcut = mx.take_along_axis(vs, mx.maximum(keep - 1, 0).astype(mx.int32), axis=-1)
-    return mx.maximum(kth, mx.where(used[:, None], pcut, NEG_INF))
+    return mx.maximum(kth, mx.where(used[:, None], pcut, NEG_INF)), np.array(covered)
 
 
 def apply_filters(x: mx.array, b: SamplingBatch) -> tuple[mx.array, mx.array]:
