@@ -46,7 +46,10 @@ def assert_matches_mlx_lm(loaded, checkpoint):
 
 def test_the_decision():
     assert linear_choice.dense_layers_on_gguf_matmul("gguf", on_gpu=False)
-    assert not linear_choice.dense_layers_on_gguf_matmul("gguf", on_gpu=True)
+    assert not linear_choice.dense_layers_on_gguf_matmul("gguf", on_gpu=True, batch_invariant=False)
+    # batch-invariant mode: MLX's GEMM picks kernels by shape, gguf_matmul's do not
+    assert linear_choice.dense_layers_on_gguf_matmul("gguf", on_gpu=True, batch_invariant=True)
+    assert not linear_choice.dense_layers_on_gguf_matmul("mlx", on_gpu=True, batch_invariant=True)
     assert not linear_choice.dense_layers_on_gguf_matmul("mlx", on_gpu=False)
     assert not linear_choice.dense_layers_on_gguf_matmul("mlx", on_gpu=True)
 

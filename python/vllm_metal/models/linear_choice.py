@@ -9,6 +9,9 @@ mlx-community checkpoints) always keep MLX's quantized_matmul. Dense float layer
   Apple GPUs; gguf_matmul's F16/BF16/F32 kernels exist for GGUF files' dense tensors.
 - CPU: move them to gguf_matmul as types F32/F16/BF16 (GGUFLinear / GGUFEmbedding):
   our CPU GEMM, where MLX's CPU matmul is reference BLAS on Linux.
+- Batch-invariant mode (VLLM_BATCH_INVARIANT) on the GPU: gguf_matmul too, whose Metal
+  kernels fix one summation order per row; MLX's GEMM picks its kernel by shape.
+  MLX-quantized layers have no such kernel: docs/serving.md says what that leaves out.
 """
 
 from __future__ import annotations
@@ -24,9 +27,14 @@ def model_runs_on_gpu() -> bool:
     return mx.default_device() == mx.gpu and bool(mx.metal.is_available())
 
 
-def dense_layers_on_gguf_matmul(linear: str, on_gpu: bool) -> bool:
-    """linear: the loader's "gguf" (default) or "mlx" (reference: MLX's modules everywhere)."""
-    return linear == "gguf" and not on_gpu
+def dense_layers_on_gguf_matmul(linear: str, on_gpu: bool, batch_invariant: bool | None = None) -> bool:
+    """linear: the loader's "gguf" (default) or "mlx" (reference: MLX's modules everywhere).
+    batch_invariant: None reads the process's mode (ops.batch_invariant)."""
+    if batch_invariant is None:
+        from vllm_metal import ops
+
+        batch_invariant = ops.batch_invariant()
+    return linear == "gguf" and (not on_gpu or batch_invariant)
 
 
 def choose_dense_layers(lm: nn.Module, linear: str, on_gpu: bool | None = None) -> int:
