@@ -57,9 +57,9 @@ def complete(server: Server, body: dict) -> dict:
 def random_other(rng: np.random.Generator) -> dict:
     """A request of random length and sampling; a third of them extend a probe's prompt, so
     they hit (or fill) the prefix cache the probes use."""
-    words = " ".join(rng.choice(WORDS, size=int(rng.integers(2, 120))))
+    words = " ".join(rng.choice(WORDS, size=int(rng.integers(2, 90))))
     prompt = (PROBES[int(rng.integers(0, 3))]["prompt"] + " " + words) if rng.random() < 0.33 else words
-    body = {"prompt": prompt, "max_tokens": int(rng.integers(4, 40)),
+    body = {"prompt": prompt, "max_tokens": int(rng.integers(4, 24)),
             "temperature": float(rng.choice([0.0, 0.7, 1.0]))}
     if rng.random() < 0.5:
         body["seed"] = int(rng.integers(0, 2**31))
