@@ -18,13 +18,12 @@ import functools
 import numpy as np
 import pytest
 
-import hybrid_reference  # noqa: F401 (the hybrid tests' reference, imported by them)
 import test_hybrid_launches as hybrid
 import test_metal_sources as sources
 import test_paged_attention as attention
 import test_rope as rope
 from paged_attention_reference import paged_attention_reference
-from test_gguf_fixtures import T, random_blocks, reference_dequantize
+from test_gguf_fixtures import SUPPORTED, block_size, random_blocks, reference_dequantize
 from vllm_metal import _core, emulation
 
 SCHEDULES = (0, 11, 12, 13)  # 0: threads in order; the others: fuzzed, seeded
@@ -94,18 +93,32 @@ def cache_copy_and_write():
     np.testing.assert_array_equal(kc_out, expect)
 
 
-def paged_prefill():
-    q_lens, ctx_lens, hq, hkv, d, bs = [7, 1, 3], [20, 9, 3], 4, 2, 64, 8
-    q, kc, vc, tables, seq_lens, cu = attention.make_batch(q_lens, ctx_lens, hq, hkv, d, bs, "float32", 3)
+def paged(q_lens, ctx_lens, d, dtype, window=0, softcap=0.0, sinks=False, partition=512):
+    """A mixed batch (decode sequences first, as vLLM orders them) against the reference."""
+    hq, hkv, bs = 4, 2, 8
+    q, kc, vc, tables, seq_lens, cu = attention.make_batch(q_lens, ctx_lens, hq, hkv, d, bs, dtype, d)
     qn, kcn, vcn = (np.array(a) for a in (q, kc, vc))
-    plan = _core.plan_paged_attention("float32", sum(q_lens), len(q_lens), hq, hkv, d, bs, kcn.shape[0],
-                                      tables.shape[1], num_decode_seqs=0, max_seq_len=max(ctx_lens),
-                                      max_query_len=max(q_lens), scale=0.125)
+    sink = np.random.default_rng(d).standard_normal(hq).astype(np.float32) if sinks else None
+    decode = sum(1 for x in q_lens if x == 1)
+    plan = _core.plan_paged_attention(dtype, sum(q_lens), len(q_lens), hq, hkv, d, bs, kcn.shape[0],
+                                      tables.shape[1], num_decode_seqs=decode, max_seq_len=max(ctx_lens),
+                                      max_query_len=max(q_lens), scale=0.125, sliding_window=window,
+                                      softcap=softcap, has_sinks=sinks, partition_size=partition)
+    parts = max([l.grid[2] for l in plan if "decode" in l.kernel] + [1])
+    out = np.zeros((sum(q_lens), hq, d), qn.dtype)
+    scratch = [np.zeros((max(decode, 1), hq, parts, d), np.float32), np.zeros((max(decode, 1), hq, parts), np.float32),
+               np.zeros((max(decode, 1), hq, parts), np.float32)]
+    emulation.run_plan(plan, [qn, kcn, vcn, tables, seq_lens, cu,
+                              sink if sinks else np.zeros(1, np.float32), out, *scratch])
+    f = lambda a: a.astype(np.float64)  # noqa: E731
+    ref = paged_attention_reference(f(qn), f(kcn), f(vcn), tables, seq_lens, cu, 0.125, window, softcap, sink)
+    np.testing.assert_allclose(f(out), ref, atol=2e-5 if dtype == "float32" else 4e-3)
+    return plan
+
+
+def paged_prefill():
+    plan = paged([3, 7], [3, 20], 64, "float32")
     assert any("prefill" in l.kernel for l in plan)
-    out = np.zeros((sum(q_lens), hq, d), np.float32)
-    emulation.run_plan(plan, [qn, kcn, vcn, tables, seq_lens, cu, np.zeros(1, np.float32), out])
-    ref = paged_attention_reference(qn.astype(np.float64), kcn, vcn, tables, seq_lens, cu, 0.125)
-    np.testing.assert_allclose(out, ref, atol=1e-5)
 
 
 def gguf(t, m, n, k):
@@ -134,10 +147,16 @@ CASES = {
     "causal_conv1d": ({"causal_conv1d"}, hybrid.test_causal_conv1d_launches),
     "paged_decode_split_kv": ({"paged_attention"}, attention.test_split_kv_launches_on_numpy_with_many_partitions),
     "paged_prefill": ({"paged_attention"}, paged_prefill),
-    "gguf_q4_k_matvec": ({"gguf_dequantize", "gguf_matmul"}, lambda: gguf(T.Q4_K, 3, 9, 512)),
-    "gguf_q4_0_matmat": ({"gguf_dequantize", "gguf_matmul"}, lambda: gguf(T.Q4_0, 9, 40, 64)),
-    "gguf_iq3_s_matmat": ({"gguf_dequantize", "gguf_matmul"}, lambda: gguf(T.IQ3_S, 33, 7, 256)),
+    "paged_mixed_d128_f16_features": ({"paged_attention"}, lambda: paged(
+        [1, 1, 6, 2], [40, 7, 30, 2], 128, "float16", window=16, softcap=30.0, sinks=True, partition=16)),
+    "paged_mixed_d80_d96": ({"paged_attention"}, lambda: (paged([1, 5], [33, 12], 80, "float32"),
+                                                          paged([1, 1, 2], [9, 17, 4], 96, "float32"))),
 }
+for _t in SUPPORTED:  # mat-vec (up to 8 rows) and mat-mat, every type
+    _k = 2 * block_size(_t) if block_size(_t) > 1 else 13
+    CASES[f"gguf_{_t.name.lower()}"] = ({"gguf_dequantize", "gguf_matmul"},
+                                       lambda t=_t, k=_k: (gguf(t, 3, 9, k), gguf(t, 9, 7, k)))
+CASES["gguf_q4_0_two_row_tiles"] = ({"gguf_dequantize", "gguf_matmul"}, lambda: gguf(SUPPORTED[0], 33, 37, 64))
 
 
 @pytest.mark.slow

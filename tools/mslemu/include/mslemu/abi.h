@@ -13,9 +13,11 @@
  * MSLEMU_E_FC_SIZE wrong function-constant size; MSLEMU_E_LAUNCH invalid launch (more
  * than 1024 threads per threadgroup, NULL arrays, threadgroup memory over 32 KiB under
  * MSLEMU_STRICT); MSLEMU_E_KERNEL the kernel failed (MSLEMU_STRICT violation, unbound
- * buffer or threadgroup memory, threadgroup variables over the limit).  A failed dispatch
+ * buffer or threadgroup memory, threadgroup variables over the limit; in checked builds an
+ * out-of-bounds access or a race).  A failed dispatch
  * abandons the remaining threadgroups, so outputs are partially written.  Out-of-bounds
- * accesses are not detected: they corrupt memory or crash the process as on a CPU.
+ * accesses are detected only by checked builds (include/mslemu/checks.h, which also find
+ * races); elsewhere they corrupt memory or crash the process as on a CPU.
  *
  * Grid and threadgroup sizes of 0 are treated as 1 (a zero-initialised y/z is fine);
  * skip empty dispatches on the host.

@@ -12,7 +12,7 @@
 // constants and dispatches under one lock hold, which is what a multi-threaded host needs.
 //
 // Environment (read at every dispatch): MSLEMU_THREADS, MSLEMU_STACK_KB, MSLEMU_POISON,
-// MSLEMU_STRICT, MSLEMU_VERBOSE.
+// MSLEMU_STRICT, MSLEMU_VERBOSE, MSLEMU_SCHEDULE (fuzzed fiber and threadgroup order).
 #pragma once
 #include <algorithm>
 #include <atomic>
