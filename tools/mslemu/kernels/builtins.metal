@@ -95,7 +95,8 @@ kernel void math_fns(device const float *x [[buffer(0)]], device float *o [[buff
 
 // simdgroup_matrix load / store / multiply on a 16 x 24 threadgroup tile (row-major).
 kernel void matrix_ops(device const float *src [[buffer(0)]], device float *out [[buffer(1)]],
-                       device float *region [[buffer(2)]], uint t [[thread_index_in_threadgroup]]) {
+                       device float *region [[buffer(2)]], device float *region_t [[buffer(3)]],
+                       uint t [[thread_index_in_threadgroup]]) {
   threadgroup float tile[16 * 24];
   threadgroup float stored[16 * 16];
   for (uint i = t; i < 16u * 24u; i += 32u) tile[i] = src[i];
@@ -120,6 +121,7 @@ kernel void matrix_ops(device const float *src [[buffer(0)]], device float *out 
   simdgroup_store(p, out + 384, 8);
   simdgroup_store(a, out + 448, 8, ulong2(0, 0), true);              // transposed store
   simdgroup_store(b, stored, 16, ulong2(8, 4));                      // origin: column 8, row 4
+  simdgroup_store(b, region_t, 16, ulong2(3, 2), true);              // transposed, origin column 3, row 2
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint i = t; i < 16u * 16u; i += 32u) region[i] = stored[i];
 }

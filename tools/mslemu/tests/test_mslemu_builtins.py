@@ -170,7 +170,8 @@ def test_simdgroup_matrix_load_store_multiply(lib):
     src = np.arange(16 * 24, dtype=np.float32).reshape(16, 24) % 13 - 6  # small integers: exact products
     out = np.full(8 * 64, np.nan, np.float32)
     region = np.full((16, 16), np.nan, np.float32)
-    lib.dispatch_threadgroups("matrix_ops", (1,), (32,), [src, out, region])
+    region_t = np.full((16, 16), -1.0, np.float32)
+    lib.dispatch_threadgroups("matrix_ops", (1,), (32,), [src, out, region, region_t])
     m = out.reshape(8, 8, 8)
     a = src[0:8, 0:8]
     b = src[4:12, 8:16]           # origin (x = column 8, y = row 4)
@@ -180,8 +181,9 @@ def test_simdgroup_matrix_load_store_multiply(lib):
     assert np.array_equal(m[2], a.T)
     assert np.array_equal(m[3], d)
     # transposed load with an origin: the origin addresses the SOURCE layout (column 16, row
-    # 8), then the 8 x 8 block is transposed.  The spec does not spell this case out;
-    # gguf_matmul.metal relies on this reading (a Mac must confirm it).
+    # 8), then the 8 x 8 block is transposed.  The spec does not spell this case out; Apple's
+    # compiler swaps the stride and origin components together for a transposed load (AIR it
+    # emitted for a public test kernel), which is this reading.  gguf_matmul.metal uses it.
     assert np.array_equal(m[4], src[8:16, 16:24].T)
     assert np.array_equal(m[5], a.astype(np.float64) @ b + 0.5)
     assert np.array_equal(m[6], a.T.astype(np.float64) @ d)
@@ -189,3 +191,6 @@ def test_simdgroup_matrix_load_store_multiply(lib):
     want = np.full((16, 16), -1.0)
     want[4:12, 8:16] = b          # stored at origin column 8, row 4, 16 elements per row
     assert np.array_equal(region, want)
+    want = np.full((16, 16), -1.0)
+    want[2:10, 3:11] = b.T        # stored transposed, the origin in the destination layout
+    assert np.array_equal(region_t, want)
