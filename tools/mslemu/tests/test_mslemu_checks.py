@@ -1,5 +1,7 @@
 """Checked builds (include/mslemu/checks.h): races and out-of-bounds accesses fail the
 dispatch with a message naming kernel, buffer or variable, offset and threads."""
+import mmap
+
 import numpy as np
 import pytest
 
@@ -122,3 +124,13 @@ def test_env_selects_checked_builds(monkeypatch):
     monkeypatch.setenv("MSLEMU_CHECKS", "1")
     assert mslemu.Library(mslemu.ROOT + "/kernels/checked.metal").checks
     assert not mslemu.Library(mslemu.ROOT + "/kernels/checked.metal", checks=False).checks
+
+
+def test_read_only_inputs_are_not_written_back(lib):
+    """Only buffers the kernel wrote are copied back: an input may be read-only memory
+    (a write there would kill the process)."""
+    mem = mmap.mmap(-1, 64, prot=mmap.PROT_READ)  # zeros, read-only pages
+    x = np.frombuffer(mem, np.float32)
+    y = np.ones(16, np.float32)
+    lib.dispatch_threads("shifted_copy", (16,), (8,), [x, y, np.int32(0)])
+    assert (y == 0).all()

@@ -49,7 +49,8 @@ struct CheckedGroup {
   size_t map_len = 0;
   uintptr_t base = 0, end = 0;  // the copy's data
   uintptr_t host = 0;           // host address of base
-  DevWrite *writes = nullptr;   // per byte, allocated at the first write
+  DevWrite *writes = nullptr;   // per byte, allocated at the first non-atomic write
+  bool written = false;         // copied back only then (inputs may be read-only memory)
 };
 
 struct Checks {
@@ -107,7 +108,7 @@ bool checks_begin(Checks &C, const mslemu_launch *L, mslemu_launch &copy) {
 void checks_end(Checks &C, const mslemu_launch *L) {
   (void)L;
   for (auto &g : C.groups) {
-    memcpy((void *)g.host, (const void *)g.base, g.end - g.base);  // outputs (also of a failed launch)
+    if (g.written) memcpy((void *)g.host, (const void *)g.base, g.end - g.base);  // also of a failed launch
     munmap(g.map, g.map_len);
     delete[] g.writes;
   }
@@ -273,6 +274,7 @@ MSLEMU_NOASAN inline void check_access(uintptr_t a, size_t n, bool write) {
                (long long)(off >= 0 ? off / (int64_t)n : -((-off + (int64_t)n - 1) / (int64_t)n)), t, tg.x, tg.y, tg.z);
       check_fail(C, msg);
     }
+    g.written |= write;
     if (write && !f->in_atomic) dev_write(C, g, (int)gi, a, n);
     shared = true;
   }

@@ -645,7 +645,10 @@ int run_launch(const mslemu_launch *L, KernelBody body, const char *kernel) {
   // checking runs on this thread alone, on guarded copies of the buffers
   Checks checks;
   mslemu_launch copy = *L;
-  if (!checks_begin(checks, L, copy)) return set_error(MSLEMU_E_LAUNCH, "mmap of a checked buffer copy failed");
+  if (!checks_begin(checks, L, copy)) {
+    checks_end(checks, L);  // the copies made so far
+    return set_error(MSLEMU_E_LAUNCH, "mmap of a checked buffer copy failed");
+  }
   ls.L = &copy;
   tl_checks = &checks;
   worker_loop(&ls, ss);
