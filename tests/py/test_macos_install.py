@@ -175,3 +175,62 @@ def test_wheel_tag_on_an_apple_silicon_mac_is_macos_14_arm64():
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().endswith("-macosx_14_0_arm64"), r.stdout
+
+
+# ---- the workflow and the documented install -----------------------------------------------
+
+WORKFLOW = ROOT / ".github" / "workflows" / "macos.yml"
+
+
+def _commands(script: str) -> list[str]:
+    return [line.strip() for line in script.splitlines()
+            if line.strip() and not line.strip().startswith("#")]
+
+
+def documented_install_commands() -> list[str]:
+    """The block after the install-on-mac marker of docs/apple.md."""
+    text = (ROOT / "docs" / "apple.md").read_text()
+    block = text.split("<!-- install-on-mac", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    return _commands(block)
+
+
+def test_wheel_job_runs_the_documented_install_then_checks_the_wheel_and_serves():
+    import yaml
+
+    job = yaml.safe_load(WORKFLOW.read_text())["jobs"]["wheel"]
+    assert job["runs-on"] == "macos-15"  # Apple silicon
+    runs = [step.get("run", "") for step in job["steps"]]
+    documented = documented_install_commands()
+    assert "pip wheel . --no-deps -w dist" in documented
+    (install,) = [i for i, run in enumerate(runs) if documented[0] in run]
+    assert _commands(runs[install]) == documented
+    later = "\n".join(runs[install + 1:])
+    assert "dist/vllm_metal-*-macosx_*_arm64.whl" in later
+    assert '"vllm_metal/lib/vllm_metal.metallib"' in later
+    (doctor,) = [run for run in runs[install + 1:] if "-m vllm_metal.doctor" in run]
+    assert "--skip-serve" not in doctor  # the serve smoke test runs on the Mac
+
+
+def _actionlint(path: Path) -> subprocess.CompletedProcess:
+    bindir = Path(sys.executable).parent
+    for tool in ("actionlint", "shellcheck"):  # scripts/setup installs both from PyPI
+        assert (bindir / tool).exists(), f"{tool} missing from {bindir}: run scripts/setup"
+    return subprocess.run([str(bindir / "actionlint"), "-shellcheck", str(bindir / "shellcheck"),
+                           "-no-color", str(path)], capture_output=True, text=True)
+
+
+def test_workflow_passes_actionlint_and_shellcheck():
+    r = _actionlint(WORKFLOW)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_actionlint_catches_a_broken_workflow(tmp_path):
+    broken = tmp_path / "macos.yml"
+    text = WORKFLOW.read_text()
+    broken.write_text(text.replace("${{ runner.temp }}", "${{ runner.tmp }}", 1)
+                      .replace("test -f build/dev/metallib/vllm_metal.metallib",
+                               "test -f $UNQUOTED/vllm_metal.metallib", 1))
+    r = _actionlint(broken)
+    assert r.returncode != 0
+    assert "runner.tmp" in r.stdout or "tmp" in r.stdout
+    assert "SC2086" in r.stdout  # shellcheck ran on the run: scripts
