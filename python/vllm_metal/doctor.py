@@ -96,18 +96,20 @@ def check_device() -> str:
     if on_apple():
         raise fail("no Metal device: mx.metal.is_available() is False on this Mac "
                    "(is `mlx` the macOS wheel? `pip show mlx`)")
-    import psutil
-
     info = mx.device_info(mx.cpu)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return (f"no Metal GPU ({platform.system()} {platform.machine()}): CPU "
-            f"{info.get('device_name', '?')}, RAM {psutil.virtual_memory().total / GIB:.1f} GiB; "
+            f"{info.get('device_name', '?')}, RAM {ram / GIB:.1f} GiB; "
             "the Metal kernels run in the MSL emulator")
 
 
 def check_memory() -> str:
-    from vllm.config import CacheConfig
+    try:
+        from vllm.config import CacheConfig
 
-    from vllm_metal.worker import DeviceMemory
+        from vllm_metal.worker import DeviceMemory
+    except ImportError as e:
+        raise fail(f"vLLM is not importable ({e}); install it as docs/apple.md says") from None
 
     utilization = CacheConfig().gpu_memory_utilization  # vLLM's default
     memory = DeviceMemory.measure()
