@@ -31,6 +31,27 @@ inline float rescale_factor(float a, float b) {
   return b == -INFINITY ? 0.0f : exp(a - b);
 }
 
+// The sequence holding query token t: the last s with cu_seqlens_q[s] <= t
+// (empty chunks skipped), for 0 <= t < cu_seqlens_q[num_seqs].
+inline uint sequence_of_token(device const int* cu_seqlens_q, uint num_seqs, int t) {
+  uint lo = 0;
+  uint hi = num_seqs;
+  while (hi - lo > 1) {
+    const uint mid = (lo + hi) / 2;
+    if (cu_seqlens_q[mid] <= t) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// One query row per threadgroup (per kv head, or a slice of its group of q
+// heads): 4 simdgroups take keys lo + sg, lo + sg + 4, ... with an online
+// softmax each, then merge in a fixed order. A row's result depends on its own
+// position and context only, so batch-invariant mode runs every query token
+// (decode and prefill alike) through this kernel, without split-KV.
 template <typename T, uint D>
 kernel void paged_attention_decode(
     device const T* q [[buffer(0)]],
@@ -58,12 +79,24 @@ kernel void paged_attention_decode(
   const uint kv_head = tg_pos.x / slices;
   const uint head0 = kv_head * groups + (tg_pos.x % slices) * kMaxGroup;
   const uint nheads = min(kMaxGroup, kv_head * groups + groups - head0);
-  const uint seq = args.seq_offset + tg_pos.y;
   const uint part = tg_pos.z;
-  const int row = cu_seqlens_q[seq];
-  const int ctx = seq_lens[seq];
+  int row;  // query token
+  uint seq;
+  if (args.token_rows != 0) {
+    // every query token is a row of its own, seeing the keys up to its own position
+    row = int(tg_pos.y);
+    if (row >= cu_seqlens_q[args.num_seqs]) {
+      return;  // whole threadgroup, before any barrier: a padding token
+    }
+    seq = sequence_of_token(cu_seqlens_q, args.num_seqs, row);
+  } else {
+    seq = args.seq_offset + tg_pos.y;
+    row = cu_seqlens_q[seq];
+  }
+  // the query sits at ctx - 1 (a decode row's ctx is its sequence's length)
+  const int ctx = seq_lens[seq] - (cu_seqlens_q[seq + 1] - row) + 1;
 
-  // the query sits at ctx - 1; its visible keys, cut to this partition
+  // its visible keys, cut to this partition
   int lo = args.sliding_window > 0 ? max(0, ctx - args.sliding_window) : 0;
   int hi = ctx;
   if (args.num_partitions > 1) {

@@ -24,7 +24,7 @@ struct PagedAttentionArgs {
   float scale;
   float softcap;             // 0: none
   uint32_t has_sinks;
-  uint32_t pad;
+  uint32_t token_rows;       // decode kernel: 1 = grid y walks query tokens, not sequences
 };
 
 #ifndef __METAL_VERSION__

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "cpu/batch_invariant.h"
 #include "cpu/paged_attention.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
@@ -146,6 +147,7 @@ bool metal_supports_head_size(int64_t d) {
 }
 
 int64_t choose_decode_partitions(const PagedAttentionProblem& p) {
+  if (p.batch_invariant) return 1;  // a split chosen from the batch changes a row's sums
   if (p.num_decode_seqs == 0 || p.max_seq_len <= 2 * p.partition_size) return 1;
   const int64_t groups = p.num_q_heads / p.num_kv_heads;
   const int64_t head_slices = (groups + kDecodeMaxGroup - 1) / kDecodeMaxGroup;
@@ -187,6 +189,27 @@ KernelPlan plan_paged_attention(const PagedAttentionProblem& p) {
   };
   KernelPlan plan;
   const int64_t groups = p.num_q_heads / p.num_kv_heads;
+  const int64_t head_slices = (groups + kDecodeMaxGroup - 1) / kDecodeMaxGroup;
+  if (p.batch_invariant) {
+    // One kernel and one key order for every query token, decode row or prefill
+    // chunk: a token's output depends on its position and the cache only.
+    PagedAttentionArgs a = base;
+    a.seq_offset = 0;
+    a.num_seqs = static_cast<uint32_t>(p.num_seqs);
+    a.num_partitions = 1;
+    a.token_rows = 1;
+    KernelLaunch rows;
+    rows.source = "paged_attention";
+    rows.kernel = "paged_attention_decode_" + suffix;
+    bind_common(rows);
+    for (int slot = 8; slot <= 10; ++slot) rows.bind(slot, slot);  // unused scratch
+    rows.set_args(11, a);
+    rows.grid = {static_cast<uint32_t>(p.num_kv_heads * head_slices),
+                 static_cast<uint32_t>(p.num_tokens), 1};
+    rows.threadgroup = {kDecodeThreads, 1, 1};
+    plan.push_back(rows);
+    return plan;
+  }
   if (p.num_decode_seqs > 0) {
     const int64_t parts = choose_decode_partitions(p);
     PagedAttentionArgs a = base;
@@ -199,7 +222,6 @@ KernelPlan plan_paged_attention(const PagedAttentionProblem& p) {
     bind_common(decode);
     for (int slot = 8; slot <= 10; ++slot) decode.bind(slot, slot);  // split-KV scratch
     decode.set_args(11, a);
-    const int64_t head_slices = (groups + kDecodeMaxGroup - 1) / kDecodeMaxGroup;
     decode.grid = {static_cast<uint32_t>(p.num_kv_heads * head_slices),
                    static_cast<uint32_t>(p.num_decode_seqs), static_cast<uint32_t>(parts)};
     decode.threadgroup = {kDecodeThreads, 1, 1};
@@ -257,6 +279,7 @@ mx::array paged_attention(const mx::array& q, const mx::array& key_cache,
   p.scale = options.scale;
   p.softcap = options.softcap;
   p.has_sinks = sinks.has_value();
+  p.batch_invariant = cpu::batch_invariant();  // fixed here: the plan and scratch agree
   p.uses_kernels = backend == KernelBackend::kEmulated || stream.device == mx::Device::gpu;
   resolve_hints(p, options, block_tables, seq_lens, cu_seqlens_q);
   if (p.uses_kernels && !metal_supports_head_size(p.head_size)) {

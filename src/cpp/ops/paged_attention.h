@@ -62,6 +62,8 @@ struct PagedAttentionProblem {
   bool has_sinks = false;
   int64_t partition_size = 512;  // split-KV decode: keys per partition
   bool uses_kernels = true;      // false: the native CPU path (no scratch needed)
+  // Batch-invariant mode: every query token through the decode kernel, no split-KV.
+  bool batch_invariant = false;
 };
 
 // Query heads one decode threadgroup serves (a kv head's group, or a slice of it).
@@ -70,7 +72,7 @@ constexpr int64_t kDecodeMaxGroup = 8;
 constexpr int64_t kPrefillQueryTile = 8;
 
 // Split-KV decision: 1 (the decode kernel writes the output) unless contexts
-// are long and too few threadgroups would fill the GPU.
+// are long and too few threadgroups would fill the GPU (never in batch-invariant mode).
 int64_t choose_decode_partitions(const PagedAttentionProblem& p);
 
 // Head sizes with Metal kernels (the CPU kernel takes any multiple of 8 up to 512).

@@ -1,0 +1,226 @@
+"""Batch invariance of the Metal kernels (issue 30), in the emulator and, on a Mac, on the GPU.
+
+With ``ops.set_batch_invariant(True)`` every kernel on the serving path must give a row a
+result that does not depend on how many other rows share the call or where they sit:
+row r of a random batch equals the same row computed alone (or in another batch, at
+another position), bit for bit. For attention "row" means a query token: its output must
+not depend on the batch, on how chunked prefill split its prompt, on whether its prefix
+came from the cache, or on whether it was sent as a decode row or inside a prefill chunk.
+Two tests show that the same checks fail with the switch off (gguf_matmul and attention
+pick their summation order from the batch there), so they can catch the bug.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import hybrid_reference as hyb
+from conftest import metal_available
+from op_harness import DTYPES, assert_close, to_numpy
+from paged_attention_reference import paged_attention_reference
+from test_gguf_fixtures import SUPPORTED, T, block_size, random_blocks
+from vllm_metal import ops
+
+
+@pytest.fixture(params=["emulated", "metal"])
+def metal(request):
+    """The Metal kernels with the batch-invariant switch on: in the emulator here, on the
+    GPU on a Mac (skipped elsewhere)."""
+    previous_backend, previous_mode = ops.kernel_backend(), ops.batch_invariant()
+    ops.set_batch_invariant(True)
+    try:
+        if request.param == "metal":
+            if not metal_available():
+                pytest.skip("no Metal GPU here (runs on macOS: .github/workflows/macos.yml)")
+            with mx.stream(mx.gpu):
+                yield request.param
+        else:
+            ops.set_kernel_backend("emulated")
+            yield request.param
+    finally:
+        ops.set_kernel_backend(previous_backend)
+        ops.set_batch_invariant(previous_mode)
+
+
+def bits(a: mx.array) -> np.ndarray:
+    """The output's bit patterns (float16/bfloat16 as uint16, float32 as uint32)."""
+    mx.eval(a)
+    if a.dtype == mx.float32:
+        return np.array(a).view(np.uint32)
+    return np.array(a.view(mx.uint16))
+
+
+def cast(x: np.ndarray, dtype: str) -> mx.array:
+    return mx.array(np.asarray(x, np.float32)).astype(DTYPES[dtype])
+
+
+def assert_same_bits(got: np.ndarray, want: np.ndarray, what: str):
+    differ = int((got != want).sum())
+    assert differ == 0, f"{what}: {differ} of {got.size} values differ from the row computed alone"
+
+
+# ---- gguf_matmul ---------------------------------------------------------------------
+
+
+def gguf_rows_vs_alone(t, dtype: str, rng, n: int = 12):
+    """Returns (batch rows, the same rows alone, the same rows at other positions of a
+    second batch) for a random batch of 1..40 rows."""
+    k = 2 * block_size(t) if block_size(t) > 1 else 40
+    blocks = mx.array(random_blocks(t, n, k, seed=int(rng.integers(1 << 30))))
+    m = int(rng.integers(1, 41))
+    x = cast(rng.standard_normal((m, k)), dtype)
+    y = bits(ops.gguf_matmul(x, blocks, t.name, [n, k]))
+    picks = rng.choice(m, size=min(m, 3), replace=False)
+    alone = np.concatenate([bits(ops.gguf_matmul(x[int(r):int(r) + 1], blocks, t.name, [n, k]))
+                            for r in picks])
+    # the same rows inside another batch of another size, in another order
+    extra = cast(rng.standard_normal((int(rng.integers(0, 20)), k)), dtype)
+    order = rng.permutation(len(picks) + extra.shape[0])
+    mixed = mx.concatenate([x[mx.array(picks)], extra])[mx.array(order)]
+    y2 = bits(ops.gguf_matmul(mixed, blocks, t.name, [n, k]))
+    at = np.argsort(order)[: len(picks)]  # where each picked row landed
+    return y[picks], alone, y2[at], m
+
+
+@pytest.mark.parametrize("t", SUPPORTED, ids=[t.name for t in SUPPORTED])
+def test_gguf_matmul_row_independent_of_batch(metal, t):
+    rng = np.random.default_rng(int(t))
+    for dtype in DTYPES:
+        batch, alone, other, m = gguf_rows_vs_alone(t, dtype, rng)
+        what = f"gguf_matmul({t.name},m={m},{dtype})"
+        assert_same_bits(batch, alone, what)
+        assert_same_bits(other, alone, what + " in another batch")
+
+
+def test_gguf_matmul_rows_depend_on_batch_with_switch_off():
+    # the check above is sensitive: without the switch, 9+ rows take the tile kernel
+    previous_backend, previous_mode = ops.kernel_backend(), ops.batch_invariant()
+    ops.set_kernel_backend("emulated")
+    ops.set_batch_invariant(False)
+    try:
+        rng = np.random.default_rng(1)
+        blocks = mx.array(random_blocks(T.Q4_K, 64, 256, seed=1))
+        x = cast(rng.standard_normal((9, 256)), "float32")
+        batch = bits(ops.gguf_matmul(x, blocks, "Q4_K", [64, 256]))[0]
+        alone = bits(ops.gguf_matmul(x[:1], blocks, "Q4_K", [64, 256]))[0]
+        assert (batch != alone).sum() > 10
+    finally:
+        ops.set_kernel_backend(previous_backend)
+        ops.set_batch_invariant(previous_mode)
+
+
+# ---- paged attention -----------------------------------------------------------------
+
+
+class Prompts:
+    """Sequences whose whole prompts' K/V sit in a paged cache (blocks shuffled); any
+    batch of query spans (seq, start, end) can be run against it."""
+
+    def __init__(self, lengths, dtype, rng, hq=4, hkv=2, d=64, bs=16, **options):
+        self.lengths, self.dtype, self.hq, self.d = list(lengths), dtype, hq, d
+        self.options = dict(scale=d ** -0.5, **options)
+        per_seq = [-(-n // bs) for n in self.lengths]
+        num_blocks = sum(per_seq) + 2
+        perm = rng.permutation(num_blocks).astype(np.int32)
+        self.tables = np.full((len(lengths), max(per_seq)), -1, np.int32)
+        at = 0
+        for s, nb in enumerate(per_seq):
+            self.tables[s, :nb] = perm[at:at + nb]
+            at += nb
+        self.kc = cast(rng.standard_normal((num_blocks, bs, hkv, d)), dtype)
+        self.vc = cast(rng.standard_normal((num_blocks, bs, hkv, d)), dtype)
+        self.q = [cast(rng.standard_normal((n, hq, d)), dtype) for n in self.lengths]
+
+    def run(self, spans):
+        """spans: [(seq, start, end)], the query tokens start..end-1 of a sequence whose
+        context ends at `end`. Returns {(seq, pos): output bits [hq, d]}."""
+        q = mx.concatenate([self.q[s][a:b] for s, a, b in spans])
+        cu = np.concatenate([[0], np.cumsum([b - a for _, a, b in spans])]).astype(np.int32)
+        out = ops.paged_attention(
+            q, self.kc, self.vc, mx.array(self.tables[[s for s, _, _ in spans]]),
+            mx.array(np.array([b for _, _, b in spans], np.int32)), mx.array(cu), **self.options)
+        got = bits(out)
+        return {(s, p): got[cu[i] + p - a] for i, (s, a, b) in enumerate(spans)
+                for p in range(a, b)}
+
+    def whole(self):
+        """Each prompt alone, in one prefill: {(seq, pos): bits}."""
+        rows = {}
+        for s, n in enumerate(self.lengths):
+            rows.update(self.run([(s, 0, n)]))
+        return rows
+
+    def random_batch(self, rng):
+        """1..all sequences, each a decode row (one token at a random position) or a
+        chunk of random bounds (a cached prefix when it does not start at 0); decode
+        rows first, as the runner packs them."""
+        seqs = rng.permutation(len(self.lengths))[: int(rng.integers(1, len(self.lengths) + 1))]
+        decode, chunks = [], []
+        for s in seqs:
+            n = self.lengths[s]
+            end = int(rng.integers(1, n + 1))
+            if rng.random() < 0.5:
+                decode.append((int(s), end - 1, end))
+            else:
+                chunks.append((int(s), int(rng.integers(0, end)), end))
+        return decode + chunks
+
+
+ATTENTION_CASES = {
+    "gqa2_d64": dict(hq=4, hkv=2, d=64, bs=16),
+    "d80_window_softcap": dict(hq=3, hkv=1, d=80, bs=8, sliding_window=13, softcap=20.0),
+}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("case", list(ATTENTION_CASES), ids=str)
+def test_attention_token_independent_of_batch_and_chunking(metal, case, dtype):
+    rng = np.random.default_rng(len(case) + len(dtype))
+    prompts = Prompts(rng.integers(1, 45, size=5), dtype, rng, **ATTENTION_CASES[case])
+    whole = prompts.whole()
+    # the whole prompt computed once is right (the batches below must equal it)
+    spans = [(s, 0, n) for s, n in enumerate(prompts.lengths)]
+    rows = prompts.run(spans)
+    for key, value in rows.items():
+        assert_same_bits(value, whole[key], f"{case} {dtype} token {key} with every prompt")
+    for _ in range(4):
+        spans = prompts.random_batch(rng)
+        for key, value in prompts.run(spans).items():
+            assert_same_bits(value, whole[key], f"{case} {dtype} token {key} in batch {spans}")
+
+
+def test_attention_invariant_path_matches_reference(metal):
+    rng = np.random.default_rng(3)
+    sinks = rng.standard_normal(4).astype(np.float32)
+    prompts = Prompts([1, 30, 7], "float32", rng, hq=4, hkv=2, d=64, bs=16, sliding_window=9,
+                      softcap=10.0, sinks=mx.array(sinks))
+    spans = [(0, 0, 1), (2, 6, 7), (1, 10, 30)]  # decode rows, then a chunk after a prefix
+    q = mx.concatenate([prompts.q[s][a:b] for s, a, b in spans])
+    cu = np.concatenate([[0], np.cumsum([b - a for _, a, b in spans])]).astype(np.int32)
+    tables = prompts.tables[[s for s, _, _ in spans]]
+    seq_lens = np.array([b for _, _, b in spans], np.int32)
+    out = ops.paged_attention(q, prompts.kc, prompts.vc, mx.array(tables), mx.array(seq_lens),
+                              mx.array(cu), **prompts.options)
+    ref = paged_attention_reference(
+        to_numpy(q), to_numpy(prompts.kc), to_numpy(prompts.vc), tables, seq_lens, cu,
+        scale=prompts.options["scale"], sliding_window=9, softcap=10.0, sinks=sinks)
+    assert_close(out, ref, "float32", "batch-invariant paged_attention")
+
+
+def test_attention_depends_on_kernel_choice_with_switch_off():
+    # the check above is sensitive: without the switch, a prompt's last token gets another
+    # result as a decode row than inside its prefill chunk
+    previous_backend, previous_mode = ops.kernel_backend(), ops.batch_invariant()
+    ops.set_kernel_backend("emulated")
+    ops.set_batch_invariant(False)
+    try:
+        rng = np.random.default_rng(5)
+        prompts = Prompts([40], "float32", rng)
+        as_decode = prompts.run([(0, 39, 40)])[(0, 39)]
+        in_chunk = prompts.run([(0, 0, 40)])[(0, 39)]
+        assert (as_decode != in_chunk).sum() > 10
+    finally:
+        ops.set_kernel_backend(previous_backend)
+        ops.set_batch_invariant(previous_mode)
