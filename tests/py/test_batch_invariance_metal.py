@@ -194,9 +194,10 @@ def test_attention_token_independent_of_batch_and_chunking(metal, case, dtype):
 def test_attention_invariant_path_matches_reference(metal):
     rng = np.random.default_rng(3)
     sinks = rng.standard_normal(4).astype(np.float32)
-    prompts = Prompts([1, 30, 7], "float32", rng, hq=4, hkv=2, d=64, bs=16, sliding_window=9,
-                      softcap=10.0, sinks=mx.array(sinks))
-    spans = [(0, 0, 1), (2, 6, 7), (1, 10, 30)]  # decode rows, then a chunk after a prefix
+    prompts = Prompts([1, 30, 7, 1100], "float32", rng, hq=4, hkv=2, d=64, bs=16,
+                      sliding_window=1000, softcap=10.0, sinks=mx.array(sinks))
+    # decode rows, then chunks after a prefix; the last one's rows span 1 or 2 partitions
+    spans = [(0, 0, 1), (2, 6, 7), (1, 10, 30), (3, 1020, 1030)]
     q = mx.concatenate([prompts.q[s][a:b] for s, a, b in spans])
     cu = np.concatenate([[0], np.cumsum([b - a for _, a, b in spans])]).astype(np.int32)
     tables = prompts.tables[[s for s, _, _ in spans]]
@@ -205,7 +206,7 @@ def test_attention_invariant_path_matches_reference(metal):
                               mx.array(cu), **prompts.options)
     ref = paged_attention_reference(
         to_numpy(q), to_numpy(prompts.kc), to_numpy(prompts.vc), tables, seq_lens, cu,
-        scale=prompts.options["scale"], sliding_window=9, softcap=10.0, sinks=sinks)
+        scale=prompts.options["scale"], sliding_window=1000, softcap=10.0, sinks=sinks)
     assert_close(out, ref, "float32", "batch-invariant paged_attention")
 
 
@@ -224,3 +225,170 @@ def test_attention_depends_on_kernel_choice_with_switch_off():
     finally:
         ops.set_kernel_backend(previous_backend)
         ops.set_batch_invariant(previous_mode)
+
+
+def test_attention_long_context_row_independent_of_batch_size(metal):
+    # without the switch a lone decode row at ctx > 2 x 512 is split over 3 partitions,
+    # but not when 64 rows fill the GPU; with it, neither is split
+    rng = np.random.default_rng(9)
+    prompts = Prompts([1100] + [1] * 63, "float32", rng, hq=2, hkv=2)
+    alone = prompts.run([(0, 1099, 1100)])[(0, 1099)]
+    crowd = prompts.run([(0, 1099, 1100)] + [(s, 0, 1) for s in range(1, 64)])[(0, 1099)]
+    assert_same_bits(crowd, alone, "decode row at ctx 1100 among 64 rows")
+    # a chunk across the 1024-key partition edge: rows split and unsplit in one launch
+    chunk = prompts.run([(s, 0, 1) for s in range(1, 5)] + [(0, 1021, 1100)])
+    for pos in (1021, 1023, 1024, 1025, 1099):
+        one = alone if pos == 1099 else prompts.run([(0, pos, pos + 1)])[(0, pos)]
+        assert_same_bits(chunk[(0, pos)], one, f"token {pos} in a chunk vs as a decode row")
+    ops.set_batch_invariant(False)
+    if metal == "emulated":  # the default planner's split is batch-dependent
+        crowd_off = prompts.run([(0, 1099, 1100)] + [(s, 0, 1) for s in range(1, 64)])[(0, 1099)]
+        assert (prompts.run([(0, 1099, 1100)])[(0, 1099)] != crowd_off).sum() > 10
+
+
+def test_plans_with_the_switch(metal):
+    from vllm_metal import _core
+
+    (l,) = _core.plan_gguf_matmul("Q4_K", "float16", 100, 64, 512)
+    assert l.kernel == "gguf_matvec_q4_k_float16" and list(l.grid) == [16, 13, 1]
+    # one decode-kernel launch over all 30 query tokens, with as many partitions as the
+    # longest context spans (each row takes its own), whatever the number of rows
+    for num_decode in (1, 30):
+        plan = _core.plan_paged_attention("float16", 30, 3 if num_decode == 1 else 30, 8, 2, 64,
+                                          16, 300, 200, num_decode_seqs=num_decode,
+                                          max_seq_len=3000, max_query_len=20 if num_decode == 1 else 1)
+        assert [l.kernel for l in plan] == ["paged_attention_decode_float16_d64",
+                                            "paged_attention_reduce_float16_d64"]
+        assert list(plan[0].grid) == [2, 30, 6] and list(plan[1].grid) == [8, 30, 1]
+    plan = _core.plan_paged_attention("float16", 30, 3, 8, 2, 64, 16, 300, 200, num_decode_seqs=1,
+                                      max_seq_len=512, max_query_len=20)
+    assert [list(l.grid) for l in plan] == [[2, 30, 1]]
+    ops.set_batch_invariant(False)
+    (l,) = _core.plan_gguf_matmul("Q4_K", "float16", 100, 64, 512)
+    assert l.kernel == "gguf_matmul_q4_k_float16"
+
+
+# ---- the other kernels of the serving path ----------------------------------------------
+
+
+def random_subset(rng, n: int) -> np.ndarray:
+    return rng.choice(n, size=int(rng.integers(1, min(n, 4) + 1)), replace=False)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_norms_row_independent_of_batch(metal, dtype):
+    rng = np.random.default_rng(11)
+    for hidden in (100, 576):
+        m = int(rng.integers(1, 40))
+        x = cast(rng.standard_normal((m, hidden)), dtype)
+        res = cast(rng.standard_normal((m, hidden)), dtype)
+        w = cast(rng.standard_normal(hidden), dtype)
+        y = bits(ops.rms_norm(x, w, 1e-6))
+        s, r = ops.add_rms_norm(x, res, w, 1e-6)
+        s, r = bits(s), bits(r)
+        for i in random_subset(rng, m):
+            one = slice(int(i), int(i) + 1)
+            assert_same_bits(bits(ops.rms_norm(x[one], w, 1e-6))[0], y[i], f"rms_norm m={m}")
+            s1, r1 = ops.add_rms_norm(x[one], res[one], w, 1e-6)
+            assert_same_bits(bits(s1)[0], s[i], f"add_rms_norm m={m}")
+            assert_same_bits(bits(r1)[0], r[i], f"add_rms_norm residual m={m}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_ropes_row_independent_of_batch(metal, dtype):
+    rng = np.random.default_rng(12)
+    t = int(rng.integers(1, 30))
+    x = cast(rng.standard_normal((t, 3, 64)), dtype)
+    pos = rng.integers(0, 5000, size=t).astype(np.int64)
+    pos3 = rng.integers(0, 5000, size=(3, t)).astype(np.int32)
+    calls = {
+        "rope neox": lambda x, p, p3: ops.rope(x, p),
+        "rope gptj partial": lambda x, p, p3: ops.rope(x, p, rotary_dim=32, is_neox=False),
+        "mrope interleaved": lambda x, p, p3: ops.mrope(x, p3, sections=(11, 11, 10),
+                                                        interleaved=True),
+    }
+    for name, call in calls.items():
+        y = bits(call(x, mx.array(pos), mx.array(pos3)))
+        for i in random_subset(rng, t):
+            one = slice(int(i), int(i) + 1)
+            alone = bits(call(x[one], mx.array(pos[one]), mx.array(pos3[:, one])))[0]
+            assert_same_bits(alone, y[i], f"{name} t={t} {dtype}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_cache_write_row_independent_of_batch(metal, dtype):
+    rng = np.random.default_rng(13)
+    t, slots_total = int(rng.integers(1, 30)), 8 * 16
+    key = cast(rng.standard_normal((t, 2, 64)), dtype)
+    value = cast(rng.standard_normal((t, 2, 64)), dtype)
+    cache = cast(np.zeros((8, 16, 2, 64)), dtype)
+    slots = rng.permutation(slots_total)[:t].astype(np.int64)
+    kc, vc = ops.reshape_and_cache(key, value, cache, cache, mx.array(slots))
+    kc, vc = bits(kc).reshape(slots_total, -1), bits(vc).reshape(slots_total, -1)
+    for i in random_subset(rng, t):
+        one = slice(int(i), int(i) + 1)
+        k1, v1 = ops.reshape_and_cache(key[one], value[one], cache, cache, mx.array(slots[one]))
+        slot = int(slots[i])
+        assert_same_bits(bits(k1).reshape(slots_total, -1)[slot], kc[slot], "cache_write key")
+        assert_same_bits(bits(v1).reshape(slots_total, -1)[slot], vc[slot], "cache_write value")
+
+
+def seq_rows(lengths, s):
+    cu = hyb.cu_seqlens_of(lengths)
+    return slice(int(cu[s]), int(cu[s + 1]))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_hybrid_ops_sequence_independent_of_batch(metal, dtype):
+    rng = np.random.default_rng(14)
+    lengths = [int(n) for n in rng.integers(0, 12, size=int(rng.integers(1, 6)))]
+    lengths[0] = max(lengths[0], 1)
+    n, t, slots_total = len(lengths), sum(lengths), len(lengths) + 2
+    slots = rng.permutation(slots_total)[:n].astype(np.int32)
+    has_init = rng.integers(0, 2, size=n).astype(np.int32)
+    # causal_conv1d: x [T, C], state [slots, C, K-1]
+    x = cast(rng.standard_normal((t, 40)), dtype)
+    w = cast(rng.standard_normal((40, 4)) * 0.5, dtype)
+    b = cast(rng.standard_normal(40), dtype)
+    conv_state = cast(rng.standard_normal((slots_total, 40, 3)), dtype)
+    # gated delta: q, k [T, Hk, Dk], v [T, Hv, Dv], a, b [T, Hv], state [slots, Hv, Dv, Dk]
+    g = dict(q=cast(rng.standard_normal((t, 1, 32)), dtype),
+             k=cast(rng.standard_normal((t, 1, 32)), dtype),
+             v=cast(rng.standard_normal((t, 2, 8)), dtype),
+             a=cast(rng.standard_normal((t, 2)), dtype), b=cast(rng.standard_normal((t, 2)), dtype))
+    a_log = mx.array(np.log(rng.uniform(1, 16, 2)).astype(np.float32))
+    dt_bias = mx.array(rng.standard_normal(2).astype(np.float32))
+    gd_state = mx.array(rng.standard_normal((slots_total, 2, 8, 32)).astype(np.float32))
+
+    def run(rows, lens, sl, init):
+        y, cs = ops.causal_conv1d(x[rows], w, b, conv_state=conv_state,
+                                  cu_seqlens=hyb.i32(hyb.cu_seqlens_of(lens)), slots=hyb.i32(sl),
+                                  has_initial_state=hyb.i32(init))
+        o, gs = ops.gated_delta_rule(**{key: val[rows] for key, val in g.items()}, A_log=a_log,
+                                     dt_bias=dt_bias, state=gd_state,
+                                     cu_seqlens=hyb.i32(hyb.cu_seqlens_of(lens)), slots=hyb.i32(sl),
+                                     has_initial_state=hyb.i32(init))
+        return bits(y), bits(cs), bits(o), bits(gs)
+
+    y, cs, o, gs = run(slice(0, t), lengths, slots, has_init)
+    for s in random_subset(rng, n):
+        rows = seq_rows(lengths, s)
+        y1, cs1, o1, gs1 = run(rows, [lengths[s]], slots[s:s + 1], has_init[s:s + 1])
+        what = f"sequence {s} of lengths {lengths} ({dtype})"
+        assert_same_bits(y1, y[rows], "causal_conv1d " + what)
+        assert_same_bits(cs1[slots[s]], cs[slots[s]], "causal_conv1d state " + what)
+        assert_same_bits(o1, o[rows], "gated_delta " + what)
+        assert_same_bits(gs1[slots[s]], gs[slots[s]], "gated_delta state " + what)
+
+
+@pytest.mark.parametrize("t", [T.Q4_1, T.Q6_K, T.IQ4_XS, T.Q8_0], ids=lambda t: t.name)
+def test_gguf_dequantize_row_independent_of_tensor(metal, t):
+    rng = np.random.default_rng(int(t))
+    rows, k = int(rng.integers(1, 20)), 2 * block_size(t)
+    blocks = random_blocks(t, rows, k, seed=int(t)).reshape(rows, -1)  # [rows, row bytes]
+    for dtype in DTYPES:
+        full = bits(ops.gguf_dequantize(mx.array(blocks), t.name, [rows, k], dtype))
+        for r in random_subset(rng, rows):
+            one = blocks[int(r)]
+            alone = bits(ops.gguf_dequantize(mx.array(one), t.name, [1, k], dtype))[0]
+            assert_same_bits(alone, full[r], f"gguf_dequantize({t.name}, rows={rows}, {dtype})")
