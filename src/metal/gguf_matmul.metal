@@ -50,7 +50,7 @@ kernel void gguf_matvec(
       device const T* xr = x + i * args.x_row_stride + 16 * c;
       float s = 0.0f;
       for (uint j = 0; j < n_valid; ++j) {
-        s += v[j] * float(xr[j]);
+        s = fma(v[j], float(xr[j]), s);  // an explicit chain: fast math cannot reorder it
       }
       acc[i] += s;
     }
