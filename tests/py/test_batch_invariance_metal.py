@@ -6,8 +6,9 @@ row r of a random batch equals the same row computed alone (or in another batch,
 another position), bit for bit. For attention "row" means a query token: its output must
 not depend on the batch, on how chunked prefill split its prompt, on whether its prefix
 came from the cache, or on whether it was sent as a decode row or inside a prefill chunk.
-Two tests show that the same checks fail with the switch off (gguf_matmul and attention
-pick their summation order from the batch there), so they can catch the bug.
+Three tests show that the same checks fail with the switch off (gguf_matmul and attention
+pick their summation order from the batch there), so they can catch the bug. The last test
+runs a whole tiny GGUF model: a sequence's logits packed with others equal its logits alone.
 """
 
 from __future__ import annotations
