@@ -142,7 +142,8 @@ def gguf_dequantize(qtype: str, dtype: str, rows: int, cols: int) -> Case:
 
 
 def gguf_matvec(qtype: str, dtype: str, m: int, n: int, k: int) -> Case:
-    """y[m, n] = x[m, k] @ W[n, k]^T, decode rows (m <= 8: the mat-vec kernel)."""
+    """y[m, n] = x[m, k] @ W[n, k]^T with the kernel the planner picks (m <= 8, or any m in
+    batch-invariant mode: the mat-vec kernel)."""
     rng = np.random.default_rng(m * n + k)
     row_bytes = _row_bytes(qtype, k)
     x, y = _rand((m, k), dtype, rng), _empty((m, n), dtype)
@@ -192,7 +193,9 @@ def paged_attention(dtype: str, q_lens, seq_lens, num_q_heads: int, num_kv_heads
         scale=head_size ** -0.5, partition_size=partition_size)
     split = any("reduce" in l.kernel for l in plan)
     parts = max(1, plan[0].grid[2]) if split else 1
-    rows = max(1, num_decode)
+    # batch-invariant mode: every query token is a decode-kernel row with its own partitions
+    split_rows = tokens if _core.batch_invariant() else num_decode
+    rows = max(1, split_rows)
     scratch = [np.zeros((rows, num_q_heads, parts, head_size), np.float32),
                np.zeros((rows, num_q_heads, parts), np.float32),
                np.zeros((rows, num_q_heads, parts), np.float32)]
@@ -200,7 +203,7 @@ def paged_attention(dtype: str, q_lens, seq_lens, num_q_heads: int, num_kv_heads
     kv_bytes = 2 * sum(seq_lens) * num_kv_heads * head_size * s
     # split-KV decode round-trips per (row, head, partition) a float32 partial output, max
     # and sum through memory: the price of filling the GPU, reported apart from the floor
-    scratch = 2 * 4 * num_decode * num_q_heads * parts * (head_size + 2) if split else 0
+    scratch = 2 * 4 * split_rows * num_q_heads * parts * (head_size + 2) if split else 0
     minimum = (2 * q.nbytes + kv_bytes + 4 * sum(blocks_per_seq) + 4 * num_seqs + 4 * (num_seqs + 1))
     flops = 4 * num_q_heads * head_size * sum(
         sum(L - n + 1 + j for j in range(n)) for n, L in zip(q_lens, seq_lens))

@@ -1,8 +1,10 @@
 // y[m, n] = x[m, k] @ W[n, k]^T with W in GGUF block form.
 //
-// gguf_matvec (decode rows, m <= 8): one simdgroup per weight row; lanes walk
-// the row's 16-weight chunks, decode each once and dot it with every x row;
-// simd_sum reduces. 4 simdgroups (4 weight rows) per threadgroup.
+// gguf_matvec (decode rows): one simdgroup per weight row; lanes walk the
+// row's 16-weight chunks, decode each once and dot it with up to 8 x rows;
+// simd_sum reduces. 4 simdgroups (4 weight rows) per threadgroup; grid y walks
+// groups of 8 x rows. Every x row is summed in the same order wherever it
+// sits, so batch-invariant mode runs this kernel for every m.
 //
 // gguf_matmul (prefill): 32 x 32 output tile per threadgroup of 4 simdgroups
 // (each a 16 x 16 quarter = 2 x 2 simdgroup 8x8 float matrices). Per 32-wide
@@ -24,13 +26,17 @@ kernel void gguf_matvec(
     device const T* x [[buffer(1)]],
     device T* y [[buffer(2)]],
     constant GgufMatmulArgs& args [[buffer(3)]],
-    uint tg [[threadgroup_position_in_grid]],
+    uint2 tgp [[threadgroup_position_in_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  uint row = tg * kMatvecRowsPerTg + sg;
-  if (row >= args.n) {
+  uint row = tgp.x * kMatvecRowsPerTg + sg;
+  uint x0 = tgp.y * kMatvecMaxRows;  // first x row of this group
+  if (row >= args.n || x0 >= args.m) {
     return;  // whole simdgroup; no barriers in this kernel
   }
+  uint rows = min(kMatvecMaxRows, args.m - x0);
+  x += ulong(x0) * args.x_row_stride;
+  y += ulong(x0) * args.y_row_stride;
   device const uchar* wr = w + ulong(row) * args.w_row_bytes;
   float acc[kMatvecMaxRows];
   for (uint i = 0; i < kMatvecMaxRows; ++i) {
@@ -40,16 +46,16 @@ kernel void gguf_matvec(
     float v[16];
     Q::decode16(wr, c, args.k, v);
     uint n_valid = min(16u, args.k - 16 * c);
-    for (uint i = 0; i < args.m; ++i) {
+    for (uint i = 0; i < rows; ++i) {
       device const T* xr = x + i * args.x_row_stride + 16 * c;
       float s = 0.0f;
       for (uint j = 0; j < n_valid; ++j) {
-        s += v[j] * float(xr[j]);
+        s = fma(v[j], float(xr[j]), s);  // an explicit chain: fast math cannot reorder it
       }
       acc[i] += s;
     }
   }
-  for (uint i = 0; i < args.m; ++i) {
+  for (uint i = 0; i < rows; ++i) {
     float total = simd_sum(acc[i]);
     if (lane == 0) {
       y[i * args.y_row_stride + row] = T(total);

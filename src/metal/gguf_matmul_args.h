@@ -12,7 +12,7 @@ struct GgufMatmulArgs {
   int64_t x_row_stride;  // elements between rows of x
   int64_t y_row_stride;  // elements between rows of y
   uint64_t w_row_bytes;  // bytes of one encoded weight row
-  uint32_t m;            // rows of x (at most kGgufMatvecMaxRows on the mat-vec kernel)
+  uint32_t m;            // rows of x (the mat-vec kernel takes them 8 per grid row)
   uint32_t n;            // weight rows = outputs per x row
   uint32_t k;            // weights per row
   uint32_t chunks;       // 16-weight chunks per weight row: ceil(k / 16)

@@ -31,6 +31,48 @@ inline float rescale_factor(float a, float b) {
   return b == -INFINITY ? 0.0f : exp(a - b);
 }
 
+// The sequence holding query token t: the last s with cu_seqlens_q[s] <= t
+// (empty chunks skipped), for 0 <= t < cu_seqlens_q[num_seqs].
+inline uint sequence_of_token(device const int* cu_seqlens_q, uint num_seqs, int t) {
+  uint lo = 0;
+  uint hi = num_seqs;
+  while (hi - lo > 1) {
+    const uint mid = (lo + hi) / 2;
+    if (cu_seqlens_q[mid] <= t) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// The query token of grid row y, its sequence and its context (the query
+// sits at ctx - 1): a sequence's one new token, or with token_rows any token
+// of the batch. False for a padding token past the last sequence.
+inline bool locate_query(device const int* seq_lens, device const int* cu_seqlens_q,
+                         constant PagedAttentionArgs& args, uint y, thread int& row,
+                         thread uint& seq, thread int& ctx) {
+  if (args.token_rows != 0) {
+    row = int(y);
+    if (row >= cu_seqlens_q[args.num_seqs]) {
+      return false;
+    }
+    seq = sequence_of_token(cu_seqlens_q, args.num_seqs, row);
+  } else {
+    seq = args.seq_offset + y;
+    row = cu_seqlens_q[seq];
+  }
+  ctx = seq_lens[seq] - (cu_seqlens_q[seq + 1] - row) + 1;
+  return true;
+}
+
+// With token_rows, a row's split-KV partitions are fixed by its own keys
+// [lo, ctx): partition_size blocks aligned to absolute positions, first..last.
+inline int first_key(int ctx, constant PagedAttentionArgs& args) {
+  return args.sliding_window > 0 ? max(0, ctx - args.sliding_window) : 0;
+}
+
 template <typename T, uint D>
 kernel void paged_attention_decode(
     device const T* q [[buffer(0)]],
@@ -58,15 +100,29 @@ kernel void paged_attention_decode(
   const uint kv_head = tg_pos.x / slices;
   const uint head0 = kv_head * groups + (tg_pos.x % slices) * kMaxGroup;
   const uint nheads = min(kMaxGroup, kv_head * groups + groups - head0);
-  const uint seq = args.seq_offset + tg_pos.y;
   const uint part = tg_pos.z;
-  const int row = cu_seqlens_q[seq];
-  const int ctx = seq_lens[seq];
+  int row;
+  uint seq;
+  int ctx;
+  if (!locate_query(seq_lens, cu_seqlens_q, args, tg_pos.y, row, seq, ctx)) {
+    return;  // whole threadgroup, before any barrier: a padding token
+  }
 
-  // the query sits at ctx - 1; its visible keys, cut to this partition
-  int lo = args.sliding_window > 0 ? max(0, ctx - args.sliding_window) : 0;
+  // its visible keys, cut to this partition
+  int lo = first_key(ctx, args);
   int hi = ctx;
-  if (args.num_partitions > 1) {
+  bool direct = args.num_partitions == 1;  // write the output, not a partial
+  if (args.token_rows != 0) {
+    const int first = lo / int(args.partition_size);
+    const int last = max(hi - 1, lo) / int(args.partition_size);
+    const int p = first + int(part);
+    if (p > last) {
+      return;  // whole threadgroup: this row has fewer partitions than the grid
+    }
+    direct = first == last;
+    lo = max(lo, p * int(args.partition_size));
+    hi = min(hi, (p + 1) * int(args.partition_size));
+  } else if (args.num_partitions > 1) {
     lo = max(lo, int(part * args.partition_size));
     hi = min(hi, int((part + 1) * args.partition_size));
   }
@@ -161,7 +217,7 @@ kernel void paged_attention_decode(
   }
   for (uint h = 0; h < nheads; ++h) {
     const uint head = head0 + h;
-    if (args.num_partitions == 1) {
+    if (direct) {
       const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
       device T* dst = out + (int64_t(row) * args.num_q_heads + head) * D;
       for (uint c = 0; c < C; ++c) {
@@ -204,10 +260,24 @@ kernel void paged_attention_reduce(
     uint3 tg_pos [[threadgroup_position_in_grid]],
     uint lane [[thread_index_in_simdgroup]]) {
   const uint head = tg_pos.x;
-  const uint seq = args.seq_offset + tg_pos.y;
-  const int row = cu_seqlens_q[seq];
-  const uint parts = args.num_partitions;
-  const int64_t cell0 = (int64_t(tg_pos.y) * args.num_q_heads + head) * parts;
+  int row;
+  uint seq;
+  int ctx;
+  if (!locate_query(seq_lens, cu_seqlens_q, args, tg_pos.y, row, seq, ctx)) {
+    return;
+  }
+  uint parts = args.num_partitions;
+  if (args.token_rows != 0) {
+    // this row's own partitions; a row with one wrote its output directly
+    const int lo = first_key(ctx, args);
+    const int first = lo / int(args.partition_size);
+    const int last = max(ctx - 1, lo) / int(args.partition_size);
+    if (first == last) {
+      return;
+    }
+    parts = uint(last - first + 1);
+  }
+  const int64_t cell0 = (int64_t(tg_pos.y) * args.num_q_heads + head) * args.num_partitions;
   float m = -INFINITY;
   for (uint p = 0; p < parts; ++p) {
     m = max(m, partial_max[cell0 + p]);

@@ -19,12 +19,13 @@ struct PagedAttentionArgs {
   uint32_t seq_offset;       // first sequence this launch handles
   uint32_t num_seqs;         // sequences this launch handles
   uint32_t partition_size;   // keys per split-KV partition (decode)
-  uint32_t num_partitions;   // 1: write the output directly
+  uint32_t num_partitions;   // 1: write the output directly; token_rows: grid z, a row
+                             // uses the aligned partitions its own keys span
   int32_t sliding_window;    // 0: none
   float scale;
   float softcap;             // 0: none
   uint32_t has_sinks;
-  uint32_t pad;
+  uint32_t token_rows;       // decode kernel: 1 = grid y walks query tokens, not sequences
 };
 
 #ifndef __METAL_VERSION__

@@ -23,7 +23,7 @@ import test_metal_sources as sources
 import test_paged_attention as attention
 import test_rope as rope
 from paged_attention_reference import paged_attention_reference
-from test_gguf_fixtures import SUPPORTED, block_size, random_blocks, reference_dequantize
+from test_gguf_fixtures import SUPPORTED, T, block_size, random_blocks, reference_dequantize
 from vllm_metal import _core, emulation
 
 SCHEDULES = (0, 11, 12, 13)  # 0: threads in order; the others: fuzzed, seeded
@@ -134,6 +134,46 @@ def gguf(t, m, n, k):
     assert np.abs(y - ref).max() <= 2e-5 * np.abs(ref).max()
 
 
+def batch_invariant(case):
+    """The case planned in batch-invariant mode (the planners read the switch)."""
+    def run():
+        previous = _core.batch_invariant()
+        _core.set_batch_invariant(True)
+        try:
+            case()
+        finally:
+            _core.set_batch_invariant(previous)
+    return run
+
+
+def paged_token_rows():
+    # every query token a decode-kernel row, split by its own keys (16-key partitions
+    # here: 1 to 3 per row), then a padding token the launches must not touch
+    q_lens, ctx_lens, hq, hkv, d, bs = [1, 1, 5], [40, 9, 30], 4, 2, 64, 8
+    q, kc, vc, tables, seq_lens, cu = attention.make_batch(q_lens, ctx_lens, hq, hkv, d, bs, "float32", 5)
+    qn, kcn, vcn = (np.array(a) for a in (q, kc, vc))
+    t = sum(q_lens) + 1
+    qn = np.concatenate([qn, np.ones((1, hq, d), np.float32)])
+    plan = _core.plan_paged_attention("float32", t, len(q_lens), hq, hkv, d, bs, kcn.shape[0],
+                                      tables.shape[1], num_decode_seqs=2, max_seq_len=max(ctx_lens),
+                                      max_query_len=max(q_lens), scale=0.125, partition_size=16)
+    assert [l.kernel for l in plan] == ["paged_attention_decode_float32_d64",
+                                        "paged_attention_reduce_float32_d64"]
+    parts = plan[0].grid[2]
+    out = np.full((t, hq, d), 7.0, np.float32)
+    scratch = [np.zeros((t, hq, parts, d), np.float32), np.zeros((t, hq, parts), np.float32),
+               np.zeros((t, hq, parts), np.float32)]
+    emulation.run_plan(plan, [qn, kcn, vcn, tables, seq_lens, cu, np.zeros(1, np.float32), out, *scratch])
+    ref = paged_attention_reference(qn[:-1].astype(np.float64), kcn, vcn, tables, seq_lens, cu, 0.125)
+    np.testing.assert_allclose(out[:-1], ref, atol=1e-5)
+    assert (out[-1] == 7.0).all()
+
+
+def gguf_matvec_row_groups():
+    assert _core.plan_gguf_matmul("Q6_K", "float32", 20, 9, 256)[0].kernel.startswith("gguf_matvec")
+    gguf(T.Q6_K, 20, 9, 256)
+
+
 # case -> (the src/metal sources it must launch, the case)
 CASES = {
     "rms_norm": ({"rms_norm"}, lambda: sources.test_rms_norm_launches_on_numpy(3, 33, "float16", True)),
@@ -151,6 +191,9 @@ CASES = {
         [1, 1, 6, 2], [40, 7, 30, 2], 128, "float16", window=16, softcap=30.0, sinks=True, partition=16)),
     "paged_mixed_d80_d96": ({"paged_attention"}, lambda: (paged([1, 5], [33, 12], 80, "float32"),
                                                           paged([1, 1, 2], [9, 17, 4], 96, "float32"))),
+    "paged_token_rows_invariant": ({"paged_attention"}, batch_invariant(paged_token_rows)),
+    "gguf_matvec_row_groups_invariant": ({"gguf_dequantize", "gguf_matmul"},
+                                         batch_invariant(gguf_matvec_row_groups)),
 }
 for _t in SUPPORTED:  # mat-vec (up to 8 rows) and mat-mat, every type
     _k = 2 * block_size(_t) if block_size(_t) > 1 else 13

@@ -109,6 +109,7 @@ void bind_planners(nb::module_& m) {
         p.softcap = softcap;
         p.has_sinks = has_sinks;
         p.partition_size = partition_size;
+        p.batch_invariant = vm::cpu::batch_invariant();
         return vm::plan_paged_attention(p);
       },
       "dtype"_a, "num_tokens"_a, "num_seqs"_a, "num_q_heads"_a, "num_kv_heads"_a, "head_size"_a,

@@ -2,6 +2,7 @@
 
 #include <stdexcept>
 
+#include "cpu/batch_invariant.h"
 #include "cpu/gguf_matmul.h"
 #include "cpu/gguf_quants.h"
 #include "gguf_dequantize_args.h"
@@ -136,7 +137,9 @@ KernelPlan plan_gguf_dequantize(const GgufDequantizeProblem& p) {
 }
 
 KernelPlan plan_gguf_matmul(const GgufMatmulProblem& p) {
-  const bool matvec = p.m <= kGgufMetalMatvecMaxRows;
+  // Batch-invariant mode: the mat-vec kernel for every m (one summation order per row;
+  // the tile kernel's simdgroup-matrix order differs), in groups of 8 rows along grid y.
+  const bool matvec = p.m <= kGgufMetalMatvecMaxRows || cpu::batch_invariant();
   KernelLaunch l;
   l.source = "gguf_matmul";
   l.kernel = gguf_matmul_kernel_name(p.type, p.dtype, matvec);
@@ -149,7 +152,8 @@ KernelPlan plan_gguf_matmul(const GgufMatmulProblem& p) {
   args.k = static_cast<uint32_t>(p.k);
   args.chunks = ceil_div(p.k, 16);
   if (matvec) {
-    l.grid = {ceil_div(p.n, 4), 1, 1};  // 4 simdgroups = 4 weight rows per threadgroup
+    // 4 simdgroups = 4 weight rows per threadgroup; y: groups of 8 x rows
+    l.grid = {ceil_div(p.n, 4), ceil_div(p.m, kGgufMetalMatvecMaxRows), 1};
     l.threadgroup = {128, 1, 1};
   } else {
     l.grid = {ceil_div(p.n, 32), ceil_div(p.m, 32), 1};

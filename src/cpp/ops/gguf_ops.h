@@ -53,7 +53,8 @@ struct GgufMatmulProblem {
 
 // "gguf_dequantize_q4_k_float16"
 std::string gguf_dequantize_kernel_name(gguf::GGMLType type, mx::Dtype dtype);
-// "gguf_matvec_q4_k_float32" (m <= kGgufMetalMatvecMaxRows) or "gguf_matmul_..."
+// "gguf_matvec_q4_k_float32" (m <= kGgufMetalMatvecMaxRows, or any m in batch-invariant
+// mode) or "gguf_matmul_..."
 std::string gguf_matmul_kernel_name(gguf::GGMLType type, mx::Dtype dtype, bool matvec);
 
 // Slots: 0 blocks, 1 out. One thread per 16-weight chunk.

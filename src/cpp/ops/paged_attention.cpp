@@ -3,6 +3,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "cpu/batch_invariant.h"
 #include "cpu/paged_attention.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
@@ -146,6 +147,10 @@ bool metal_supports_head_size(int64_t d) {
 }
 
 int64_t choose_decode_partitions(const PagedAttentionProblem& p) {
+  if (p.batch_invariant) {
+    // each row is split by its own keys (aligned partitions); the grid covers the longest
+    return std::max<int64_t>(1, (p.max_seq_len + p.partition_size - 1) / p.partition_size);
+  }
   if (p.num_decode_seqs == 0 || p.max_seq_len <= 2 * p.partition_size) return 1;
   const int64_t groups = p.num_q_heads / p.num_kv_heads;
   const int64_t head_slices = (groups + kDecodeMaxGroup - 1) / kDecodeMaxGroup;
@@ -157,7 +162,7 @@ int64_t choose_decode_partitions(const PagedAttentionProblem& p) {
 std::vector<mx::Shape> paged_attention_scratch_shapes(const PagedAttentionProblem& p) {
   const int64_t parts = p.uses_kernels ? choose_decode_partitions(p) : 1;
   if (parts == 1) return {{0}, {0}, {0}};
-  const int rows = static_cast<int>(p.num_decode_seqs), hq = static_cast<int>(p.num_q_heads);
+  const int rows = static_cast<int>(p.batch_invariant ? p.num_tokens : p.num_decode_seqs), hq = static_cast<int>(p.num_q_heads);
   const int np = static_cast<int>(parts), d = static_cast<int>(p.head_size);
   return {{rows, hq, np, d}, {rows, hq, np}, {rows, hq, np}};
 }
@@ -187,6 +192,40 @@ KernelPlan plan_paged_attention(const PagedAttentionProblem& p) {
   };
   KernelPlan plan;
   const int64_t groups = p.num_q_heads / p.num_kv_heads;
+  const int64_t head_slices = (groups + kDecodeMaxGroup - 1) / kDecodeMaxGroup;
+  if (p.batch_invariant) {
+    // One kernel and one key order for every query token, decode row or prefill chunk,
+    // split-KV partitions fixed by the token's own position: a token's output depends
+    // on its position and the cache only.
+    const int64_t parts = choose_decode_partitions(p);
+    PagedAttentionArgs a = base;
+    a.seq_offset = 0;
+    a.num_seqs = static_cast<uint32_t>(p.num_seqs);
+    a.num_partitions = static_cast<uint32_t>(parts);
+    a.token_rows = 1;
+    KernelLaunch rows;
+    rows.source = "paged_attention";
+    rows.kernel = "paged_attention_decode_" + suffix;
+    bind_common(rows);
+    for (int slot = 8; slot <= 10; ++slot) rows.bind(slot, slot);  // split-KV scratch
+    rows.set_args(11, a);
+    rows.grid = {static_cast<uint32_t>(p.num_kv_heads * head_slices),
+                 static_cast<uint32_t>(p.num_tokens), static_cast<uint32_t>(parts)};
+    rows.threadgroup = {kDecodeThreads, 1, 1};
+    plan.push_back(rows);
+    if (parts > 1) {
+      KernelLaunch reduce;
+      reduce.source = "paged_attention";
+      reduce.kernel = "paged_attention_reduce_" + suffix;
+      bind_common(reduce);
+      for (int slot = 8; slot <= 10; ++slot) reduce.bind(slot, slot);
+      reduce.set_args(11, a);
+      reduce.grid = {static_cast<uint32_t>(p.num_q_heads), static_cast<uint32_t>(p.num_tokens), 1};
+      reduce.threadgroup = {32, 1, 1};
+      plan.push_back(reduce);
+    }
+    return plan;
+  }
   if (p.num_decode_seqs > 0) {
     const int64_t parts = choose_decode_partitions(p);
     PagedAttentionArgs a = base;
@@ -199,7 +238,6 @@ KernelPlan plan_paged_attention(const PagedAttentionProblem& p) {
     bind_common(decode);
     for (int slot = 8; slot <= 10; ++slot) decode.bind(slot, slot);  // split-KV scratch
     decode.set_args(11, a);
-    const int64_t head_slices = (groups + kDecodeMaxGroup - 1) / kDecodeMaxGroup;
     decode.grid = {static_cast<uint32_t>(p.num_kv_heads * head_slices),
                    static_cast<uint32_t>(p.num_decode_seqs), static_cast<uint32_t>(parts)};
     decode.threadgroup = {kDecodeThreads, 1, 1};
@@ -257,6 +295,8 @@ mx::array paged_attention(const mx::array& q, const mx::array& key_cache,
   p.scale = options.scale;
   p.softcap = options.softcap;
   p.has_sinks = sinks.has_value();
+  p.batch_invariant = cpu::batch_invariant();  // fixed here: the plan and scratch agree
+  if (p.batch_invariant) p.partition_size = kInvariantPartitionSize;
   p.uses_kernels = backend == KernelBackend::kEmulated || stream.device == mx::Device::gpu;
   resolve_hints(p, options, block_tables, seq_lens, cu_seqlens_q);
   if (p.uses_kernels && !metal_supports_head_size(p.head_size)) {

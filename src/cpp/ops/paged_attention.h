@@ -62,15 +62,22 @@ struct PagedAttentionProblem {
   bool has_sinks = false;
   int64_t partition_size = 512;  // split-KV decode: keys per partition
   bool uses_kernels = true;      // false: the native CPU path (no scratch needed)
+  // Batch-invariant mode: every query token through the decode kernel, each split by
+  // its own keys into partition_size blocks aligned to absolute positions.
+  bool batch_invariant = false;
 };
 
+// Batch-invariant mode's split-KV partition size: a row splits only past 1024 keys, as
+// the default plan's does; scratch is tokens x q heads x partitions x (head_size + 2) floats.
+constexpr int64_t kInvariantPartitionSize = 1024;
 // Query heads one decode threadgroup serves (a kv head's group, or a slice of it).
 constexpr int64_t kDecodeMaxGroup = 8;
 // Query rows per prefill threadgroup (one simdgroup of 8x8 matrices).
 constexpr int64_t kPrefillQueryTile = 8;
 
 // Split-KV decision: 1 (the decode kernel writes the output) unless contexts
-// are long and too few threadgroups would fill the GPU.
+// are long and too few threadgroups would fill the GPU. Batch-invariant mode: the
+// partitions of the longest context (each row uses those its own keys span).
 int64_t choose_decode_partitions(const PagedAttentionProblem& p);
 
 // Head sizes with Metal kernels (the CPU kernel takes any multiple of 8 up to 512).
