@@ -1,5 +1,6 @@
 """`pip wheel .` builds a wheel that installs into a fresh virtual environment,
-imports next to MLX and runs an op (the path a user's `pip install` takes)."""
+imports next to MLX and runs an op (the path a user's `pip install` takes), and whose
+doctor runs the emulator's checks from the packaged kernel sources."""
 
 import subprocess
 import sys
@@ -39,3 +40,11 @@ def test_wheel_installs_into_a_fresh_venv_and_imports(tmp_path):
     run = subprocess.run([str(py), "-c", SMOKE], capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert str(env_dir) in run.stdout
+    # the doctor from the wheel alone: the emulator builds the packaged kernel sources and the
+    # op checks pass; the memory check fails, naming vLLM, which this venv lacks
+    doctor = subprocess.run([str(py), "-m", "vllm_metal.doctor", "--skip-serve"],
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert doctor.returncode == 1, doctor.stdout[-3000:] + doctor.stderr[-3000:]
+    for name in ("device", "metallib", "ops"):
+        assert f"| {name} | PASS |" in doctor.stdout, doctor.stdout[-3000:]
+    assert "| memory | **FAIL** |" in doctor.stdout and "vLLM is not importable" in doctor.stdout
