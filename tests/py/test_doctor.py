@@ -6,6 +6,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -146,7 +147,7 @@ def test_memory_check_fails_when_nothing_is_left(monkeypatch):
 
 def test_exit_status_and_report_show_a_failed_check(monkeypatch, tmp_path, capsys):
     def broken():
-        raise doctor.fail("the widget is missing", ["looked in /nowhere"])
+        raise doctor.CheckFailed("the widget is missing", ["looked in /nowhere"])
 
     monkeypatch.setattr(doctor, "CHECKS", [("device", lambda: "fine"), ("widget", broken)])
     report = tmp_path / "report.md"
@@ -168,6 +169,7 @@ def test_serve_check_fails_with_the_server_log_when_vllm_dies(monkeypatch, tmp_p
     fake.write_text("#!/bin/sh\necho 'ImportError: no module named vllm_metal._core' >&2\nexit 3\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the kept server log
     results = doctor.serve_checks(port=_free_port(), timeout=30)
     assert [r.name for r in results] == ["serve"]  # no decode timing without a server
     assert not results[0].ok and "exited with code 3" in results[0].detail
