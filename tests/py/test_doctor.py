@@ -18,7 +18,14 @@ from vllm_metal import doctor, doctor_ops, ops
 GIB = 2**30
 
 
-def test_device_check_names_the_cpu_and_the_emulator_without_metal():
+@pytest.fixture
+def no_metal(monkeypatch):
+    """The doctor's branch for machines without Metal (Linux), also when this is a Mac."""
+    monkeypatch.setattr(doctor, "on_apple", lambda: False)
+    monkeypatch.setattr(doctor, "metal_available", lambda: False)
+
+
+def test_device_check_names_the_cpu_and_the_emulator_without_metal(no_metal):
     r = doctor.run_check("device", doctor.check_device)
     assert r.ok, r.detail
     assert "no Metal GPU" in r.detail and "emulator" in r.detail
@@ -31,7 +38,7 @@ def test_device_check_fails_on_a_mac_without_metal(monkeypatch):
     assert not r.ok and "mx.metal.is_available() is False" in r.detail
 
 
-def test_metallib_check_builds_every_kernel_source_in_the_emulator():
+def test_metallib_check_builds_every_kernel_source_in_the_emulator(no_metal):
     from vllm_metal import emulation
 
     r = doctor.run_check("metallib", doctor.check_metallib)
@@ -41,7 +48,7 @@ def test_metallib_check_builds_every_kernel_source_in_the_emulator():
         assert source in r.detail
 
 
-def test_metallib_check_reports_a_kernel_that_does_not_build(monkeypatch):
+def test_metallib_check_reports_a_kernel_that_does_not_build(monkeypatch, no_metal):
     from vllm_metal import emulation
 
     real_load = emulation.load
@@ -89,14 +96,14 @@ def test_metallib_candidates_follow_the_installed_layout():
     assert any(p.name.startswith("libvllm_metal_core") for p in lib.parent.iterdir())
 
 
-def test_op_checks_pass_on_the_emulated_metal_kernels():
+def test_op_checks_pass_on_the_emulated_metal_kernels(no_metal):
     r = doctor.run_check("ops", doctor.check_ops)
     assert r.ok, (r.detail, r.notes)
     assert f"{len(doctor_ops.CASES)}/{len(doctor_ops.CASES)} op checks on the MSL emulator" in r.detail
     assert ops.kernel_backend() == "native"  # restored
 
 
-def test_op_checks_catch_a_wrong_kernel(monkeypatch):
+def test_op_checks_catch_a_wrong_kernel(monkeypatch, no_metal):
     # a kernel that is off by one ulp-sized step too many: 1e-4 relative
     real = ops.rms_norm
     monkeypatch.setattr(ops, "rms_norm", lambda x, w, eps: real(x, w, eps) * (1 + 1e-4))

@@ -29,13 +29,16 @@ set(CMAKE_CXX_COMPILER_WORKS TRUE)
 """
 
 # Records each call as a JSON line; `-c X -o Y` writes an .air file, `-o Z.metallib` the
-# library (Metal's MTLB magic, then the inputs' names).
+# library (Metal's MTLB magic, then the inputs' names). Calls that are not the Metal
+# compiler's (CMake asking for the SDK) go to the real xcrun where there is one (a Mac).
 FAKE_XCRUN = """\
 #!{python}
 import json, os, sys
 args = sys.argv[1:]
 with open(os.environ["FAKE_TOOL_LOG"], "a") as log:
     log.write(json.dumps(["xcrun", *args]) + "\\n")
+if "metal" not in args and os.path.exists("/usr/bin/xcrun"):
+    os.execv("/usr/bin/xcrun", ["/usr/bin/xcrun", *args])
 if "-o" in args:
     out = args[args.index("-o") + 1]
     inputs = [a for a in args if a.endswith((".air", ".metal"))]
