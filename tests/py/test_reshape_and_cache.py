@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from op_harness import DTYPES, random, to_numpy
-from vllm_metal import ops
+from vllm_metal import _core, ops
 
 
 def reference(key, value, key_cache, value_cache, slots):
@@ -83,10 +83,12 @@ def test_old_cache_kept_by_a_reference_is_not_overwritten(backend):
     key, value, kc, vc, slots = make_case(3, 2, 64, 16, 1, "float32", seed=41)
     before = to_numpy(kc)
     old = kc  # a second reference: the op must copy, not write in place
+    copies = _core.cache_write_copies()
     new_k, _ = ops.reshape_and_cache(key, value, kc, vc, mx.array(slots))
     mx.eval(new_k)
     np.testing.assert_array_equal(to_numpy(old), before)
     assert not np.array_equal(to_numpy(new_k), before)
+    assert _core.cache_write_copies() == copies + 1  # the key cache (the value one is unread)
 
 
 def test_steps_chain_through_the_returned_caches(backend):
@@ -166,3 +168,45 @@ def test_an_unshared_cache_is_updated_in_place(backend):
     kc, vc = ops.reshape_and_cache(key, value, kc, vc, mx.array(slots))
     mx.eval(kc, vc)
     assert (_address(kc), _address(vc)) == (k_addr, v_addr)
+
+
+def test_inplace_writes_a_held_cache_without_copying(backend):
+    # The serving loop under async scheduling: step N's pending work still holds the
+    # caches when step N+1 writes them (here a second reference stands in for it).
+    key, value, kc, vc, slots = make_case(5, 2, 64, 16, 4, "float16", seed=53, pad=1)
+    mx.eval(kc, vc)
+    expect = reference(to_numpy(key), to_numpy(value), to_numpy(kc), to_numpy(vc), slots)
+    held_k, held_v = kc, vc
+    addresses, copies = (_address(kc), _address(vc)), _core.cache_write_copies()
+    kc, vc = ops.reshape_and_cache(key, value, kc, vc, mx.array(slots), inplace=True)
+    mx.eval(kc, vc)
+    assert _core.cache_write_copies() == copies
+    assert (_address(kc), _address(vc)) == addresses
+    np.testing.assert_array_equal(to_numpy(kc), expect[0])
+    np.testing.assert_array_equal(to_numpy(vc), expect[1])
+    np.testing.assert_array_equal(to_numpy(held_k), expect[0])  # the contract: rebind, the old shows the new
+    np.testing.assert_array_equal(to_numpy(held_v), expect[1])
+
+
+def test_reads_scheduled_before_an_inplace_write_see_the_old_contents(backend):
+    # step N reads the cache, step N+1 writes it in place before N has run: stream order
+    # (CPU tasks; on Metal a barrier or fence from the reader's in-place mark) keeps N's view
+    key, value, kc, vc, slots = make_case(4, 2, 64, 16, 2, "float32", seed=54)
+    mx.eval(kc, vc)
+    old_sum = float(np.asarray(to_numpy(kc), np.float64).sum())
+    read = mx.sum(kc.astype(mx.float32) * 1.0)  # step N's reader
+    mx.async_eval(read)
+    kc, vc = ops.reshape_and_cache(key, value, kc, vc, mx.array(slots), inplace=True)
+    mx.async_eval(kc, vc)
+    assert float(read.item()) == pytest.approx(old_sum, rel=1e-5)
+    assert float(mx.sum(kc).item()) != pytest.approx(old_sum, rel=1e-5)
+
+
+def test_paged_attention_marks_the_caches_it_reads_for_in_place_writes():
+    # on Metal these bindings are registered as written, so the next in-place write waits
+    plan = _core.plan_paged_attention("float16", 21, 3, 8, 2, 64, 16, 300, 200, num_decode_seqs=2,
+                                      max_seq_len=3000, max_query_len=19)
+    assert [l.kernel.split("_")[2] for l in plan] == ["decode", "reduce", "prefill"]
+    for launch in plan:
+        marked = {b.array_slot for b in launch.buffers if b.read_before_in_place_write}
+        assert marked == {1, 2}, launch.kernel

@@ -100,6 +100,8 @@ void check_main_plan(const std::string& metallib) {
   vm::KernelLaunch plain;
   plain.kernel = "k_b";
   plain.bind(0, 0);
+  plain.bind(1, 1);  // an input written in place by a later op: tracked as written too
+  plain.buffers.back().read_before_in_place_write = true;
   plan.push_back(plain);
 
   const std::string err = run(plan, a);
@@ -150,6 +152,8 @@ void check_main_plan(const std::string& metallib) {
       "dispatch_threadgroups grid=4x2x1 group=32x2x1",
       "set_compute_pipeline_state k_b",
       "set_input_array slot=0 idx=0 offset=0",
+      "set_input_array slot=1 idx=1 offset=0",
+      "register_output_array slot=1",
       "dispatch_threadgroups grid=1x1x1 group=1x1x1",
   };
   expect(encoded == want, "encoded calls differ; want:\n" + dump(want) + "  got:\n" +

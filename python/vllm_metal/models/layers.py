@@ -91,7 +91,10 @@ class PagedAttention(nn.Module):
             q = q * query_scale.astype(q.dtype)
 
         key_cache, value_cache = ctx.kv_caches[self.layer_idx]
-        key_cache, value_cache = ops.reshape_and_cache(k, v, key_cache, value_cache, ctx.slot_mapping)
+        # in place: step N's tasks still hold the caches while step N+1 is built (async
+        # scheduling), so MLX could not donate them and would copy each cache every step
+        key_cache, value_cache = ops.reshape_and_cache(k, v, key_cache, value_cache,
+                                                       ctx.slot_mapping, inplace=True)
         ctx.kv_caches[self.layer_idx] = (key_cache, value_cache)
 
         out = ops.paged_attention(

@@ -109,7 +109,10 @@ class PagedGatedAttention(nn.Module):
         k = ops.mrope(self.k_norm(k), positions3, **rot)
 
         key_cache, value_cache = ctx.kv_caches[self.layer_idx]
-        key_cache, value_cache = ops.reshape_and_cache(k, v, key_cache, value_cache, ctx.slot_mapping)
+        # in place: step N's tasks still hold the caches while step N+1 is built (async
+        # scheduling), so MLX could not donate them and would copy each cache every step
+        key_cache, value_cache = ops.reshape_and_cache(k, v, key_cache, value_cache,
+                                                       ctx.slot_mapping, inplace=True)
         ctx.kv_caches[self.layer_idx] = (key_cache, value_cache)
         out = ops.paged_attention(
             q, key_cache, value_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q,

@@ -51,7 +51,8 @@ void bind_launches(nb::module_& m) {
   nb::class_<vm::BufferBinding>(m, "BufferBinding")
       .def_ro("index", &vm::BufferBinding::index)
       .def_ro("array_slot", &vm::BufferBinding::array_slot)
-      .def_ro("byte_offset", &vm::BufferBinding::byte_offset);
+      .def_ro("byte_offset", &vm::BufferBinding::byte_offset)
+      .def_ro("read_before_in_place_write", &vm::BufferBinding::read_before_in_place_write);
   nb::class_<vm::KernelLaunch>(m, "KernelLaunch",
                                "One Metal kernel launch as data (see kernel_launch.h).")
       .def_ro("source", &vm::KernelLaunch::source)
@@ -162,15 +163,20 @@ void bind_ops(nb::module_& m) {
   m.def(
       "reshape_and_cache",
       [](const mx::array& key, const mx::array& value, const mx::array& key_cache,
-         const mx::array& value_cache, const mx::array& slot_mapping, const StreamArg& s) {
+         const mx::array& value_cache, const mx::array& slot_mapping, bool inplace,
+         const StreamArg& s) {
         auto r = vm::reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
-                                       to_stream_or_device(s));
+                                       inplace, to_stream_or_device(s));
         return nb::make_tuple(r[0], r[1]);
       },
       "key"_a, "value"_a, "key_cache"_a, "value_cache"_a, "slot_mapping"_a, nb::kw_only(),
-      "stream"_a = nb::none(),
+      "inplace"_a = false, "stream"_a = nb::none(),
       "Write key/value [T, H, D] into the paged caches at slot_mapping (int64, < 0 skips);\n"
-      "returns the updated (key_cache, value_cache).");
+      "returns the updated (key_cache, value_cache). A cache still held elsewhere is copied\n"
+      "first unless inplace=True (then its buffer is written: rebind the caches to the result).");
+  m.def("cache_write_copies", &vm::cache_write_copies,
+        "Whole KV-cache copies reshape_and_cache has made in this process (caches it could\n"
+        "not update in place).");
 
   m.def(
       "paged_attention",

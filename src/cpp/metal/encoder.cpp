@@ -120,6 +120,8 @@ void run_plan_metal(const KernelPlan& plan, const std::vector<mx::array>& inputs
     for (const auto& b : launch.buffers) {
       if (b.array_slot < num_inputs) {
         enc.set_input_array(inputs[b.array_slot], b.index, b.byte_offset);
+        // a barrier (same encoder) or a fence (a later one) before its next in-place write
+        if (b.read_before_in_place_write) enc.register_output_array(inputs[b.array_slot]);
       } else {
         enc.set_output_array(outputs[b.array_slot - num_inputs], b.index, b.byte_offset);
       }

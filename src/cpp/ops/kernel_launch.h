@@ -8,6 +8,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -34,6 +35,11 @@ struct BufferBinding {
   int index = 0;
   int array_slot = 0;
   int64_t byte_offset = 0;
+  // An input that a later op updates in place (the paged KV cache, see
+  // reshape_and_cache's `inplace`). On Metal it is also registered as written,
+  // so MLX's encoder makes the next writer of the buffer wait for this read:
+  // its fences and barriers order writes after reads only for outputs.
+  bool read_before_in_place_write = false;
 };
 
 struct KernelLaunch {
@@ -64,6 +70,15 @@ struct KernelLaunch {
 };
 
 using KernelPlan = std::vector<KernelLaunch>;
+
+// Marks every binding of `slots` in `plan` as read_before_in_place_write.
+inline void mark_in_place_reads(KernelPlan& plan, std::initializer_list<int> slots) {
+  for (auto& launch : plan) {
+    for (auto& b : launch.buffers) {
+      for (int s : slots) b.read_before_in_place_write |= b.array_slot == s;
+    }
+  }
+}
 
 inline uint32_t ceil_div(uint64_t a, uint64_t b) {
   return static_cast<uint32_t>((a + b - 1) / b);

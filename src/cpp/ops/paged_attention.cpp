@@ -270,6 +270,7 @@ KernelPlan plan_paged_attention(const PagedAttentionProblem& p) {
     prefill.threadgroup = {32, 1, 1};
     plan.push_back(prefill);
   }
+  mark_in_place_reads(plan, {1, 2});  // the caches: the next step's reshape_and_cache writes them
   return plan;
 }
 

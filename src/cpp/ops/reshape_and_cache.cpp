@@ -1,5 +1,6 @@
 #include "ops/reshape_and_cache.h"
 
+#include <atomic>
 #include <cstring>
 #include <stdexcept>
 
@@ -15,6 +16,8 @@ namespace vllm_metal {
 namespace {
 
 constexpr const char* kOp = "reshape_and_cache";
+
+std::atomic<uint64_t> copies{0};
 
 [[noreturn]] void fail(const std::string& msg) {
   throw std::invalid_argument(std::string("[") + kOp + "] " + msg);
@@ -96,25 +99,30 @@ void copy_strides(const mx::array& a, int64_t* out) {
 std::vector<mx::array> reshape_and_cache(const mx::array& key, const mx::array& value,
                                          const mx::array& key_cache,
                                          const mx::array& value_cache,
-                                         const mx::array& slot_mapping, mx::StreamOrDevice s) {
+                                         const mx::array& slot_mapping, bool inplace,
+                                         mx::StreamOrDevice s) {
   check_inputs(key, value, key_cache, value_cache, slot_mapping);
   check_slots_if_ready(slot_mapping, num_slots_of(key_cache));
   if (key.shape(0) == 0) {
     return {key_cache, value_cache};
   }
   auto slots = mx::contiguous(slot_mapping, false, s);
-  return {cache_write(key, key_cache, slots, s), cache_write(value, value_cache, slots, s)};
+  return {cache_write(key, key_cache, slots, inplace, s),
+          cache_write(value, value_cache, slots, inplace, s)};
 }
 
 mx::array cache_write(const mx::array& src, const mx::array& cache,
-                      const mx::array& slot_mapping, mx::StreamOrDevice s) {
+                      const mx::array& slot_mapping, bool inplace, mx::StreamOrDevice s) {
   check_inputs(src, src, cache, cache, slot_mapping);
   check_slots_if_ready(slot_mapping, num_slots_of(cache));
   if (src.shape(0) == 0) return cache;
   return mx::array(cache.shape(), cache.dtype(),
-                   std::make_shared<CacheWrite>(mx::to_stream(s), default_kernel_backend()),
+                   std::make_shared<CacheWrite>(mx::to_stream(s), default_kernel_backend(),
+                                                inplace),
                    {src, cache, mx::contiguous(slot_mapping, false, s)});
 }
+
+uint64_t cache_write_copies() { return copies.load(std::memory_order_relaxed); }
 
 KernelPlan plan_cache_write(const CacheWriteProblem& p) {
   KernelPlan plan;
@@ -158,10 +166,11 @@ void CacheWrite::allocate_outputs(const std::vector<mx::array>& inputs,
                                   std::vector<mx::array>& outputs) {
   const mx::array& cache = inputs[1];
   if (!cache.flags().row_contiguous) fail("the cache must be row-contiguous");
-  if (cache.is_donatable()) {
+  if (inplace_ || cache.is_donatable()) {
     outputs[0].copy_shared_buffer(cache);  // update in place
   } else {
     outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+    copies.fetch_add(1, std::memory_order_relaxed);  // plan / eval copy the old cache first
   }
 }
 
@@ -206,7 +215,8 @@ void CacheWrite::eval_native_cpu(const std::vector<mx::array>& inputs,
 }
 
 bool CacheWrite::is_equivalent(const mx::Primitive& other) const {
-  return backend() == static_cast<const KernelPrimitive&>(other).backend();
+  const auto& o = static_cast<const CacheWrite&>(other);
+  return backend() == o.backend() && inplace_ == o.inplace_;
 }
 
 }  // namespace vllm_metal

@@ -4,11 +4,19 @@
 //   key/value_cache   [num_blocks, block_size, num_kv_heads, head_size]
 //   slot_mapping      int64 [T]; slot = block * block_size + offset, < 0 skips
 //
-// Returns the updated caches. MLX arrays are immutable, so each update is a
-// new array that reuses the cache's buffer whenever nothing else holds the old
-// contents (the usual case: the caller rebinds its cache to the result), and
-// copies otherwise. Later reads must use the returned caches, which orders the
-// write before them in the lazy graph.
+// Returns the updated caches. MLX arrays are immutable, so by default each
+// update is a new array that reuses the cache's buffer when nothing else holds
+// the old contents, and copies the whole cache otherwise. MLX's tasks and
+// command buffers hold their inputs until they complete, so a serving loop that
+// builds step N+1 while step N runs (async scheduling) would copy every cache
+// every step. `inplace` writes the cache's buffer whatever holds it: the
+// caller must rebind its cache to the result, and the old array shows the new
+// contents. Work scheduled earlier on the stream still reads the old contents:
+// CPU tasks run in stream order, and on Metal the readers (paged_attention)
+// mark the cache read_before_in_place_write, which makes MLX's encoder put a
+// barrier (same command encoder) or a fence wait (a later one) before the write.
+// Later reads must use the returned caches, which orders the write before them
+// in the lazy graph.
 //
 // Slots >= num_blocks * block_size: a slot table that is already evaluated is
 // checked when the op is built (IndexError). A lazy one is checked by the CPU
@@ -29,13 +37,19 @@ std::vector<mx::array> reshape_and_cache(const mx::array& key, const mx::array& 
                                          const mx::array& key_cache,
                                          const mx::array& value_cache,
                                          const mx::array& slot_mapping,
-                                         mx::StreamOrDevice s = {});
+                                         bool inplace = false, mx::StreamOrDevice s = {});
 
 // Writes src [T, H, D] into one paged cache; returns the updated cache. One
 // output per primitive, so the old cache's only holder is this op and its
-// buffer is reused in place (MLX's donation rule) unless someone else holds it.
+// buffer is reused in place (MLX's donation rule) unless someone else holds it;
+// with `inplace` it is reused always.
 mx::array cache_write(const mx::array& src, const mx::array& cache,
-                      const mx::array& slot_mapping, mx::StreamOrDevice s = {});
+                      const mx::array& slot_mapping, bool inplace = false,
+                      mx::StreamOrDevice s = {});
+
+// Whole-cache copies made so far in this process (a cache not updated in
+// place); tests read it to check that serving copies nothing per step.
+uint64_t cache_write_copies();
 
 struct CacheWriteProblem {
   mx::Dtype dtype = mx::float16;
@@ -52,7 +66,8 @@ KernelPlan plan_cache_write(const CacheWriteProblem& p);
 
 class CacheWrite : public KernelPrimitive {
  public:
-  CacheWrite(mx::Stream stream, KernelBackend backend) : KernelPrimitive(stream, backend) {}
+  CacheWrite(mx::Stream stream, KernelBackend backend, bool inplace)
+      : KernelPrimitive(stream, backend), inplace_(inplace) {}
 
   KernelPlan plan(const std::vector<mx::array>& inputs,
                   const std::vector<mx::array>& outputs) const override;
@@ -64,6 +79,9 @@ class CacheWrite : public KernelPrimitive {
                         std::vector<mx::array>& outputs) override;
   void eval_native_cpu(const std::vector<mx::array>& inputs,
                        std::vector<mx::array>& outputs) override;
+
+ private:
+  bool inplace_;
 };
 
 }  // namespace vllm_metal

@@ -105,6 +105,9 @@ class CommandEncoder {
     fake_log().add("set_output_array slot=" + fake_log().slot_of(a) + " idx=" +
                    std::to_string(idx) + " offset=" + std::to_string(offset));
   }
+  void register_output_array(const array& a) {
+    fake_log().add("register_output_array slot=" + fake_log().slot_of(a));
+  }
   void set_compute_pipeline_state(MTL::ComputePipelineState* kernel) {
     fake_log().add("set_compute_pipeline_state " + kernel->hash_name);
   }
