@@ -1,11 +1,17 @@
 """`vllm serve` on the path a Mac runs: every op on its Metal kernel (here in the emulator,
 VLLM_METAL_KERNELS=emulated), op by op (VLLM_METAL_FUSED_LAYERS=0, not the fused CPU
 decoder layer), under async scheduling (vLLM's default: step N+1 is built and submitted
-while step N computes). Tiny random-weight checkpoints keep the emulator fast.
+while step N computes). Tiny random-weight checkpoints (2 layers, head size 64) of llama,
+gemma3 and qwen3.5 keep the emulator fast.
+
+Concurrent requests of different lengths (decodes sharing steps with chunked prefills) must
+get the greedy tokens of the CPU path (native kernels, fused layers where they apply), each
+computed alone in this process: a kernel that sums batched rows in another order than solo
+ones shows up here as soon as it flips a token.
 
 A hook in the server (sitecustomize on PYTHONPATH) logs, per step, the whole-KV-cache
-copies reshape_and_cache made (_core.cache_write_copies) and whether the previous step
-was still waiting to be read when the step was built.
+copies reshape_and_cache made (_core.cache_write_copies), whether the previous step
+was still waiting to be read when the step was built, and the kernel backend.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import concurrent.futures as cf
 import os
 import textwrap
 
+import numpy as np
 import pytest
 
 from serving_harness import Server
@@ -34,7 +41,7 @@ STEP_LOG_HOOK = textwrap.dedent(
     _import = builtins.__import__
 
     def _install(mod):
-        from vllm_metal import _core
+        from vllm_metal import _core, ops
 
         runner = mod.MetalModelRunner
         execute_model = runner.execute_model
@@ -45,7 +52,8 @@ STEP_LOG_HOOK = textwrap.dedent(
             before = _core.cache_write_copies()
             out = execute_model(self, so)
             if so.total_num_scheduled_tokens:
-                log.write(f"{_core.cache_write_copies() - before} {int(in_flight)}\\n")
+                log.write(f"{_core.cache_write_copies() - before} {int(in_flight)} "
+                          f"{ops.kernel_backend()}\\n")
                 log.flush()
             return out
 
@@ -70,8 +78,10 @@ def tiny_attention_checkpoint(name: str, out_dir):
     from qwen3_5_checkpoint import write_tokenizer
     from vllm_metal.models.testing import tiny_config, write_random_checkpoint
 
+    # untied: with tied embeddings a tiny random model mostly repeats its last input token
     cfg = tiny_config(name, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=VOCAB)
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=VOCAB,
+                      tie_word_embeddings=False)
     out = write_random_checkpoint(cfg, out_dir, seed=3)
     write_tokenizer(out, VOCAB)
     return out
@@ -94,7 +104,8 @@ def complete_ids(server, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 # concurrent requests of different lengths: decodes share steps with chunked prefills
-JOBS = [(list(range(5, 5 + n)), m) for n, m in [(3, 12), (41, 8), (17, 10), (29, 6), (8, 14)]]
+JOBS = [(np.random.default_rng(n).integers(3, VOCAB, n).tolist(), m)
+        for n, m in [(3, 12), (41, 8), (17, 10), (29, 6), (8, 14)]]
 
 
 def serve_concurrently(server) -> list[list[int]]:
@@ -102,16 +113,73 @@ def serve_concurrently(server) -> list[list[int]]:
         return list(pool.map(lambda j: complete_ids(server, *j), JOBS))
 
 
-def test_async_steps_write_the_kv_cache_in_place(tmp_path):
-    checkpoint = tiny_attention_checkpoint("llama", tmp_path / "llama")
-    server, log = serve_emulated(checkpoint, "llama-tiny", tmp_path)
+def tiny_qwen3_5_checkpoint(out_dir):
+    """Qwen3.5 with one linear-attention (gated delta net) and one attention layer."""
+    from qwen3_5_checkpoint import CONFIG, write_checkpoint
+
+    cfg = dict(CONFIG, num_hidden_layers=2, full_attention_interval=2, head_dim=64,
+               layer_types=["linear_attention", "full_attention"],
+               rope_parameters=dict(CONFIG["rope_parameters"], mrope_section=[4, 2, 2]))
+    return write_checkpoint(out_dir, seed=1, config=cfg)
+
+
+def cpu_path_tokens(checkpoint, arch: str) -> list[list[int]]:
+    """Each job's greedy tokens on the native CPU kernels, alone in its batch."""
+    from qwen3_5_checkpoint import run_packed_greedy
+    from vllm_metal import ops
+    from vllm_metal.models import load_model
+    from vllm_metal.models.generate import greedy_generate
+
+    assert ops.kernel_backend() == "native"
+    loaded = load_model(str(checkpoint), "float32")
+    if arch == "qwen3_5":
+        return [run_packed_greedy(loaded, [p], m, chunk=16)[0][0] for p, m in JOBS]
+    return [greedy_generate(loaded, [p], m, stop_ids=[])[0] for p, m in JOBS]
+
+
+ARCHS = ["llama", "gemma3", "qwen3_5"]
+
+
+def serve_one(arch: str, tmp) -> tuple:
+    if arch == "qwen3_5":
+        checkpoint = tiny_qwen3_5_checkpoint(tmp / "checkpoint")
+    else:
+        checkpoint = tiny_attention_checkpoint(arch, tmp / "checkpoint")
+    server, log = serve_emulated(checkpoint, f"{arch}-tiny", tmp)
     try:
         got = serve_concurrently(server)
     finally:
         server.stop()
+    lines = [line.split() for line in log.read_text().splitlines()]
+    # the Metal kernels in the emulator, so never the fused CPU layers (why_not_fused)
+    assert lines and all(backend == "emulated" for *_, backend in lines), lines[:3]
+    return checkpoint, got, [(int(copies), int(in_flight)) for copies, in_flight, _ in lines]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """arch -> (checkpoint, tokens served per job, (copies, previous step in flight) per step).
+    The three servers run side by side: their start-up (mostly vLLM's) dominates."""
+    with cf.ThreadPoolExecutor(len(ARCHS)) as pool:
+        futures = {a: pool.submit(serve_one, a, tmp_path_factory.mktemp(a)) for a in ARCHS}
+        return {a: f.result() for a, f in futures.items()}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_emulated_gpu_path_gives_the_cpu_path_tokens(served, arch):
+    checkpoint, got, _ = served[arch]
+    want = cpu_path_tokens(checkpoint, arch)
+    assert [len(w) for w in want] == [m for _, m in JOBS]
+    assert len({t for w in want for t in w}) > 5  # not a degenerate checkpoint
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"{arch}: job {i} (prompt of {len(JOBS[i][0])} tokens)"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_async_steps_write_the_kv_cache_in_place(served, arch):
+    _, got, steps = served[arch]
     assert [len(g) for g in got] == [m for _, m in JOBS]
-    steps = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
     overlapped = [copies for copies, in_flight in steps if in_flight]
     # the previous step was still unread (computing) when most steps were built
     assert len(overlapped) >= 10, steps
-    assert sum(copies for copies, _ in steps) == 0, f"KV-cache copies per step: {steps}"
+    assert sum(copies for copies, _ in steps) == 0, f"{arch}: KV-cache copies per step: {steps}"
