@@ -16,6 +16,9 @@ def to_numpy(a: mx.array) -> np.ndarray:
     """float64 copy of an MLX array of any float dtype."""
     if a.dtype in (mx.float16, mx.bfloat16):
         a = a.astype(mx.float32)
+    # np.array alone evaluates through the buffer protocol, which drops an error thrown by
+    # a kernel task (e.g. the emulator's strict checks) and returns the unwritten buffer
+    mx.eval(a)
     return np.array(a).astype(np.float64)
 
 
