@@ -75,6 +75,7 @@ class MetalModelRunner:
         spec = self.loaded.spec
         logger.info("vllm-metal loaded %s: %d layers, %d kv heads x %d, cache %s",
                     spec.architecture, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype)
+        check_attention_head_size(self.model_config.model, spec.head_dim)
         self._init_sampling()
 
     def _init_sampling(self) -> None:
@@ -392,6 +393,18 @@ class _AsyncStepOutput(AsyncModelRunnerOutput):
 
     def get_kv_connector_output(self):
         return None
+
+
+def check_attention_head_size(model: str, head_dim: int) -> None:
+    """Refuses, at load, a head size the attention kernels of this path lack (else the
+    first forward, in warm-up, would fail without naming the model)."""
+    gpu = mx.default_device() != mx.cpu
+    metal = gpu or _core.kernel_backend() == "emulated"
+    problem = _core.paged_attention_head_size_problem(head_dim, metal=metal)
+    if problem:
+        path = "the Metal GPU path" if gpu else "the emulated Metal kernels" if metal else "the CPU path"
+        raise ValueError(f"[vllm-metal] {model}: attention head size {head_dim} is not supported on "
+                         f"{path} ({problem})")
 
 
 def _dtype_name(dtype) -> str | None:

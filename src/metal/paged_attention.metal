@@ -12,6 +12,7 @@ constant constexpr uint kSimdWidth = 32;
 constant constexpr uint kMaxGroup = 8;          // query heads per decode threadgroup
 constant constexpr uint kDecodeSimdgroups = 4;  // 128 threads
 constant constexpr uint kTile = 8;              // prefill query rows / keys per chunk
+constant constexpr uint kMaxStagedDims = 256;   // prefill: K/V dims in threadgroup memory at once
 
 // Cache row of position j of a sequence, or -1 when its block id is invalid.
 inline int64_t cache_row(device const int* table, int j, constant PagedAttentionArgs& args) {
@@ -314,8 +315,12 @@ kernel void paged_attention_prefill(
     constant PagedAttentionArgs& args [[buffer(8)]],
     uint3 tg_pos [[threadgroup_position_in_grid]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float q_tile[kTile * D];   // scaled queries; finally the output
-  threadgroup float kv_tile[kTile * D];  // keys, then values, of the current chunk
+  // Keys and values are staged KC dims at a time: with D = 512 a whole 8-row
+  // tile next to the queries would exceed the 32 KB of threadgroup memory.
+  constexpr uint KC = D > kMaxStagedDims ? kMaxStagedDims : D;
+  static_assert(D % KC == 0, "head size must be a multiple of the staged width");
+  threadgroup float q_tile[kTile * D];    // scaled queries; finally the output
+  threadgroup float kv_tile[kTile * KC];  // keys, then values: KC dims of the current chunk
   threadgroup float s_tile[kTile * kTile];
   threadgroup float diag[kTile * kTile];
   threadgroup float row_max[kTile];
@@ -360,20 +365,25 @@ kernel void paged_attention_prefill(
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
   for (int j0 = key_lo; j0 <= last_pos; j0 += int(kTile)) {
-    // keys j0..j0+7 (zero past the context or behind an invalid block id)
-    for (uint i = lane; i < kTile * D; i += kSimdWidth) {
-      const int j = j0 + int(i / D);
-      const int64_t slot = j < ctx ? cache_row(table, j, args) : -1;
-      kv_tile[i] = slot >= 0 ? float(key_cache[slot * row_elems + int64_t(kv_head) * D + i % D]) : 0.0f;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // keys j0..j0+7 (zero past the context or behind an invalid block id), KC dims at a time
     simdgroup_float8x8 s = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-    for (uint b = 0; b < D / kTile; ++b) {
-      simdgroup_float8x8 qm;
-      simdgroup_float8x8 kt;
-      simdgroup_load(qm, q_tile + b * kTile, D);
-      simdgroup_load(kt, kv_tile + b * kTile, D, ulong2(0, 0), true);  // K^T
-      simdgroup_multiply_accumulate(s, qm, kt, s);
+    for (uint d0 = 0; d0 < D; d0 += KC) {
+      for (uint i = lane; i < kTile * KC; i += kSimdWidth) {
+        const int j = j0 + int(i / KC);
+        const int64_t slot = j < ctx ? cache_row(table, j, args) : -1;
+        kv_tile[i] = slot >= 0 ? float(key_cache[slot * row_elems + int64_t(kv_head) * D + d0 + i % KC]) : 0.0f;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      for (uint b = 0; b < KC / kTile; ++b) {
+        simdgroup_float8x8 qm;
+        simdgroup_float8x8 kt;
+        simdgroup_load(qm, q_tile + d0 + b * kTile, D);
+        simdgroup_load(kt, kv_tile + b * kTile, KC, ulong2(0, 0), true);  // K^T
+        simdgroup_multiply_accumulate(s, qm, kt, s);
+      }
+      if (d0 + KC < D) {
+        threadgroup_barrier(mem_flags::mem_threadgroup);  // kv_tile is refilled next
+      }
     }
     simdgroup_store(s, s_tile, kTile);
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -402,23 +412,25 @@ kernel void paged_attention_prefill(
       row_sum[r] = sum;
       diag[r * kTile + r] = resc;
     }
-    for (uint i = lane; i < kTile * D; i += kSimdWidth) {
-      const int j = j0 + int(i / D);
-      const int64_t slot = j < ctx ? cache_row(table, j, args) : -1;
-      kv_tile[i] = slot >= 0 ? float(value_cache[slot * row_elems + int64_t(kv_head) * D + i % D]) : 0.0f;
+    for (uint d0 = 0; d0 < D; d0 += KC) {
+      for (uint i = lane; i < kTile * KC; i += kSimdWidth) {
+        const int j = j0 + int(i / KC);
+        const int64_t slot = j < ctx ? cache_row(table, j, args) : -1;
+        kv_tile[i] = slot >= 0 ? float(value_cache[slot * row_elems + int64_t(kv_head) * D + d0 + i % KC]) : 0.0f;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // and P, diag of lanes 0-7
+      simdgroup_float8x8 dm;
+      simdgroup_float8x8 pm;
+      simdgroup_load(dm, diag, kTile);
+      simdgroup_load(pm, s_tile, kTile);
+      for (uint b = 0; b < KC / kTile; ++b) {
+        simdgroup_float8x8 vm;
+        simdgroup_load(vm, kv_tile + b * kTile, KC);
+        simdgroup_multiply(o[d0 / kTile + b], dm, o[d0 / kTile + b]);
+        simdgroup_multiply_accumulate(o[d0 / kTile + b], pm, vm, o[d0 / kTile + b]);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    simdgroup_float8x8 dm;
-    simdgroup_float8x8 pm;
-    simdgroup_load(dm, diag, kTile);
-    simdgroup_load(pm, s_tile, kTile);
-    for (uint b = 0; b < D / kTile; ++b) {
-      simdgroup_float8x8 vm;
-      simdgroup_load(vm, kv_tile + b * kTile, D);
-      simdgroup_multiply(o[b], dm, o[b]);
-      simdgroup_multiply_accumulate(o[b], pm, vm, o[b]);
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 
   if (lane < kTile) {
@@ -446,12 +458,16 @@ kernel void paged_attention_prefill(
   template [[host_name("paged_attention_prefill_" #tname "_d" #D)]] kernel decltype(        \
       paged_attention_prefill<T, D>) paged_attention_prefill<T, D>;
 
+// Head sizes of the supported architectures (kMetalHeadSizes in paged_attention.cpp).
 #define instantiate_paged_attention_heads(tname, T) \
+  instantiate_paged_attention(tname, T, 48)         \
   instantiate_paged_attention(tname, T, 64)         \
   instantiate_paged_attention(tname, T, 80)         \
   instantiate_paged_attention(tname, T, 96)         \
+  instantiate_paged_attention(tname, T, 120)        \
   instantiate_paged_attention(tname, T, 128)        \
-  instantiate_paged_attention(tname, T, 256)
+  instantiate_paged_attention(tname, T, 256)        \
+  instantiate_paged_attention(tname, T, 512)
 
 instantiate_paged_attention_heads(float32, float)
 instantiate_paged_attention_heads(float16, half)

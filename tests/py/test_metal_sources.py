@@ -26,7 +26,7 @@ def planned_kernel_names():
     for dtype in DTYPES:
         plan = _core.plan_cache_write(dtype, 2, 2, 64, 32, [128, 64, 1], copy_cache=True)
         names |= {l.kernel for l in plan}
-    for dtype, d in itertools.product(DTYPES, (64, 80, 96, 128, 256)):
+    for dtype, d in itertools.product(DTYPES, _core.metal_attention_head_sizes()):
         plan = _core.plan_paged_attention(dtype, 9, 3, 8, 2, d, 16, 100, 64, num_decode_seqs=2,
                                           max_seq_len=4000, max_query_len=7)
         names |= {l.kernel for l in plan}

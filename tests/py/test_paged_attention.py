@@ -67,6 +67,9 @@ CASES = [
     ([1, 1, 9, 3], [33, 64, 9, 100], 16, 1, 64, 16),
     ([1, 17], [1, 17], 2, 2, 256, 8),
     ([1, 8, 8], [200, 8, 16], 4, 4, 128, 16),
+    ([1, 1, 6], [40, 9, 6], 4, 2, 48, 16),   # llama2.c-style models
+    ([1, 11], [77, 30], 4, 1, 120, 16),      # H2O-Danube3-4B
+    ([1, 9], [33, 20], 2, 1, 512, 8),        # prefill stages K/V in two 256-dim halves
 ]
 
 
@@ -208,3 +211,22 @@ def test_split_kv_launches_on_numpy_with_many_partitions():
     ref = paged_attention_reference(qn.astype(np.float64), kcn, vcn, tables, seq_lens, cu, 0.125)
     np.testing.assert_allclose(out[64:-64].reshape(3, 8, 64), ref, atol=1e-5)
     assert (out[:64] == guard).all() and (out[-64:] == guard).all()
+
+
+def test_every_metal_head_size_is_tested():
+    from vllm_metal import _core
+
+    assert set(_core.metal_attention_head_sizes()) <= {c[4] for c in CASES}
+
+
+@pytest.mark.parametrize("d, metal, problem", [
+    (40, False, ""),
+    (40, True, "the Metal kernels support head sizes 48, 64, 80, 96, 120, 128, 256, 512, got 40"),
+    (100, False, "head size must be a multiple of 8 up to 512, got 100"),
+    (576, True, "head size must be a multiple of 8 up to 512, got 576"),
+    (512, True, ""),
+])
+def test_head_size_problem_names_the_rule(d, metal, problem):
+    from vllm_metal import _core
+
+    assert _core.paged_attention_head_size_problem(d, metal=metal) == problem

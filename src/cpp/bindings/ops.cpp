@@ -83,6 +83,14 @@ void bind_planners(nb::module_& m) {
       },
       "dtype"_a, "rows"_a, "hidden"_a, "fused_add"_a = false, "eps"_a = 1e-6f,
       "Kernel launches of rms_norm for row-contiguous inputs.");
+  m.def("metal_attention_head_sizes", &vm::metal_head_sizes,
+        "Head sizes the Metal paged-attention kernels are built for.");
+  m.def(
+      "paged_attention_head_size_problem",
+      [](int64_t head_size, bool metal) { return vm::head_size_problem(head_size, metal); },
+      "head_size"_a, nb::kw_only(), "metal"_a,
+      "Why paged_attention cannot take head_size ('' when it can); metal: on the Metal\n"
+      "kernels (GPU or emulated) rather than the CPU kernel.");
   m.def(
       "plan_paged_attention",
       [](const std::string& dtype, int64_t num_tokens, int64_t num_seqs, int64_t num_q_heads,

@@ -1,5 +1,6 @@
 #include "ops/paged_attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
@@ -57,9 +58,7 @@ void check_shapes(const mx::array& q, const mx::array& kc, const mx::array& vc,
     fail("q heads (" + std::to_string(hq) + ") must be a multiple of kv heads (" +
          std::to_string(hkv) + ")");
   }
-  if (d % 8 != 0 || d > 512 || d == 0) {
-    fail("head size must be a multiple of 8 up to 512, got " + std::to_string(d));
-  }
+  if (auto why = head_size_problem(d, false); !why.empty()) fail(why);
   check_int32("block_tables", bt, 2);
   check_int32("seq_lens", sl, 1);
   check_int32("cu_seqlens_q", cu, 1);
@@ -142,8 +141,31 @@ mx::array sinks_or_dummy(const std::optional<mx::array>& sinks) {
 
 }  // namespace
 
+const std::vector<int64_t>& metal_head_sizes() {
+  static const std::vector<int64_t> sizes = {48, 64, 80, 96, 120, 128, 256, 512};
+  return sizes;
+}
+
+std::string metal_head_sizes_text() {
+  std::string out;
+  for (int64_t d : metal_head_sizes()) out += (out.empty() ? "" : ", ") + std::to_string(d);
+  return out;
+}
+
 bool metal_supports_head_size(int64_t d) {
-  return d == 64 || d == 80 || d == 96 || d == 128 || d == 256;
+  const auto& sizes = metal_head_sizes();
+  return std::find(sizes.begin(), sizes.end(), d) != sizes.end();
+}
+
+std::string head_size_problem(int64_t d, bool metal) {
+  if (d % 8 != 0 || d > 512 || d <= 0) {
+    return "head size must be a multiple of 8 up to 512, got " + std::to_string(d);
+  }
+  if (metal && !metal_supports_head_size(d)) {
+    return "the Metal kernels support head sizes " + metal_head_sizes_text() + ", got " +
+           std::to_string(d);
+  }
+  return "";
 }
 
 int64_t choose_decode_partitions(const PagedAttentionProblem& p) {
@@ -168,9 +190,8 @@ std::vector<mx::Shape> paged_attention_scratch_shapes(const PagedAttentionProble
 }
 
 KernelPlan plan_paged_attention(const PagedAttentionProblem& p) {
-  if (!metal_supports_head_size(p.head_size)) {
-    throw std::invalid_argument("[paged_attention] the Metal kernels support head sizes 64, 80, "
-                                "96, 128 and 256, got " + std::to_string(p.head_size));
+  if (auto why = head_size_problem(p.head_size, true); !why.empty()) {
+    throw std::invalid_argument("[paged_attention] " + why);
   }
   const std::string suffix = dtype_name(p.dtype) + "_d" + std::to_string(p.head_size);
   PagedAttentionArgs base{};
@@ -300,10 +321,7 @@ mx::array paged_attention(const mx::array& q, const mx::array& key_cache,
   if (p.batch_invariant) p.partition_size = kInvariantPartitionSize;
   p.uses_kernels = backend == KernelBackend::kEmulated || stream.device == mx::Device::gpu;
   resolve_hints(p, options, block_tables, seq_lens, cu_seqlens_q);
-  if (p.uses_kernels && !metal_supports_head_size(p.head_size)) {
-    fail("the Metal kernels support head sizes 64, 80, 96, 128 and 256, got " +
-         std::to_string(p.head_size));
-  }
+  if (auto why = head_size_problem(p.head_size, p.uses_kernels); !why.empty()) fail(why);
   if (p.num_tokens == 0) return mx::zeros(q.shape(), q.dtype(), s);
 
   auto scratch = paged_attention_scratch_shapes(p);

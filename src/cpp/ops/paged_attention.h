@@ -16,6 +16,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "mlx/array.h"
@@ -80,8 +81,16 @@ constexpr int64_t kPrefillQueryTile = 8;
 // partitions of the longest context (each row uses those its own keys span).
 int64_t choose_decode_partitions(const PagedAttentionProblem& p);
 
-// Head sizes with Metal kernels (the CPU kernel takes any multiple of 8 up to 512).
+// Head sizes with Metal kernels (the CPU kernel takes any multiple of 8 up to 512):
+// those the supported architectures' models use (docs/kernels.md), each instantiated in
+// src/metal/paged_attention.metal.
 bool metal_supports_head_size(int64_t head_size);
+const std::vector<int64_t>& metal_head_sizes();
+std::string metal_head_sizes_text();  // "48, 64, ..., 512"
+
+// Why paged_attention cannot take `head_size` ("" when it can); `metal`: on the Metal
+// kernels (a GPU stream or the emulated backend). The model runner asks at load.
+std::string head_size_problem(int64_t head_size, bool metal);
 
 // Slots: 0 q, 1 key_cache, 2 value_cache, 3 block_tables, 4 seq_lens,
 // 5 cu_seqlens_q, 6 sinks (a 1-element dummy when absent), 7 out,
