@@ -6,8 +6,9 @@ gemma3 and qwen3.5 keep the emulator fast.
 
 Concurrent requests of different lengths (decodes sharing steps with chunked prefills) must
 get the greedy tokens of the CPU path (native kernels, fused layers where they apply), each
-computed alone in this process: a kernel that sums batched rows in another order than solo
-ones shows up here as soon as it flips a token.
+computed alone in this process, and their logprobs within 2e-3: a kernel that sums batched
+rows in another order than solo ones shows up here as soon as it flips a token, a wrong
+kernel well before that.
 
 A hook in the server (sitecustomize on PYTHONPATH) logs, per step, the whole-KV-cache
 copies reshape_and_cache made (_core.cache_write_copies), whether the previous step
@@ -95,12 +96,14 @@ def serve_emulated(checkpoint, name: str, tmp_path) -> tuple[Server, object]:
     return Server(str(checkpoint), name, SERVER_ARGS, env=env), log
 
 
-def complete_ids(server, prompt: list[int], max_tokens: int) -> list[int]:
+def complete(server, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """The greedy tokens and the logprob of each."""
     r = server.client.post("/v1/completions", json={
         "model": server.name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "return_token_ids": True, "ignore_eos": True})
+        "return_token_ids": True, "ignore_eos": True, "logprobs": 1})
     assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["token_ids"]
+    choice = r.json()["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
 
 # concurrent requests of different lengths: decodes share steps with chunked prefills
@@ -108,9 +111,9 @@ JOBS = [(np.random.default_rng(n).integers(3, VOCAB, n).tolist(), m)
         for n, m in [(3, 12), (41, 8), (17, 10), (29, 6), (8, 14)]]
 
 
-def serve_concurrently(server) -> list[list[int]]:
+def serve_concurrently(server) -> list[tuple[list[int], list[float]]]:
     with cf.ThreadPoolExecutor(len(JOBS)) as pool:
-        return list(pool.map(lambda j: complete_ids(server, *j), JOBS))
+        return list(pool.map(lambda j: complete(server, *j), JOBS))
 
 
 def tiny_qwen3_5_checkpoint(out_dir):
@@ -123,18 +126,36 @@ def tiny_qwen3_5_checkpoint(out_dir):
     return write_checkpoint(out_dir, seed=1, config=cfg)
 
 
-def cpu_path_tokens(checkpoint, arch: str) -> list[list[int]]:
-    """Each job's greedy tokens on the native CPU kernels, alone in its batch."""
+def log_softmax_of(logits: np.ndarray, tokens: list[int]) -> list[float]:
+    z = logits.astype(np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    z = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    return [float(z[i, t]) for i, t in enumerate(tokens)]
+
+
+def cpu_path(checkpoint, arch: str) -> list[tuple[list[int], list[float]]]:
+    """Each job alone on the native CPU kernels: its greedy tokens (decoded one by one) and
+    their logprobs (qwen3.5: from the same decode; the others: the logits of the prompt and
+    tokens run as one prefill)."""
     from qwen3_5_checkpoint import run_packed_greedy
     from vllm_metal import ops
     from vllm_metal.models import load_model
     from vllm_metal.models.generate import greedy_generate
+    from vllm_metal.models.testing import run_packed
 
     assert ops.kernel_backend() == "native"
     loaded = load_model(str(checkpoint), "float32")
-    if arch == "qwen3_5":
-        return [run_packed_greedy(loaded, [p], m, chunk=16)[0][0] for p, m in JOBS]
-    return [greedy_generate(loaded, [p], m, stop_ids=[])[0] for p, m in JOBS]
+    out = []
+    for prompt, n in JOBS:
+        if arch == "qwen3_5":
+            tokens, rows = run_packed_greedy(loaded, [prompt], n, chunk=16)
+            out.append((tokens[0], log_softmax_of(np.stack(rows[0]), tokens[0])))
+            continue
+        tokens = greedy_generate(loaded, [prompt], n, stop_ids=[])[0]
+        seq = prompt + tokens
+        logits = run_packed(loaded, [seq], [[len(seq)]])[0][len(prompt) - 1:-1]
+        out.append((tokens, log_softmax_of(logits, tokens)))
+    return out
 
 
 ARCHS = ["llama", "gemma3", "qwen3_5"]
@@ -158,7 +179,8 @@ def serve_one(arch: str, tmp) -> tuple:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """arch -> (checkpoint, tokens served per job, (copies, previous step in flight) per step).
+    """arch -> (checkpoint, (tokens, logprobs) served per job, (copies, previous step in
+    flight) per step).
     The three servers run side by side: their start-up (mostly vLLM's) dominates."""
     with cf.ThreadPoolExecutor(len(ARCHS)) as pool:
         futures = {a: pool.submit(serve_one, a, tmp_path_factory.mktemp(a)) for a in ARCHS}
@@ -168,17 +190,21 @@ def served(tmp_path_factory):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_emulated_gpu_path_gives_the_cpu_path_tokens(served, arch):
     checkpoint, got, _ = served[arch]
-    want = cpu_path_tokens(checkpoint, arch)
-    assert [len(w) for w in want] == [m for _, m in JOBS]
-    assert len({t for w in want for t in w}) > 5  # not a degenerate checkpoint
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert g == w, f"{arch}: job {i} (prompt of {len(JOBS[i][0])} tokens)"
+    want = cpu_path(checkpoint, arch)
+    assert [len(tokens) for tokens, _ in want] == [m for _, m in JOBS]
+    assert len({t for tokens, _ in want for t in tokens}) > 5  # not a degenerate checkpoint
+    for i, ((tokens, logprobs), (want_tokens, want_logprobs)) in enumerate(zip(got, want)):
+        where = f"{arch}: job {i} (prompt of {len(JOBS[i][0])} tokens)"
+        assert tokens == want_tokens, where
+        # float32 sums in other orders (Metal vs CPU kernels, batched vs alone) differ by at most
+        # ~2e-6 here; a real error (a 2% attention scale) moves them by far more
+        np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-4, rtol=0, err_msg=where)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_async_steps_write_the_kv_cache_in_place(served, arch):
     _, got, steps = served[arch]
-    assert [len(g) for g in got] == [m for _, m in JOBS]
+    assert [len(tokens) for tokens, _ in got] == [m for _, m in JOBS]
     overlapped = [copies for copies, in_flight in steps if in_flight]
     # the previous step was still unread (computing) when most steps were built
     assert len(overlapped) >= 10, steps
