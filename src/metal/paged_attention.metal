@@ -458,7 +458,7 @@ kernel void paged_attention_prefill(
   template [[host_name("paged_attention_prefill_" #tname "_d" #D)]] kernel decltype(        \
       paged_attention_prefill<T, D>) paged_attention_prefill<T, D>;
 
-// Head sizes of the supported architectures (kMetalHeadSizes in paged_attention.cpp).
+// Head sizes of the supported architectures (metal_head_sizes() in paged_attention.cpp).
 #define instantiate_paged_attention_heads(tname, T) \
   instantiate_paged_attention(tname, T, 48)         \
   instantiate_paged_attention(tname, T, 64)         \

@@ -202,11 +202,18 @@ def test_reads_scheduled_before_an_inplace_write_see_the_old_contents(backend):
     assert float(mx.sum(kc).item()) != pytest.approx(old_sum, rel=1e-5)
 
 
-def test_paged_attention_marks_the_caches_it_reads_for_in_place_writes():
+@pytest.mark.parametrize("invariant, kernels", [(False, ["decode", "reduce", "prefill"]),
+                                                 (True, ["decode", "reduce"])])
+def test_paged_attention_marks_the_caches_it_reads_for_in_place_writes(invariant, kernels):
     # on Metal these bindings are registered as written, so the next in-place write waits
-    plan = _core.plan_paged_attention("float16", 21, 3, 8, 2, 64, 16, 300, 200, num_decode_seqs=2,
-                                      max_seq_len=3000, max_query_len=19)
-    assert [l.kernel.split("_")[2] for l in plan] == ["decode", "reduce", "prefill"]
+    previous = ops.batch_invariant()
+    ops.set_batch_invariant(invariant)
+    try:
+        plan = _core.plan_paged_attention("float16", 21, 3, 8, 2, 64, 16, 300, 200,
+                                          num_decode_seqs=2, max_seq_len=3000, max_query_len=19)
+    finally:
+        ops.set_batch_invariant(previous)
+    assert [l.kernel.split("_")[2] for l in plan] == kernels
     for launch in plan:
         marked = {b.array_slot for b in launch.buffers if b.read_before_in_place_write}
         assert marked == {1, 2}, launch.kernel

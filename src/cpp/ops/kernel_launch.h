@@ -8,7 +8,6 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
-#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -70,15 +69,6 @@ struct KernelLaunch {
 };
 
 using KernelPlan = std::vector<KernelLaunch>;
-
-// Marks every binding of `slots` in `plan` as read_before_in_place_write.
-inline void mark_in_place_reads(KernelPlan& plan, std::initializer_list<int> slots) {
-  for (auto& launch : plan) {
-    for (auto& b : launch.buffers) {
-      for (int s : slots) b.read_before_in_place_write |= b.array_slot == s;
-    }
-  }
-}
 
 inline uint32_t ceil_div(uint64_t a, uint64_t b) {
   return static_cast<uint32_t>((a + b - 1) / b);

@@ -210,6 +210,8 @@ KernelPlan plan_paged_attention(const PagedAttentionProblem& p) {
 
   auto bind_common = [](KernelLaunch& l) {
     for (int slot = 0; slot <= 7; ++slot) l.bind(slot, slot);  // q .. out
+    // the caches: the next step's reshape_and_cache writes them in place
+    l.buffers[1].read_before_in_place_write = l.buffers[2].read_before_in_place_write = true;
   };
   KernelPlan plan;
   const int64_t groups = p.num_q_heads / p.num_kv_heads;
@@ -291,7 +293,6 @@ KernelPlan plan_paged_attention(const PagedAttentionProblem& p) {
     prefill.threadgroup = {32, 1, 1};
     plan.push_back(prefill);
   }
-  mark_in_place_reads(plan, {1, 2});  // the caches: the next step's reshape_and_cache writes them
   return plan;
 }
 
