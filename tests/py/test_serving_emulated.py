@@ -10,6 +10,11 @@ computed alone in this process, and their logprobs within 2e-3: a kernel that su
 rows in another order than solo ones shows up here as soon as it flips a token, a wrong
 kernel well before that.
 
+A fourth server, llama with VLLM_BATCH_INVARIANT=1, must give each request bitwise the
+logprobs it gets alone on the same server: the default plans' batched-vs-solo differences
+(~1e-6, Metal mat-mat vs mat-vec, prefill vs decode attention) are below the CPU comparison's
+tolerance, so this is where a planner that lets the batch choose a row's sums shows.
+
 A hook in the server (sitecustomize on PYTHONPATH) logs, per step, the whole-KV-cache
 copies reshape_and_cache made (_core.cache_write_copies), whether the previous step
 was still waiting to be read when the step was built, and the kernel backend.
@@ -88,10 +93,10 @@ def tiny_attention_checkpoint(name: str, out_dir):
     return out
 
 
-def serve_emulated(checkpoint, name: str, tmp_path) -> tuple[Server, object]:
+def serve_emulated(checkpoint, name: str, tmp_path, extra_env=None) -> tuple[Server, object]:
     (tmp_path / "sitecustomize.py").write_text(STEP_LOG_HOOK)
     log = tmp_path / "steps.log"
-    env = {**EMULATED_GPU_PATH, "KV_COPY_LOG": str(log),
+    env = {**EMULATED_GPU_PATH, **(extra_env or {}), "KV_COPY_LOG": str(log),
            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     return Server(str(checkpoint), name, SERVER_ARGS, env=env), log
 
@@ -171,10 +176,28 @@ def serve_one(arch: str, tmp) -> tuple:
         got = serve_concurrently(server)
     finally:
         server.stop()
+    return checkpoint, got, step_log(log)
+
+
+def step_log(log) -> list[tuple[int, int]]:
     lines = [line.split() for line in log.read_text().splitlines()]
     # the Metal kernels in the emulator, so never the fused CPU layers (why_not_fused)
     assert lines and all(backend == "emulated" for *_, backend in lines), lines[:3]
-    return checkpoint, got, [(int(copies), int(in_flight)) for copies, in_flight, _ in lines]
+    return [(int(copies), int(in_flight)) for copies, in_flight, _ in lines]
+
+
+def serve_batch_invariant(tmp) -> tuple:
+    """The llama checkpoint with VLLM_BATCH_INVARIANT=1: the jobs served concurrently, then
+    each alone on the same server."""
+    checkpoint = tiny_attention_checkpoint("llama", tmp / "checkpoint")
+    server, log = serve_emulated(checkpoint, "llama-tiny", tmp, {"VLLM_BATCH_INVARIANT": "1"})
+    try:
+        batched = serve_concurrently(server)
+        alone = [complete(server, *job) for job in JOBS]
+    finally:
+        server.stop()
+    step_log(log)
+    return batched, alone
 
 
 @pytest.fixture(scope="module")
@@ -182,8 +205,9 @@ def served(tmp_path_factory):
     """arch -> (checkpoint, (tokens, logprobs) served per job, (copies, previous step in
     flight) per step).
     The three servers run side by side: their start-up (mostly vLLM's) dominates."""
-    with cf.ThreadPoolExecutor(len(ARCHS)) as pool:
+    with cf.ThreadPoolExecutor(len(ARCHS) + 1) as pool:
         futures = {a: pool.submit(serve_one, a, tmp_path_factory.mktemp(a)) for a in ARCHS}
+        futures["invariant"] = pool.submit(serve_batch_invariant, tmp_path_factory.mktemp("invariant"))
         return {a: f.result() for a, f in futures.items()}
 
 
@@ -209,3 +233,11 @@ def test_async_steps_write_the_kv_cache_in_place(served, arch):
     # the previous step was still unread (computing) when most steps were built
     assert len(overlapped) >= 10, steps
     assert sum(copies for copies, _ in steps) == 0, f"{arch}: KV-cache copies per step: {steps}"
+
+
+def test_batch_invariant_mode_gives_each_request_its_solo_logprobs_bitwise(served):
+    # The default Metal plans sum a row differently batched (mat-mat tiles past 8 rows, the
+    # prefill attention kernel, split-KV by batch size): VLLM_BATCH_INVARIANT=1 must not.
+    batched, alone = served["invariant"]
+    for i, (b, a) in enumerate(zip(batched, alone)):
+        assert b == a, f"job {i} (prompt of {len(JOBS[i][0])} tokens): batched != alone"
