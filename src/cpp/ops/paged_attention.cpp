@@ -184,7 +184,8 @@ int64_t choose_decode_partitions(const PagedAttentionProblem& p) {
 std::vector<mx::Shape> paged_attention_scratch_shapes(const PagedAttentionProblem& p) {
   const int64_t parts = p.uses_kernels ? choose_decode_partitions(p) : 1;
   if (parts == 1) return {{0}, {0}, {0}};
-  const int rows = static_cast<int>(p.batch_invariant ? p.num_tokens : p.num_decode_seqs), hq = static_cast<int>(p.num_q_heads);
+  const int rows = static_cast<int>(p.batch_invariant ? p.num_tokens : p.num_decode_seqs);
+  const int hq = static_cast<int>(p.num_q_heads);
   const int np = static_cast<int>(parts), d = static_cast<int>(p.head_size);
   return {{rows, hq, np, d}, {rows, hq, np}, {rows, hq, np}};
 }
@@ -216,44 +217,9 @@ KernelPlan plan_paged_attention(const PagedAttentionProblem& p) {
   KernelPlan plan;
   const int64_t groups = p.num_q_heads / p.num_kv_heads;
   const int64_t head_slices = (groups + kDecodeMaxGroup - 1) / kDecodeMaxGroup;
-  if (p.batch_invariant) {
-    // One kernel and one key order for every query token, decode row or prefill chunk,
-    // split-KV partitions fixed by the token's own position: a token's output depends
-    // on its position and the cache only.
-    const int64_t parts = choose_decode_partitions(p);
-    PagedAttentionArgs a = base;
-    a.seq_offset = 0;
-    a.num_seqs = static_cast<uint32_t>(p.num_seqs);
-    a.num_partitions = static_cast<uint32_t>(parts);
-    a.token_rows = 1;
-    KernelLaunch rows;
-    rows.source = "paged_attention";
-    rows.kernel = "paged_attention_decode_" + suffix;
-    bind_common(rows);
-    for (int slot = 8; slot <= 10; ++slot) rows.bind(slot, slot);  // split-KV scratch
-    rows.set_args(11, a);
-    rows.grid = {static_cast<uint32_t>(p.num_kv_heads * head_slices),
-                 static_cast<uint32_t>(p.num_tokens), static_cast<uint32_t>(parts)};
-    rows.threadgroup = {kDecodeThreads, 1, 1};
-    plan.push_back(rows);
-    if (parts > 1) {
-      KernelLaunch reduce;
-      reduce.source = "paged_attention";
-      reduce.kernel = "paged_attention_reduce_" + suffix;
-      bind_common(reduce);
-      for (int slot = 8; slot <= 10; ++slot) reduce.bind(slot, slot);
-      reduce.set_args(11, a);
-      reduce.grid = {static_cast<uint32_t>(p.num_q_heads), static_cast<uint32_t>(p.num_tokens), 1};
-      reduce.threadgroup = {32, 1, 1};
-      plan.push_back(reduce);
-    }
-    return plan;
-  }
-  if (p.num_decode_seqs > 0) {
-    const int64_t parts = choose_decode_partitions(p);
-    PagedAttentionArgs a = base;
-    a.seq_offset = 0;
-    a.num_seqs = static_cast<uint32_t>(p.num_decode_seqs);
+  // The decode kernel over `rows` query rows (a.num_seqs sequences), then, when the keys
+  // are split into partitions, the reduce that combines them.
+  auto push_decode = [&](PagedAttentionArgs a, int64_t rows, int64_t parts) {
     a.num_partitions = static_cast<uint32_t>(parts);
     KernelLaunch decode;
     decode.source = "paged_attention";
@@ -262,7 +228,7 @@ KernelPlan plan_paged_attention(const PagedAttentionProblem& p) {
     for (int slot = 8; slot <= 10; ++slot) decode.bind(slot, slot);  // split-KV scratch
     decode.set_args(11, a);
     decode.grid = {static_cast<uint32_t>(p.num_kv_heads * head_slices),
-                   static_cast<uint32_t>(p.num_decode_seqs), static_cast<uint32_t>(parts)};
+                   static_cast<uint32_t>(rows), static_cast<uint32_t>(parts)};
     decode.threadgroup = {kDecodeThreads, 1, 1};
     plan.push_back(decode);
     if (parts > 1) {
@@ -272,10 +238,27 @@ KernelPlan plan_paged_attention(const PagedAttentionProblem& p) {
       bind_common(reduce);
       for (int slot = 8; slot <= 10; ++slot) reduce.bind(slot, slot);
       reduce.set_args(11, a);
-      reduce.grid = {static_cast<uint32_t>(p.num_q_heads), static_cast<uint32_t>(p.num_decode_seqs), 1};
+      reduce.grid = {static_cast<uint32_t>(p.num_q_heads), static_cast<uint32_t>(rows), 1};
       reduce.threadgroup = {32, 1, 1};
       plan.push_back(reduce);
     }
+  };
+  if (p.batch_invariant) {
+    // One kernel and one key order for every query token, decode row or prefill chunk,
+    // split-KV partitions fixed by the token's own position: a token's output depends
+    // on its position and the cache only.
+    PagedAttentionArgs a = base;
+    a.seq_offset = 0;
+    a.num_seqs = static_cast<uint32_t>(p.num_seqs);
+    a.token_rows = 1;
+    push_decode(a, p.num_tokens, choose_decode_partitions(p));
+    return plan;
+  }
+  if (p.num_decode_seqs > 0) {
+    PagedAttentionArgs a = base;
+    a.seq_offset = 0;
+    a.num_seqs = static_cast<uint32_t>(p.num_decode_seqs);
+    push_decode(a, p.num_decode_seqs, choose_decode_partitions(p));
   }
   const int64_t prefill_seqs = p.num_seqs - p.num_decode_seqs;
   if (prefill_seqs > 0 && p.max_query_len > 0) {
