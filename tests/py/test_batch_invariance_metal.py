@@ -13,6 +13,8 @@ runs a whole tiny GGUF model: a sequence's logits packed with others equal its l
 
 from __future__ import annotations
 
+import contextlib
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -40,6 +42,19 @@ def metal(request):
         else:
             ops.set_kernel_backend("emulated")
             yield request.param
+    finally:
+        ops.set_kernel_backend(previous_backend)
+        ops.set_batch_invariant(previous_mode)
+
+
+@contextlib.contextmanager
+def emulated_with_switch_off():
+    """The emulated kernels with the default (batch-dependent) plans, restored afterwards."""
+    previous_backend, previous_mode = ops.kernel_backend(), ops.batch_invariant()
+    ops.set_kernel_backend("emulated")
+    ops.set_batch_invariant(False)
+    try:
+        yield
     finally:
         ops.set_kernel_backend(previous_backend)
         ops.set_batch_invariant(previous_mode)
@@ -97,19 +112,13 @@ def test_gguf_matmul_row_independent_of_batch(metal, t):
 
 def test_gguf_matmul_rows_depend_on_batch_with_switch_off():
     # the check above is sensitive: without the switch, 9+ rows take the tile kernel
-    previous_backend, previous_mode = ops.kernel_backend(), ops.batch_invariant()
-    ops.set_kernel_backend("emulated")
-    ops.set_batch_invariant(False)
-    try:
+    with emulated_with_switch_off():
         rng = np.random.default_rng(1)
         blocks = mx.array(random_blocks(T.Q4_K, 64, 256, seed=1))
         x = cast(rng.standard_normal((9, 256)), "float32")
         batch = bits(ops.gguf_matmul(x, blocks, "Q4_K", [64, 256]))[0]
         alone = bits(ops.gguf_matmul(x[:1], blocks, "Q4_K", [64, 256]))[0]
         assert (batch != alone).sum() > 10
-    finally:
-        ops.set_kernel_backend(previous_backend)
-        ops.set_batch_invariant(previous_mode)
 
 
 # ---- paged attention -----------------------------------------------------------------
@@ -214,18 +223,12 @@ def test_attention_invariant_path_matches_reference(metal):
 def test_attention_depends_on_kernel_choice_with_switch_off():
     # the check above is sensitive: without the switch, a prompt's last token gets another
     # result as a decode row than inside its prefill chunk
-    previous_backend, previous_mode = ops.kernel_backend(), ops.batch_invariant()
-    ops.set_kernel_backend("emulated")
-    ops.set_batch_invariant(False)
-    try:
+    with emulated_with_switch_off():
         rng = np.random.default_rng(5)
         prompts = Prompts([40], "float32", rng)
         as_decode = prompts.run([(0, 39, 40)])[(0, 39)]
         in_chunk = prompts.run([(0, 0, 40)])[(0, 39)]
         assert (as_decode != in_chunk).sum() > 10
-    finally:
-        ops.set_kernel_backend(previous_backend)
-        ops.set_batch_invariant(previous_mode)
 
 
 def test_attention_long_context_row_independent_of_batch_size(metal):
