@@ -145,45 +145,8 @@ using AcctMute = AccessMute;
 }  // namespace mslemu
 
 #ifdef MSLEMU_IMPLEMENTATION
-// clang's callback-mode instrumentation entry points (-fsanitize=address
-// -mllvm -asan-instrumentation-with-call-threshold=0, no stack/global instrumentation).
-extern "C" {
-static void *(*volatile mslemu_real_memcpy)(void *, const void *, size_t) = memcpy;
-static void *(*volatile mslemu_real_memmove)(void *, const void *, size_t) = memmove;
-static void *(*volatile mslemu_real_memset)(void *, int, size_t) = memset;
-MSLEMU_NOASAN void __asan_init() {}
-MSLEMU_NOASAN void __asan_version_mismatch_check_v8() {}
-MSLEMU_NOASAN void __asan_handle_no_return() {}
-#define MSLEMU_ACCT_SIZED(n)                                                                          \
-  MSLEMU_NOASAN void __asan_load##n(uintptr_t a) { mslemu::acct_access(a, n, false); }                \
-  MSLEMU_NOASAN void __asan_store##n(uintptr_t a) { mslemu::acct_access(a, n, true); }
-MSLEMU_ACCT_SIZED(1)
-MSLEMU_ACCT_SIZED(2)
-MSLEMU_ACCT_SIZED(4)
-MSLEMU_ACCT_SIZED(8)
-MSLEMU_ACCT_SIZED(16)
-#undef MSLEMU_ACCT_SIZED
-MSLEMU_NOASAN void __asan_loadN(uintptr_t a, size_t n) { mslemu::acct_access(a, n, false); }
-MSLEMU_NOASAN void __asan_storeN(uintptr_t a, size_t n) { mslemu::acct_access(a, n, true); }
-// memcpy/memset/memmove in instrumented code (struct copies of GGUF blocks, ...)
-MSLEMU_NOASAN void *__asan_memcpy(void *d, const void *s, size_t n) {
-  mslemu::acct_access((uintptr_t)s, n, false);
-  mslemu::acct_access((uintptr_t)d, n, true);
-  return mslemu_real_memcpy(d, s, n);
-}
-MSLEMU_NOASAN void *__asan_memmove(void *d, const void *s, size_t n) {
-  mslemu::acct_access((uintptr_t)s, n, false);
-  mslemu::acct_access((uintptr_t)d, n, true);
-  return mslemu_real_memmove(d, s, n);
-}
-MSLEMU_NOASAN void *__asan_memset(void *d, int c, size_t n) {
-  mslemu::acct_access((uintptr_t)d, n, true);
-  return mslemu_real_memset(d, c, n);
-}
-// what clang calls for mem intrinsics inside no_sanitize functions
-MSLEMU_NOASAN void *__sanitizer_internal_memcpy(void *d, const void *s, size_t n) { return mslemu_real_memcpy(d, s, n); }
-MSLEMU_NOASAN void *__sanitizer_internal_memmove(void *d, const void *s, size_t n) { return mslemu_real_memmove(d, s, n); }
-MSLEMU_NOASAN void *__sanitizer_internal_memset(void *d, int c, size_t n) { return mslemu_real_memset(d, c, n); }
-}
+#define MSLEMU_ON_ACCESS(a, n, write) mslemu::acct_access(a, n, write)
+#include "mslemu/asan_hooks.h"
+#undef MSLEMU_ON_ACCESS
 #endif  // MSLEMU_IMPLEMENTATION
 #endif  // MSLEMU_ACCOUNTING
