@@ -8,18 +8,12 @@ import pytest
 os.environ.setdefault("MSLEMU_POISON", "1")
 os.environ.setdefault("MSLEMU_STRICT", "1")
 
+from op_harness import metal_available  # noqa: E402
 from vllm_metal import ops  # noqa: E402
 
 # "metal": the op on a GPU stream, i.e. eval_gpu and the real metallib; only on a Mac
 # (.github/workflows/macos.yml), skipped elsewhere.
 BACKENDS = ["native", "emulated", "metal"]
-
-
-def metal_available() -> bool:
-    try:
-        return bool(mx.metal.is_available())
-    except Exception:  # noqa: BLE001 -- MLX builds without the metal module
-        return False
 
 
 @pytest.fixture(params=BACKENDS)

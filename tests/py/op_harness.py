@@ -43,3 +43,11 @@ def assert_close(actual: mx.array, reference: np.ndarray, dtype_name: str, what:
     assert worst <= TOLERANCE[dtype_name], (
         f"{what}: max relative error {worst:.3g} > {TOLERANCE[dtype_name]} ({dtype_name})"
     )
+
+
+def metal_available() -> bool:
+    """A Metal GPU is there (a Mac): the op tests' "metal" backend runs, else it skips."""
+    try:
+        return bool(mx.metal.is_available())
+    except Exception:  # noqa: BLE001 -- MLX builds without the metal module
+        return False

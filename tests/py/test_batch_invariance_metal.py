@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 
 import hybrid_reference as hyb
-from conftest import metal_available
-from op_harness import DTYPES, assert_close, to_numpy
+from op_harness import DTYPES, assert_close, metal_available, to_numpy
 from paged_attention_reference import paged_attention_reference
 from test_gguf_fixtures import SUPPORTED, T, block_size, random_blocks
 from vllm_metal import ops
