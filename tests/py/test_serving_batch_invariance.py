@@ -6,13 +6,16 @@ prefill forced by a small token budget, prefix caching on and a KV pool small en
 crowded compositions preempt (and later recompute) requests. The probes of issue 30 (seeded at
 temperature 1.0 over the full vocabulary, with top-p and top-k, and greedy) are sent alone,
 then inside random compositions of 1-32 other requests of random lengths, some sharing the
-probes' prompts as cached prefixes.
+probes' prompts as cached prefixes. A hook in the server logs the request ids the scheduler
+preempts, so the test knows that probes themselves were preempted and recomputed.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import re
+import os
+import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -36,11 +39,49 @@ SERVER_ARGS = ["--max-model-len", "512", "--max-num-seqs", "40", "--max-num-batc
                "--num-gpu-blocks-override", "56", "--enable-prefix-caching"]
 
 
+# Logs, per step, the request ids the scheduler preempted (sitecustomize on PYTHONPATH), so
+# the test can tell that the probes themselves were preempted and recomputed.
+PREEMPTION_LOG_HOOK = textwrap.dedent(
+    """
+    import builtins, os, sys
+
+    _import = builtins.__import__
+
+    def _install(runner):
+        execute_model = runner.execute_model
+        log = open(os.environ["PREEMPTION_LOG"], "a")
+
+        def logged(self, so):
+            for rid in so.preempted_req_ids or ():
+                log.write(rid + "\\n")
+            log.flush()
+            return execute_model(self, so)
+
+        runner.execute_model = logged
+
+    def _hook(name, *args, **kwargs):
+        module = _import(name, *args, **kwargs)
+        mod = sys.modules.get("vllm_metal.model_runner")
+        if builtins.__import__ is _hook and mod is not None and hasattr(mod, "MetalModelRunner"):
+            builtins.__import__ = _import
+            _install(mod.MetalModelRunner)
+        return module
+
+    builtins.__import__ = _hook
+    """
+)
+
+
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     from vllm_metal.models.offline import smollm2_gguf
 
-    s = Server(str(smollm2_gguf()), "smollm2", SERVER_ARGS, env={"VLLM_BATCH_INVARIANT": "1"})
+    tmp = tmp_path_factory.mktemp("invariant-server")
+    (tmp / "sitecustomize.py").write_text(PREEMPTION_LOG_HOOK)
+    env = {"VLLM_BATCH_INVARIANT": "1", "PREEMPTION_LOG": str(tmp / "preempted.log"),
+           "PYTHONPATH": os.pathsep.join([str(tmp), os.environ.get("PYTHONPATH", "")])}
+    s = Server(str(smollm2_gguf()), "smollm2", SERVER_ARGS, env=env)
+    s.preemption_log = tmp / "preempted.log"
     yield s
     s.stop()
 
@@ -48,10 +89,15 @@ def server():
 def complete(server: Server, body: dict) -> dict:
     r = server.client.post("/v1/completions", json={"model": server.name, "logprobs": 2, **body})
     assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
+    body = r.json()
+    choice = body["choices"][0]
     lp = choice["logprobs"]
     return {"text": choice["text"], "tokens": lp["tokens"], "logprobs": lp["token_logprobs"],
-            "top": lp["top_logprobs"]}
+            "top": lp["top_logprobs"], "id": body["id"]}
+
+
+def same_output(a: dict, b: dict) -> bool:
+    return all(a[k] == b[k] for k in ("text", "tokens", "logprobs", "top"))
 
 
 def random_other(rng: np.random.Generator) -> dict:
@@ -70,21 +116,19 @@ def random_other(rng: np.random.Generator) -> dict:
     return body
 
 
-def preemptions(server: Server) -> float:
-    text = server.client.get("/metrics").text
-    return sum(float(v) for v in re.findall(r"^vllm:num_preemptions_total\{[^}]*\} (\S+)", text, re.M))
-
-
 def test_probes_are_bit_identical_alone_and_in_random_compositions(server):
     alone = [complete(server, p) for p in PROBES]
     assert alone[0]["tokens"] != alone[1]["tokens"]  # the probes differ among themselves
     rng = np.random.default_rng(2026)
+    probe_ids = []
     with cf.ThreadPoolExecutor(max_workers=40) as pool:
         for composition in range(10):
             others = [random_other(rng) for _ in range(int(rng.integers(1, 33)))]
-            jobs = [pool.submit(complete, server, body) for body in others[: len(others) // 2]]
+            # the probes arrive amid the others, or last (the newest run first into preemption)
+            cut = len(others) // 2 if composition % 2 else len(others)
+            jobs = [pool.submit(complete, server, body) for body in others[:cut]]
             probe_jobs = [pool.submit(complete, server, p) for p in PROBES]
-            jobs += [pool.submit(complete, server, body) for body in others[len(others) // 2:]]
+            jobs += [pool.submit(complete, server, body) for body in others[cut:]]
             got = [j.result() for j in probe_jobs]
             for j in jobs:
                 j.result()
@@ -93,6 +137,21 @@ def test_probes_are_bit_identical_alone_and_in_random_compositions(server):
                 assert have["tokens"] == want["tokens"], where
                 assert have["logprobs"] == want["logprobs"], where  # bitwise: floats compare exactly
                 assert have["top"] == want["top"], where
-    assert preemptions(server) > 0, "no composition preempted a request: the pool is too large"
+            probe_ids += [have["id"] for have in got]
+        # Preemption takes the newest running request (vLLM's FCFS policy): long requests
+        # fill the pool first, the probes start last and are preempted as the others grow.
+        long_ones = [{"prompt": " ".join(rng.choice(WORDS, size=30)), "max_tokens": 64,
+                      "temperature": 0.0, "ignore_eos": True} for _ in range(14)]
+        jobs = [pool.submit(complete, server, body) for body in long_ones]
+        time.sleep(1.0)
+        got = [j.result() for j in [pool.submit(complete, server, p) for p in PROBES]]
+        for j in jobs:
+            j.result()
+        assert all(same_output(have, want) for have, want in zip(got, alone)), "after preemption"
+        probe_ids += [have["id"] for have in got]
+    preempted = server.preemption_log.read_text().split()
+    # the engine's request id extends the response's id
+    assert any(rid.startswith(pid) for rid in preempted for pid in probe_ids), (
+        f"no probe was preempted ({len(preempted)} preemptions of other requests): the pool is too large")
     # and alone again, after all that (prefix cache warm, preempted requests recomputed)
-    assert [complete(server, p) for p in PROBES] == alone
+    assert all(same_output(a, b) for a, b in zip([complete(server, p) for p in PROBES], alone))
