@@ -26,7 +26,8 @@ int main() {
   mx::array key = mx::reshape(mx::arange(16, mx::float32), {2, 1, 8});
   mx::array cache = mx::zeros({2, 4, 1, 8}, mx::float32);
   mx::array slots(std::vector<int64_t>{5, 2}.data(), {2}, mx::int64);
-  auto caches = vm::reshape_and_cache(key, key, cache, cache, slots, mx::Device::cpu);
+  auto caches =
+      vm::reshape_and_cache(key, key, cache, cache, slots, /*inplace=*/false, mx::Device::cpu);
   mx::eval(caches);
   const float* kc = caches[0].data<float>();
   bool cache_ok = kc[5 * 8 + 3] == 3.0f && kc[2 * 8 + 3] == 11.0f && kc[0] == 0.0f;
