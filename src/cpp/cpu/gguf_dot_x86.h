@@ -623,6 +623,55 @@ void exact_rows(const uint8_t* w, int64_t rb, int64_t rows, const float* x, int6
   }
 }
 
+// Q8_0: sum_b d_b (q_b . x_b), each block's partial sum scaled once instead of every weight
+// (3 fewer vector operations a block: the lm_head of SmolLM2 2.54 -> 2.11 ms on one core),
+// even and odd blocks on two chains, for every M (a row's sums do not depend on the rows
+// beside it). M <= 4: two accumulators a row plus the block's units fit 16 registers.
+template <int M>
+void exact_rows_q8_0(const uint8_t* w, int64_t rb, int64_t rows, const float* x, int64_t k,
+                     float* y, int64_t ldy) {
+  static_assert(M <= 4, "passes of at most 4 rows");
+  const int64_t nb = k / 32;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* src = w + r * rb;
+    prefetch_row_ahead(src, r, rows, rb);
+    __m256 acc[M][2];
+#pragma GCC unroll 4
+    for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    auto block = [&](int64_t b, int chain) {
+      __m256 u[4], d;
+      float add;
+      exact_units<GGMLType::kQ8_0>(src + b * 34, u, &d, &add);
+#pragma GCC unroll 4
+      for (int i = 0; i < M; ++i) {
+        const float* xb = x + i * k + 32 * b;
+        __m256 s0 = _mm256_mul_ps(u[0], _mm256_loadu_ps(xb));
+        __m256 s1 = _mm256_mul_ps(u[1], _mm256_loadu_ps(xb + 8));
+        s0 = _mm256_fmadd_ps(u[2], _mm256_loadu_ps(xb + 16), s0);
+        s1 = _mm256_fmadd_ps(u[3], _mm256_loadu_ps(xb + 24), s1);
+        acc[i][chain] = _mm256_fmadd_ps(_mm256_add_ps(s0, s1), d, acc[i][chain]);
+      }
+    };
+    for_blocks_in_chains<2>(nb, block);
+#pragma GCC unroll 4
+    for (int i = 0; i < M; ++i) y[i * ldy + r] = hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
+  }
+}
+
+void exact_dot_q8_0(const uint8_t* w, int64_t rb, int64_t rows, const float* x, int64_t m,
+                    int64_t k, float* y, int64_t ldy) {
+  for (int64_t i0 = 0; i0 < m; i0 += 4) {
+    const float* xi = x + i0 * k;
+    float* yi = y + i0 * ldy;
+    switch (std::min<int64_t>(4, m - i0)) {
+      case 1: exact_rows_q8_0<1>(w, rb, rows, xi, k, yi, ldy); break;
+      case 2: exact_rows_q8_0<2>(w, rb, rows, xi, k, yi, ldy); break;
+      case 3: exact_rows_q8_0<3>(w, rb, rows, xi, k, yi, ldy); break;
+      default: exact_rows_q8_0<4>(w, rb, rows, xi, k, yi, ldy); break;
+    }
+  }
+}
+
 #if GGUF_X86_AVX512
 // Q4_0 / Q4_1 `exact` rows on AVX-512: each block's 16 possible weights d·u + add as a table
 // of 16 floats (one FMA; the same roundings as exact_weights), and its 32 nibbles looked up
@@ -746,6 +795,7 @@ void exact_dot(const uint8_t* w, int64_t rb, int64_t rows, const float* x, int64
     if (k <= 32 * LookupScales<T>::kMaxBlocks) return lookup_dot<T>(w, rb, rows, x, m, k, y, ldy);
   }
 #endif
+  if constexpr (T == GGMLType::kQ8_0) return exact_dot_q8_0(w, rb, rows, x, m, k, y, ldy);
   switch (m) {
     case 1: return exact_rows<T, 1>(w, rb, rows, x, k, y, ldy);
     case 2: return exact_rows<T, 2>(w, rb, rows, x, k, y, ldy);
