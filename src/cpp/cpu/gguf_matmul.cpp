@@ -155,10 +155,10 @@ constexpr int64_t kGgufExactMaxRows = 24;
 // Batch-invariant mode: one path serves every row count, so a row never moves between
 // kernels that sum in different orders as the batch changes. Float32 sums: the mat-vec
 // passes, whose kernels sum a row alike whatever the pass size (gguf_dot_*.h); from 64 rows
-// they take 1.4x the default's float tiles. Integer path: the weight
-// panels where the type has them, from one row up (1.7x the one-row kernel alone, but
-// 1.0-1.1x the default at 16-64 rows where passes of 8 cost 2.7x:
-// benchmarks/batch_invariance_bench.py), else the mat-vec passes.
+// they take 1.2-1.4x the default's float tiles. Integer path: the weight panels where the
+// type has them, from one row up (1.27x the one-row kernel at one row, free from 16 rows,
+// where passes of 8 would cost 2.7x: docs/benchmarks.md, "Batch invariance"), else the
+// mat-vec passes.
 int64_t matvec_max_rows(const GgufKernels& kern, GGMLType type, bool exact) {
   if (batch_invariant()) return INT64_MAX;
   const int tid = static_cast<int>(type);
