@@ -8,10 +8,39 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 import httpx
+
+# The import hook of runner_hook: sitecustomize code that, once vllm_metal.model_runner has
+# been imported in the served process, replaces MetalModelRunner.execute_model by
+# wrap(execute_model).
+_RUNNER_HOOK = """
+import builtins as _builtins, sys as _sys
+
+_import = _builtins.__import__
+
+
+def _hook(name, *args, **kwargs):
+    module = _import(name, *args, **kwargs)
+    mod = _sys.modules.get("vllm_metal.model_runner")
+    if _builtins.__import__ is _hook and mod is not None and hasattr(mod, "MetalModelRunner"):
+        _builtins.__import__ = _import
+        mod.MetalModelRunner.execute_model = wrap(mod.MetalModelRunner.execute_model)
+    return module
+
+
+_builtins.__import__ = _hook
+"""
+
+
+def runner_hook(wrap_source: str) -> str:
+    """sitecustomize.py source for a `vllm serve` process (put its folder on PYTHONPATH):
+    wrap_source defines wrap(execute_model) -> a replacement of MetalModelRunner.execute_model,
+    to observe each step from a test."""
+    return textwrap.dedent(wrap_source) + _RUNNER_HOOK
 
 
 def free_port() -> int:

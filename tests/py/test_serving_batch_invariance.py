@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
-import textwrap
 import time
 
 import numpy as np
 import pytest
 
-from serving_harness import Server
+from serving_harness import Server, runner_hook
 
 pytestmark = [pytest.mark.slow, pytest.mark.serving]
 
@@ -41,14 +40,12 @@ SERVER_ARGS = ["--max-model-len", "512", "--max-num-seqs", "40", "--max-num-batc
 
 # Logs, per step, the request ids the scheduler preempted (sitecustomize on PYTHONPATH), so
 # the test can tell that the probes themselves were preempted and recomputed.
-PREEMPTION_LOG_HOOK = textwrap.dedent(
+PREEMPTION_LOG_HOOK = runner_hook(
     """
-    import builtins, os, sys
+    import os
 
-    _import = builtins.__import__
 
-    def _install(runner):
-        execute_model = runner.execute_model
+    def wrap(execute_model):
         log = open(os.environ["PREEMPTION_LOG"], "a")
 
         def logged(self, so):
@@ -57,17 +54,7 @@ PREEMPTION_LOG_HOOK = textwrap.dedent(
             log.flush()
             return execute_model(self, so)
 
-        runner.execute_model = logged
-
-    def _hook(name, *args, **kwargs):
-        module = _import(name, *args, **kwargs)
-        mod = sys.modules.get("vllm_metal.model_runner")
-        if builtins.__import__ is _hook and mod is not None and hasattr(mod, "MetalModelRunner"):
-            builtins.__import__ = _import
-            _install(mod.MetalModelRunner)
-        return module
-
-    builtins.__import__ = _hook
+        return logged
     """
 )
 

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
-import textwrap
 
 import numpy as np
 import pytest
 
-from serving_harness import Server
+from serving_harness import Server, runner_hook
 
 pytestmark = [pytest.mark.slow, pytest.mark.serving]
 
@@ -40,17 +39,14 @@ SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "128", "--max-num-seqs",
                "--max-num-batched-tokens", "32"]
 VOCAB = 320
 
-STEP_LOG_HOOK = textwrap.dedent(
+STEP_LOG_HOOK = runner_hook(
     """
-    import builtins, os, sys
+    import os
 
-    _import = builtins.__import__
 
-    def _install(mod):
+    def wrap(execute_model):
         from vllm_metal import _core, ops
 
-        runner = mod.MetalModelRunner
-        execute_model = runner.execute_model
         log = open(os.environ["KV_COPY_LOG"], "a")
 
         def logged_execute_model(self, so):
@@ -63,17 +59,7 @@ STEP_LOG_HOOK = textwrap.dedent(
                 log.flush()
             return out
 
-        runner.execute_model = logged_execute_model
-
-    def _hook(name, *args, **kwargs):
-        module = _import(name, *args, **kwargs)
-        mod = sys.modules.get("vllm_metal.model_runner")
-        if builtins.__import__ is _hook and mod is not None and hasattr(mod, "MetalModelRunner"):
-            builtins.__import__ = _import
-            _install(mod)
-        return module
-
-    builtins.__import__ = _hook
+        return logged_execute_model
     """
 )
 
