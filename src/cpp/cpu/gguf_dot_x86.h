@@ -202,6 +202,23 @@ inline void for_blocks_in_chains(int64_t nb, const F& block) {
   for (; b < nb; ++b) block(b, 0);
 }
 
+// rows(M, x rows, their y) over x [m, k] in passes of up to 4 rows, M a std::integral_constant:
+// kernels whose accumulators fill the registers at 4 rows.
+template <class F>
+inline void in_passes_of_4(int64_t m, int64_t k, const float* x, float* y, int64_t ldy,
+                           const F& rows) {
+  for (int64_t i0 = 0; i0 < m; i0 += 4) {
+    const float* xi = x + i0 * k;
+    float* yi = y + i0 * ldy;
+    switch (std::min<int64_t>(4, m - i0)) {
+      case 1: rows(std::integral_constant<int, 1>{}, xi, yi); break;
+      case 2: rows(std::integral_constant<int, 2>{}, xi, yi); break;
+      case 3: rows(std::integral_constant<int, 3>{}, xi, yi); break;
+      default: rows(std::integral_constant<int, 4>{}, xi, yi); break;
+    }
+  }
+}
+
 // y[i] = sum_b d_w d_x (u . q_x) + (m d_x sum(q_x) | the integer offset). Every activation
 // row runs two accumulator chains, even and odd blocks (the FMA latency, not the ports, bounds
 // one chain at one row), whatever M: a row's sum does not depend on the rows beside it.
@@ -660,16 +677,9 @@ void exact_rows_q8_0(const uint8_t* w, int64_t rb, int64_t rows, const float* x,
 
 void exact_dot_q8_0(const uint8_t* w, int64_t rb, int64_t rows, const float* x, int64_t m,
                     int64_t k, float* y, int64_t ldy) {
-  for (int64_t i0 = 0; i0 < m; i0 += 4) {
-    const float* xi = x + i0 * k;
-    float* yi = y + i0 * ldy;
-    switch (std::min<int64_t>(4, m - i0)) {
-      case 1: exact_rows_q8_0<1>(w, rb, rows, xi, k, yi, ldy); break;
-      case 2: exact_rows_q8_0<2>(w, rb, rows, xi, k, yi, ldy); break;
-      case 3: exact_rows_q8_0<3>(w, rb, rows, xi, k, yi, ldy); break;
-      default: exact_rows_q8_0<4>(w, rb, rows, xi, k, yi, ldy); break;
-    }
-  }
+  in_passes_of_4(m, k, x, y, ldy, [&](auto M, const float* xi, float* yi) {
+    exact_rows_q8_0<decltype(M)::value>(w, rb, rows, xi, k, yi, ldy);
+  });
 }
 
 #if GGUF_X86_AVX512
@@ -774,16 +784,9 @@ void lookup_dot(const uint8_t* w, int64_t rb, int64_t rows, const float* x, int6
   if (static_cast<int64_t>(xp.size()) < m * k) xp.resize(m * k);
   permute_x_for_lookup(x, m, k, xp.data());
   // passes of up to 4 x rows: 4 accumulators a row fill 16 of the 32 registers
-  for (int64_t i0 = 0; i0 < m; i0 += 4) {
-    const float* xi = xp.data() + i0 * k;
-    float* yi = y + i0 * ldy;
-    switch (std::min<int64_t>(4, m - i0)) {
-      case 1: lookup_rows<T, 1>(w, rb, rows, xi, k, yi, ldy); break;
-      case 2: lookup_rows<T, 2>(w, rb, rows, xi, k, yi, ldy); break;
-      case 3: lookup_rows<T, 3>(w, rb, rows, xi, k, yi, ldy); break;
-      default: lookup_rows<T, 4>(w, rb, rows, xi, k, yi, ldy); break;
-    }
-  }
+  in_passes_of_4(m, k, xp.data(), y, ldy, [&](auto M, const float* xi, float* yi) {
+    lookup_rows<T, decltype(M)::value>(w, rb, rows, xi, k, yi, ldy);
+  });
 }
 #endif
 
