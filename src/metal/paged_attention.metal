@@ -68,10 +68,16 @@ inline bool locate_query(device const int* seq_lens, device const int* cu_seqlen
   return true;
 }
 
-// With token_rows, a row's split-KV partitions are fixed by its own keys
-// [lo, ctx): partition_size blocks aligned to absolute positions, first..last.
+// The first key a query at ctx - 1 sees.
 inline int first_key(int ctx, constant PagedAttentionArgs& args) {
   return args.sliding_window > 0 ? max(0, ctx - args.sliding_window) : 0;
+}
+
+// With token_rows, a row's split-KV partitions are fixed by its own keys
+// [first_key, ctx): partition_size blocks aligned to absolute positions, first..last.
+inline int2 row_partitions(int ctx, constant PagedAttentionArgs& args) {
+  const int lo = first_key(ctx, args);
+  return int2(lo / int(args.partition_size), max(ctx - 1, lo) / int(args.partition_size));
 }
 
 template <typename T, uint D>
@@ -114,13 +120,12 @@ kernel void paged_attention_decode(
   int hi = ctx;
   bool direct = args.num_partitions == 1;  // write the output, not a partial
   if (args.token_rows != 0) {
-    const int first = lo / int(args.partition_size);
-    const int last = max(hi - 1, lo) / int(args.partition_size);
-    const int p = first + int(part);
-    if (p > last) {
+    const int2 own = row_partitions(ctx, args);  // first, last
+    const int p = own.x + int(part);
+    if (p > own.y) {
       return;  // whole threadgroup: this row has fewer partitions than the grid
     }
-    direct = first == last;
+    direct = own.x == own.y;
     lo = max(lo, p * int(args.partition_size));
     hi = min(hi, (p + 1) * int(args.partition_size));
   } else if (args.num_partitions > 1) {
@@ -270,13 +275,11 @@ kernel void paged_attention_reduce(
   uint parts = args.num_partitions;
   if (args.token_rows != 0) {
     // this row's own partitions; a row with one wrote its output directly
-    const int lo = first_key(ctx, args);
-    const int first = lo / int(args.partition_size);
-    const int last = max(ctx - 1, lo) / int(args.partition_size);
-    if (first == last) {
+    const int2 own = row_partitions(ctx, args);  // first, last
+    if (own.x == own.y) {
       return;
     }
-    parts = uint(last - first + 1);
+    parts = uint(own.y - own.x + 1);
   }
   const int64_t cell0 = (int64_t(tg_pos.y) * args.num_q_heads + head) * args.num_partitions;
   float m = -INFINITY;
