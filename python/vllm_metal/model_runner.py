@@ -28,6 +28,7 @@ from vllm.v1.outputs import AsyncModelRunnerOutput
 
 from vllm_metal import _core, envs
 from vllm_metal.models import AttentionContext, load_model
+from vllm_metal.models.linear_choice import model_runs_on_gpu
 from vllm_metal.sampling import Sampler, SamplingTable, gather_batch
 from vllm_metal.sampling.prompt_logprobs import PromptLogprobs
 
@@ -398,7 +399,7 @@ class _AsyncStepOutput(AsyncModelRunnerOutput):
 def check_attention_head_size(model: str, head_dim: int) -> None:
     """Refuses, at load, a head size the attention kernels of this path lack (else the
     first forward, in warm-up, would fail without naming the model)."""
-    gpu = mx.default_device() != mx.cpu
+    gpu = model_runs_on_gpu()
     metal = gpu or _core.kernel_backend() == "emulated"
     problem = _core.paged_attention_head_size_problem(head_dim, metal=metal)
     if problem:
