@@ -51,3 +51,17 @@ def metal_available() -> bool:
         return bool(mx.metal.is_available())
     except Exception:  # noqa: BLE001 -- MLX builds without the metal module
         return False
+
+
+def bits(a: mx.array) -> np.ndarray:
+    """The exact bits of an array (float16/bfloat16 as uint16, float32 as uint32)."""
+    a = mx.contiguous(a)
+    mx.eval(a)
+    return np.array(a.view({2: mx.uint16, 4: mx.uint32}[a.dtype.size]))
+
+
+def assert_same_bits(got, want, what: str) -> None:
+    """Bitwise equality of two arrays (mx arrays, or the bits() of them)."""
+    got, want = (bits(a) if isinstance(a, mx.array) else a for a in (got, want))
+    differ = int((got != want).sum())
+    assert differ == 0, f"{what}: {differ} of {got.size} values differ from the row computed alone"

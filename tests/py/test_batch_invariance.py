@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from op_harness import DTYPES, to_numpy
+from op_harness import DTYPES, assert_same_bits
 from vllm_metal import _core, ops
 from vllm_metal.models.gguf_loader import GGUFCheckpoint
 from vllm_metal.models.offline import smollm2_gguf
@@ -26,19 +26,6 @@ def _invariant_mode():
     ops.set_batch_invariant(True)
     yield
     ops.set_batch_invariant(previous)
-
-
-def bits(a: mx.array) -> np.ndarray:
-    """The exact bits of an array (float16/bfloat16 compared as integers)."""
-    a = mx.contiguous(a)
-    mx.eval(a)
-    return np.array(a.view({2: mx.uint16, 4: mx.uint32}[a.dtype.size]))
-
-
-def assert_same_bits(got: mx.array, alone: mx.array, what: str) -> None:
-    g, w = bits(got), bits(alone)
-    differ = int((g != w).sum())
-    assert differ == 0, f"{what}: {differ} of {g.size} values differ from the row computed alone"
 
 
 # ---- gguf_matmul: the case of issue 30 --------------------------------------------------------

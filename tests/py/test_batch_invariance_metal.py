@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import hybrid_reference as hyb
-from op_harness import DTYPES, assert_close, metal_available, to_numpy
+from op_harness import DTYPES, assert_close, assert_same_bits, bits, metal_available, to_numpy
 from paged_attention_reference import paged_attention_reference
 from test_gguf_fixtures import SUPPORTED, T, block_size, random_blocks
 from vllm_metal import ops
@@ -59,21 +59,8 @@ def emulated_with_switch_off():
         ops.set_batch_invariant(previous_mode)
 
 
-def bits(a: mx.array) -> np.ndarray:
-    """The output's bit patterns (float16/bfloat16 as uint16, float32 as uint32)."""
-    mx.eval(a)
-    if a.dtype == mx.float32:
-        return np.array(a).view(np.uint32)
-    return np.array(a.view(mx.uint16))
-
-
 def cast(x: np.ndarray, dtype: str) -> mx.array:
     return mx.array(np.asarray(x, np.float32)).astype(DTYPES[dtype])
-
-
-def assert_same_bits(got: np.ndarray, want: np.ndarray, what: str):
-    differ = int((got != want).sum())
-    assert differ == 0, f"{what}: {differ} of {got.size} values differ from the row computed alone"
 
 
 # ---- gguf_matmul ---------------------------------------------------------------------
