@@ -12,5 +12,6 @@ void bind_runtime_packer(nanobind::module_& m);
 void bind_gguf(nanobind::module_& m);
 void bind_hybrid(nanobind::module_& m);
 void bind_decoder_layer(nanobind::module_& m);
+void bind_step_recording(nanobind::module_& m);
 
 }  // namespace vllm_metal::bindings

@@ -13,4 +13,5 @@ NB_MODULE(_core, m) {
   vllm_metal::bindings::bind_gguf(m);
   vllm_metal::bindings::bind_hybrid(m);
   vllm_metal::bindings::bind_decoder_layer(m);
+  vllm_metal::bindings::bind_step_recording(m);
 }

@@ -54,7 +54,9 @@ void run_plan_emulated(KernelPlan plan, const std::vector<mx::array>& inputs,
   for (const auto& a : arrays) {
     encoder.set_input_array(a);
   }
-  encoder.dispatch([plan = std::move(plan), arrays = std::move(arrays)]() {
+  // recordings name a launch by its op: the id of the op's first output
+  uint64_t tag = outputs.empty() ? 0 : outputs[0].id();
+  encoder.dispatch([plan = std::move(plan), arrays = std::move(arrays), tag]() {
     std::vector<void*> ptrs;
     std::vector<uint64_t> bytes;
     for (const auto& a : arrays) {
@@ -62,7 +64,7 @@ void run_plan_emulated(KernelPlan plan, const std::vector<mx::array>& inputs,
       bytes.push_back(a.data_size() * a.itemsize());
     }
     for (const auto& launch : plan) {
-      emulator::run(launch, ptrs.data(), bytes.data(), static_cast<int>(ptrs.size()));
+      emulator::run(launch, ptrs.data(), bytes.data(), static_cast<int>(ptrs.size()), tag);
     }
   });
 }
