@@ -46,6 +46,7 @@ class Dispatch:
     simd_ops_per_thread: float = 0.0
     barriers_per_thread: float = 0.0
     sampled: bool = False  # counted on part of the grid and extrapolated
+    node: int = 0          # the graph node (one op may launch several kernels)
 
     @property
     def key(self):
@@ -76,13 +77,14 @@ def enable_counting() -> None:
         _core.register_counting_emulated_library(source, emulation.counting_library(source).so_path)
 
 
-def record(build) -> StepRecord:
+def record(build, reuse_counts: bool = False) -> StepRecord:
     """build() -> list of lazy arrays: the step's outputs. Its inputs (weights, caches,
-    step metadata) must be evaluated already, or their producers are recorded too."""
+    step metadata) must be evaluated already, or their producers are recorded too.
+    reuse_counts: identical launches of earlier recordings keep their counts."""
     enable_counting()
     outputs = build()
     nodes = _core.graph_nodes(outputs)
-    _core.start_launch_recording()
+    _core.start_launch_recording(reset_counts=not reuse_counts)
     try:
         mx.eval(outputs)
     finally:
@@ -123,7 +125,7 @@ def _our_dispatches(node, launches) -> list:
         out.append(Dispatch(
             OURS, node["name"], launch["kernel"], c["read_unique"] + c["written_unique"],
             flops if i == 0 else 0, shapes, c["threads"], c["simd_ops"] / threads,
-            c["barriers"] / threads, launch["sampled_axis"] >= 0))
+            c["barriers"] / threads, launch["sampled_axis"] >= 0, node["id"]))
     return out
 
 
@@ -160,10 +162,10 @@ def _mlx_dispatch(node):
             return None
         moved = _core.array_data_bytes(inputs[0]) + outputs[0].nbytes
         return [Dispatch(MLX, name, f"{name} (copy)", moved, 0,
-                         f"{_shape_text(inputs)}->{_shape_text(outputs)}")]
+                         f"{_shape_text(inputs)}->{_shape_text(outputs)}", node=node["id"])]
     desc = lambda arrays: [(tuple(a.shape), a.dtype.size, a.size) for a in arrays]  # noqa: E731
     count, moved, flops = mlx_metal_ops.cost(name, desc(inputs), desc(outputs),
                                              lambda i: _core.array_data_bytes(inputs[i]))
     shapes = f"{_shape_text(inputs)}->{_shape_text(outputs)}"
-    return [Dispatch(MLX, name, name, moved // count if i == 0 else moved // count,
-                     flops if i == 0 else 0, shapes) for i in range(count)]
+    return [Dispatch(MLX, name, name, moved // count, flops if i == 0 else 0, shapes,
+                     node=node["id"]) for i in range(count)]

@@ -144,8 +144,9 @@ void bind_step_recording(nb::module_& m) {
   m.def("register_counting_emulated_library", &vm::emulator::register_counting_library,
         "source"_a, "so_path"_a,
         "The counting build of src/metal/<source>.metal, run beside the real one while recording.");
-  m.def("start_launch_recording", &vm::emulator::start_recording,
-        "Record every emulated kernel launch from now on (see stop_launch_recording).");
+  m.def("start_launch_recording", &vm::emulator::start_recording, "reset_counts"_a = true,
+        "Record every emulated kernel launch from now on (see stop_launch_recording);\n"
+        "reset_counts=False reuses counts of identical launches of earlier recordings.");
   m.def("stop_launch_recording", &stop_launch_recording,
         "The launches run since start_launch_recording, in order: source, kernel, grid,\n"
         "threadgroup, tag (the launching op's first output id), and counts (device bytes,\n"

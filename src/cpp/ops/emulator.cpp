@@ -234,19 +234,20 @@ void register_counting_library(const std::string& source, const std::string& so_
   counting_registry()[source] = std::move(lib);
 }
 
-void start_recording() {
+void start_recording(bool reset_counts) {
   auto& rec = recorder();
   std::lock_guard<std::mutex> lock(rec.mutex);
   rec.on = true;
   rec.records.clear();
-  rec.counted.clear();
+  if (reset_counts) {
+    rec.counted.clear();
+  }
 }
 
 std::vector<LaunchRecord> stop_recording() {
   auto& rec = recorder();
   std::lock_guard<std::mutex> lock(rec.mutex);
   rec.on = false;
-  rec.counted.clear();
   return std::move(rec.records);
 }
 

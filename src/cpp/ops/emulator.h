@@ -62,7 +62,9 @@ struct LaunchRecord {
 constexpr uint32_t kSampleAbove = 512;
 constexpr uint32_t kSample = 64;
 
-void start_recording();
+// reset_counts false keeps the counts of earlier recordings for identical launches
+// (several recordings of one model's steps)
+void start_recording(bool reset_counts = true);
 std::vector<LaunchRecord> stop_recording();  // what ran since start_recording
 
 }  // namespace vllm_metal::emulator
