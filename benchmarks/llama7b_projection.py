@@ -24,6 +24,7 @@ import step_recorder as sr  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, HEAD, FFN, VOCAB = 32, 4096, 32, 128, 11008, 32000
 DT = "float16"
+CONTEXT = 128  # tg128 generates 128 tokens from an empty context: at most 128 cached
 SAMPLE_ROWS = 512
 BLOCK_SLACK = 16  # cache slots beyond the context (the pool's last partial block)
 LLAMA_CPP_FILE_GIB = 3.56  # llama-bench's size of the LLaMA-2 7B Q4_0 file (discussion #4167)
@@ -88,7 +89,7 @@ def _our_op(op: str, shapes: str, in_layer: bool, context: int):
     raise KeyError(f"no LLaMA-7B counterpart for our op {op}")
 
 
-def project(layer, outside, context: int = 128) -> list:
+def project(layer, outside, context: int = CONTEXT) -> list:
     """7B dispatches (step_recorder.Dispatch) from a recorded SmolLM2 step's layer and rest."""
     out = []
     for rows, in_layer, times in ((layer, True, LAYERS), (outside, False, 1)):

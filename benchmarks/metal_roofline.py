@@ -5,10 +5,13 @@ in the emulator's counting build (vllm_metal.kernel_traffic); its unique device 
 its arithmetic give a roofline time per machine: max(bytes / bandwidth, flops / fp16 rate).
 No launch overhead, no cache effects beyond "each byte once per launch".
 
-    .venv/bin/python benchmarks/metal_roofline.py                # prints JSON, rewrites the table
-    .venv/bin/python benchmarks/metal_roofline.py --context 4096 --no-write
+    .venv/bin/python benchmarks/metal_roofline.py                # prints JSON, rewrites the tables
+    .venv/bin/python benchmarks/metal_roofline.py --context 4096 --no-write --no-step-model
 
-The table goes into docs/kernels.md between the roofline marker comments.
+The table goes into docs/kernels.md between the roofline marker comments; then
+metal_step_model.py records whole steps of real models (every dispatch, MLX's own ops and a
+per-dispatch cost included) and writes its tables and the LLaMA-2 7B comparison with
+llama.cpp (several minutes).
 """
 
 from __future__ import annotations
@@ -132,9 +135,9 @@ def table(rows, context: int) -> str:
         f"machine's measured 29 GB/s copy rate, next to what runs here: llama.cpp decodes the "
         f"same file at 113 tok/s on it, our CPU kernels' measurements are in docs/benchmarks.md. Every kernel of the step is "
         f"memory-bound on every machine (arithmetic intensity < 2 flops/byte, machine balance "
-        f"> 25). Not modelled: ~{sum(r['calls'] for r in rows)} dispatches per step (a few µs "
-        f"each on Apple GPUs unless encoded back to back), the MLX elementwise ops between "
-        f"kernels (SiLU x up, residual adds are fused into add_rms_norm), embedding lookup.",
+        f"> 25). Not in this table: the cost of its ~{sum(r['calls'] for r in rows)} dispatches and "
+        f"MLX's own ops (SiLU x up, gathers, casts, the embedding lookup); the step model below "
+        f"records and prices them.",
     ]
     return "\n".join(out)
 
@@ -147,6 +150,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=1024, help="tokens of context (default 1024)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/kernels.md alone")
+    ap.add_argument("--no-step-model", action="store_true", help="skip metal_step_model.py (minutes)")
     args = ap.parse_args(argv)
     rows = predict(measure(args.context))
     text = table(rows, args.context)
@@ -154,6 +158,10 @@ def main(argv=None) -> int:
     print(text)
     if not args.no_write:
         write_doc(text)
+    if not args.no_step_model:
+        import metal_step_model
+
+        metal_step_model.main(["--context", str(args.context)] + (["--no-write"] if args.no_write else []))
     return 0
 
 

@@ -245,11 +245,21 @@ def main(argv=None) -> int:
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     results = run(args.models, args.batches, args.context)
-    text = step_table(results) + "\n\n" + layer_table(results[0])
+    text = step_table(results) + "\n\n" + "\n\n".join(layer_table(r) for r in results if r["batch"] == 1)
     print(json.dumps([{k: v for k, v in r.items() if not k.startswith("_")} for r in results], indent=1))
     print(text)
+    template = [r for r in results if r["model"] == MODELS["smollm2"] and r["batch"] == 1]
+    llama = None
+    if template:  # the llama-architecture path, mapped to LLaMA-2 7B
+        import llama7b_projection as lp
+
+        dispatches = lp.project(template[0]["_layer"], template[0]["_outside"], lp.CONTEXT)
+        llama = lp.table(dispatches, lp.CONTEXT)
+        print(llama)
     if not args.no_write:
         write_section(DOC, "metal_step_model", text)
+        if llama:
+            write_section(DOC, "llama_cpp_vs_ours", llama)
     return 0
 
 

@@ -38,3 +38,14 @@ def test_docs_carry_the_table():
     text = (ROOT / "docs" / "kernels.md").read_text()
     assert text.count(r.BEGIN) == 1 and text.count(r.END) == 1
     assert "tok/s bound" in text.split(r.BEGIN)[1]
+
+
+def test_docs_carry_the_step_model_and_the_llama_cpp_comparison():
+    _script()  # puts benchmarks/ on sys.path
+    from doc_sections import markers
+
+    text = (ROOT / "docs" / "kernels.md").read_text()
+    for name, must in (("metal_step_model", "dispatches (ours + MLX)"), ("llama_cpp_vs_ours", "llama.cpp tok/s")):
+        begin, end = markers(name)
+        assert text.count(begin) == 1 and text.count(end) == 1
+        assert must in text.split(begin)[1].split(end)[0]

@@ -38,6 +38,9 @@ void register_counting_library(const std::string& source, const std::string& so_
 // geometry, buffer sizes; later identical launches reuse it), and for a grid of more
 // than kSampleAbove threadgroups along one axis, counted on two prefixes of that axis
 // (kSample and 2 kSample threadgroups) and extrapolated linearly to the whole grid.
+// The counting dispatches run before the real one on the same buffers: an op that updates
+// a buffer in place from its old value (gated_delta's state) is applied twice, so a
+// recorded step's values are for counting only.
 struct LaunchRecord {
   std::string source;
   std::string kernel;
