@@ -173,6 +173,7 @@ def analyse(key: str, loaded, batch: int, context: int) -> dict:
         "layer_kinds": dict(kinds), "outside_kinds": dict(collections.Counter(d.kernel for d in outside)),
         "bytes": full.total("bytes"), "mlx_bytes": full.total("bytes", sr.MLX),
         "flops": full.total("flops"), "layer_bytes": sum(d.bytes for d in layer),
+        "layer_flops": sum(d.flops for d in layer),
         "sampled": sum(d.sampled for d in full.dispatches),
         "machines": machines, "seconds": round(time.time() - t0, 1),
         "_layer": layer, "_outside": outside,
@@ -192,9 +193,9 @@ def step_table(results) -> str:
         f"([per-dispatch cost]({pub.DISPATCH_SOURCE}): MLX maintainers' issue, M3 Ultra, a chain "
         f"of 3,200 tiny dependent kernels in 8.8 ms). A model, not a measurement: no Mac ran it.",
         "",
-        "| model | batch | dispatches (ours + MLX) | per layer (ours + MLX) | MB | GFLOP | "
-        + " | ".join(f"{n} µs (roofline + dispatch) → tok/s" for n in names) + " |",
-        "|---|---:|---:|---:|---:|---:|" + "---|" * len(names),
+        "| model | batch | dispatches (ours + MLX) | per layer (ours + MLX) | MB | per layer MB | "
+        "GFLOP | per layer MFLOP | " + " | ".join(f"{n} µs (roofline + dispatch) → tok/s" for n in names) + " |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|" + "---|" * len(names),
     ]
     for r in results:
         cells = []
@@ -204,7 +205,8 @@ def step_table(results) -> str:
         out.append(
             f"| {r['model']} ({r['dtype']}) | {r['batch']} | {r['dispatches']} ({r['ours']} + {r['mlx']}) | "
             f"{r['layer_dispatches']} ({r['layer_ours']} + {r['layer_mlx']}) | {r['bytes'] / 1e6:.1f} | "
-            f"{r['flops'] / 1e9:.2f} | " + " | ".join(cells) + " |")
+            f"{r['layer_bytes'] / 1e6:.2f} | {r['flops'] / 1e9:.2f} | {r['layer_flops'] / 1e6:.1f} | "
+            + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
