@@ -130,3 +130,22 @@ def test_an_unclassified_mlx_op_is_an_error(modules, monkeypatch):
     mx.eval(x)
     with pytest.raises(KeyError, match="Multiply"):
         sr.record(lambda: [x * 3])
+
+
+def test_a_large_grid_counted_on_prefixes_matches_the_whole_count(modules):
+    """Grids over 512 threadgroups are counted on 64 and 128 and extrapolated: exact for
+    equal threadgroups; a partial last one counts as whole (a bound: at most its share)."""
+    sr, _ = modules
+    from vllm_metal import kernel_traffic as kt
+    from vllm_metal import ops
+
+    k = 576
+    for n, slack in ((2600, 0), (2602, 2 * k // 32 * 34)):  # 650 groups of 4 rows; 651, 2 rows short
+        x = mx.ones((1, k), mx.float16)
+        w = mx.zeros((n, k // 32 * 34), mx.uint8)
+        mx.eval(x, w)
+        rec = sr.record(lambda: [ops.gguf_matmul(x, w, "Q8_0", [n, k])])
+        (d,) = [d for d in rec.dispatches if d.source == sr.OURS]
+        exact = kt.measure(kt.gguf_matvec("Q8_0", "float16", 1, n, k)).unique
+        assert d.sampled
+        assert exact <= d.bytes <= exact + slack + 2 * 2  # + the 2 missing outputs

@@ -37,7 +37,8 @@ void register_counting_library(const std::string& source, const std::string& so_
 // `counts` holds its traffic: counted once per distinct launch (kernel, constants, args,
 // geometry, buffer sizes; later identical launches reuse it), and for a grid of more
 // than kSampleAbove threadgroups along one axis, counted on two prefixes of that axis
-// (kSample and 2 kSample threadgroups) and extrapolated linearly to the whole grid.
+// (kSample and 2 kSample threadgroups) and extrapolated linearly to the whole grid (exact
+// for equal threadgroups; a partial last threadgroup counts as a whole one).
 // The counting dispatches run before the real one on the same buffers: an op that updates
 // a buffer in place from its old value (gated_delta's state) is applied twice, so a
 // recorded step's values are for counting only.
