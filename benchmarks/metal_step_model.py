@@ -38,18 +38,20 @@ BLOCK = 16
 
 @contextlib.contextmanager
 def gpu_path():
-    """Load and run models as on an Apple GPU: linear_choice sees a GPU (dense layers stay
-    on MLX), ops run their Metal kernels (emulated), so fused CPU layers are off."""
+    """Load models as on an Apple GPU: linear_choice sees a GPU (dense layers stay on MLX)
+    and ops run their Metal kernels (emulated), so fused CPU layers are off (the recorder
+    runs steps on the emulated backend too)."""
     from vllm_metal import ops
     from vllm_metal.models import linear_choice
 
-    saved = linear_choice.model_runs_on_gpu
+    saved, backend = linear_choice.model_runs_on_gpu, ops.kernel_backend()
     linear_choice.model_runs_on_gpu = lambda: True
     ops.set_kernel_backend("emulated")
     try:
         yield
     finally:
         linear_choice.model_runs_on_gpu = saved
+        ops.set_kernel_backend(backend)
 
 
 def load(name_or_path: str):

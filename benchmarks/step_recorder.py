@@ -69,26 +69,32 @@ class StepRecord:
 
 @functools.lru_cache(maxsize=None)
 def enable_counting() -> None:
-    """Counting builds of every kernel source next to the emulated ones (built once, cached)."""
-    from vllm_metal import ops
-
-    ops.set_kernel_backend("emulated")
+    """Emulated and counting builds of every kernel source (built once, cached)."""
+    emulation.load_all()
     for source in emulation.kernel_sources():
         _core.register_counting_emulated_library(source, emulation.counting_library(source).so_path)
 
 
 def record(build, reuse_counts: bool = False) -> StepRecord:
-    """build() -> list of lazy arrays: the step's outputs. Its inputs (weights, caches,
-    step metadata) must be evaluated already, or their producers are recorded too.
-    reuse_counts: identical launches of earlier recordings keep their counts."""
+    """build() -> list of lazy arrays: the step's outputs, built here with our ops on their
+    Metal kernels (emulated backend; the process's backend is restored after). Its inputs
+    (weights, caches, step metadata) must be evaluated already, or their producers are
+    recorded too. reuse_counts: identical launches of earlier recordings keep their counts."""
+    from vllm_metal import ops
+
     enable_counting()
-    outputs = build()
-    nodes = _core.graph_nodes(outputs)
-    _core.start_launch_recording(reset_counts=not reuse_counts)
+    backend = ops.kernel_backend()
+    ops.set_kernel_backend("emulated")
     try:
-        mx.eval(outputs)
+        outputs = build()
+        nodes = _core.graph_nodes(outputs)
+        _core.start_launch_recording(reset_counts=not reuse_counts)
+        try:
+            mx.eval(outputs)
+        finally:
+            launches = _core.stop_launch_recording()
     finally:
-        launches = _core.stop_launch_recording()
+        ops.set_kernel_backend(backend)
     by_tag = collections.defaultdict(list)
     for launch in launches:
         by_tag[launch["tag"]].append(launch)

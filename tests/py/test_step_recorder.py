@@ -149,3 +149,12 @@ def test_a_large_grid_counted_on_prefixes_matches_the_whole_count(modules):
         exact = kt.measure(kt.gguf_matvec("Q8_0", "float16", 1, n, k)).unique
         assert d.sampled
         assert exact <= d.bytes <= exact + slack + 2 * 2  # + the 2 missing outputs
+
+
+def test_recording_leaves_the_kernel_backend_as_it_was(modules, toy):
+    from vllm_metal import ops
+
+    _, step = toy
+    before = ops.kernel_backend()
+    step.record()
+    assert ops.kernel_backend() == before
