@@ -8,7 +8,6 @@ calls ``register()`` more than once. The C++ core loads with
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 
 from vllm_metal.log import get_logger
@@ -31,10 +30,9 @@ def register() -> str | None:
     if importlib.util.find_spec("mlx") is None:
         logger.info("vllm-metal is inactive: MLX is not installed")
         return None
-    # vLLM registers its Triton kernels with torch.library.triton_op at import; without
-    # Triton (none on macOS, none installed here on Linux) torch warns once per process
-    # that it found no kernels. Nothing here runs Triton, so that warning says nothing.
-    logging.getLogger("torch._library.triton").setLevel(logging.ERROR)
+    from vllm_metal import log_filters
+
+    log_filters.install()  # before vLLM imports what logs them
     # Without Triton vLLM falls back to the V1 runner contract unless asked;
     # our runner needs no Triton, so V2 is the default (=0 still selects V1).
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
@@ -47,7 +45,7 @@ def register_general() -> None:
     vLLM's engine calls torch.accelerator.empty_cache() between phases and
     empty_host_cache() at shutdown; with the CPU build of torch and no accelerator
     both raise, so they become no-ops. A requested shutdown logs no engine-dead
-    traceback (shutdown_logging.py). Architectures whose vLLM classes cannot be
+    traceback (log_filters.py). Architectures whose vLLM classes cannot be
     imported here get descriptors.
     """
     from vllm_metal import envs
@@ -60,9 +58,9 @@ def register_general() -> None:
         for name in ("empty_cache", "empty_host_cache"):
             if not getattr(getattr(torch.accelerator, name, None), "_vllm_metal_noop", False):
                 setattr(torch.accelerator, name, _noop())  # idempotent: vLLM loads plugins repeatedly
-    from vllm_metal import shutdown_logging
+    from vllm_metal import log_filters
 
-    shutdown_logging.install()
+    log_filters.install()
     _register_architectures()
 
 
