@@ -9,8 +9,8 @@ its record, under the condition that makes it noise; everything else passes.
 3. vLLM 0.33's AsyncLLM.shutdown stops the engine process before it cancels the output
    handler; when the handler wakes in between it logs "AsyncLLM output_handler failed."
    with an EngineDeadError traceback, although nothing failed. Dropped only after the
-   API server has logged that it is shutting down: an engine that dies while serving
-   is still reported in full.
+   API server has logged (at INFO, vLLM's default level) that it is shutting down: an
+   engine that dies while serving is still reported in full.
 """
 
 from __future__ import annotations
