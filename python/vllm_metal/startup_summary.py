@@ -48,8 +48,9 @@ def activations_line(model) -> str:
     if mx.default_device() == mx.gpu:
         return "float sums (the Metal kernels)"
     if all(m.exact for m in linears):
-        return "float32 sums (VLLM_METAL_INT8_ACTIVATIONS=1: 8-bit activations, faster)"
-    return "8-bit activations, llama.cpp's scheme (VLLM_METAL_INT8_ACTIVATIONS=0: float32 sums)"
+        return ("float32 sums, as on Metal (VLLM_METAL_INT8_ACTIVATIONS=1: 8-bit activations, "
+                "faster, less exact; docs/gguf.md)")
+    return "8-bit activations, llama.cpp's scheme (VLLM_METAL_INT8_ACTIVATIONS=1)"
 
 
 def summary(runner, kv_budget: str) -> str:
