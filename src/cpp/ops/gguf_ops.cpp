@@ -1,5 +1,6 @@
 #include "ops/gguf_ops.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "cpu/batch_invariant.h"
@@ -136,6 +137,18 @@ KernelPlan plan_gguf_dequantize(const GgufDequantizeProblem& p) {
   return {l};
 }
 
+GgufMatvecShape gguf_matvec_shape(int64_t k) {
+  const int64_t chunks = ceil_div(k, 16);
+  GgufMatvecShape s;
+  s.lanes_per_row = 1;
+  while (s.lanes_per_row < 32 && chunks % (2 * s.lanes_per_row) == 0) s.lanes_per_row *= 2;
+  // 8 rows per simdgroup where the lanes allow (x reused for 8 / groups rows); at most 4
+  // rows per lane (registers: 16 decoded weights and 8 sums per row)
+  const uint32_t groups = 32 / s.lanes_per_row;
+  s.rows_per_lane = std::clamp<uint32_t>(8 / groups, 1, 4);
+  return s;
+}
+
 KernelPlan plan_gguf_matmul(const GgufMatmulProblem& p) {
   // Batch-invariant mode: the mat-vec kernel for every m (one summation order per row;
   // the tile kernel's simdgroup-matrix order differs), in groups of 8 rows along grid y.
@@ -152,8 +165,12 @@ KernelPlan plan_gguf_matmul(const GgufMatmulProblem& p) {
   args.k = static_cast<uint32_t>(p.k);
   args.chunks = ceil_div(p.k, 16);
   if (matvec) {
-    // 4 simdgroups = 4 weight rows per threadgroup; y: groups of 8 x rows
-    l.grid = {ceil_div(p.n, 4), ceil_div(p.m, kGgufMetalMatvecMaxRows), 1};
+    // 4 simdgroups of rows_per_simdgroup weight rows per threadgroup; y: groups of 8 x rows
+    const GgufMatvecShape shape = gguf_matvec_shape(p.k);
+    args.lanes_per_row = shape.lanes_per_row;
+    args.rows_per_lane = shape.rows_per_lane;
+    l.grid = {ceil_div(p.n, 4 * int64_t(shape.rows_per_simdgroup())),
+              ceil_div(p.m, kGgufMetalMatvecMaxRows), 1};
     l.threadgroup = {128, 1, 1};
   } else {
     l.grid = {ceil_div(p.n, 32), ceil_div(p.m, 32), 1};

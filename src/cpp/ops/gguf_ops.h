@@ -41,7 +41,17 @@ struct GgufDequantizeProblem {
   int64_t cols = 0;
 };
 
-constexpr int64_t kGgufMetalMatvecMaxRows = 8;  // gguf_matmul.metal kMatvecMaxRows
+constexpr int64_t kGgufMetalMatvecMaxRows = 8;  // gguf_matvec_core.h kGgufMvMaxX
+
+// How the mat-vec kernel spreads a weight row over a simdgroup (gguf_matvec_core.h):
+// lanes_per_row lanes share a row (the largest power of two <= 32 dividing the chunk
+// count, so no lane idles), each lane decodes rows_per_lane rows (x loaded once for them).
+struct GgufMatvecShape {
+  uint32_t lanes_per_row = 32;
+  uint32_t rows_per_lane = 4;
+  uint32_t rows_per_simdgroup() const { return 32 / lanes_per_row * rows_per_lane; }
+};
+GgufMatvecShape gguf_matvec_shape(int64_t k);
 
 struct GgufMatmulProblem {
   gguf::GGMLType type = gguf::GGMLType::kF32;

@@ -29,7 +29,9 @@ class _Counts(ctypes.Structure):
         "threads", "threadgroups", "simdgroups", "threadgroup_memory", "threadgroup_read",
         "threadgroup_written", "barriers", "simd_ops", "matrix_loads", "matrix_stores", "matrix_macs")] + [
         ("n_buffers", ctypes.c_uint32), ("pad_", ctypes.c_uint32),
-        ("buffers", _BufferCounts * MAX_BUFFERS)]
+        ("buffers", _BufferCounts * MAX_BUFFERS),
+        ("lane_loads", ctypes.c_uint64), ("lane_load_slots", ctypes.c_uint64),
+        ("uneven_simdgroups", ctypes.c_uint64)]
 
 
 @dataclasses.dataclass
@@ -68,6 +70,9 @@ class LaunchCounts:
     matrix_stores: int
     matrix_macs: int             # simdgroup matrix multiply-accumulates (scalar MACs)
     buffers: dict                # [[buffer(i)]] -> BufferCounts
+    lane_loads: int = 0          # device loads, summed over lanes
+    lane_load_slots: int = 0     # per simdgroup 32 x its busiest lane's loads, summed
+    uneven_simdgroups: int = 0   # simdgroups whose lanes did not all load equally often
     excluded: tuple = ()         # buffer indices left out of `device` (set by the host)
     slots: dict = dataclasses.field(default_factory=dict)  # [[buffer(i)]] -> host array (host's)
 
@@ -78,6 +83,13 @@ class LaunchCounts:
             if i not in self.excluded:
                 total += b
         return total
+
+    @property
+    def lane_use(self):
+        """Share of the simdgroups' load slots that did a load: 1.0 when every lane of
+        every simdgroup loads as often as its busiest sibling (no lane idles while others
+        work), 28/32 x ... lower for each lane that sits out an iteration."""
+        return self.lane_loads / self.lane_load_slots if self.lane_load_slots else 1.0
 
     @property
     def barriers_per_thread(self):
@@ -99,4 +111,5 @@ def read_counts(lib, kernel, n_buffers):
         b = c.buffers[i]
         bufs[i] = BufferCounts(*(getattr(b, f) for f, _ in _BufferCounts._fields_))
     scalars = [getattr(c, f) for f, _ in _Counts._fields_[:11]]
-    return LaunchCounts(kernel, *scalars, bufs)
+    return LaunchCounts(kernel, *scalars, bufs, lane_loads=c.lane_loads,
+                        lane_load_slots=c.lane_load_slots, uneven_simdgroups=c.uneven_simdgroups)

@@ -88,6 +88,10 @@ typedef struct mslemu_counts {
   uint32_t n_buffers;
   uint32_t pad_;
   mslemu_buffer_counts buffers[MSLEMU_MAX_COUNTED_BUFFERS];
+  /* lane utilisation: device loads summed over lanes, and per simdgroup 32 x the loads of
+     its busiest lane, summed (lane_loads / lane_load_slots = 1: no lane waited on others);
+     uneven_simdgroups: simdgroups whose lanes did not all load equally often */
+  uint64_t lane_loads, lane_load_slots, uneven_simdgroups;
 } mslemu_counts;
 typedef const mslemu_counts *(*mslemu_last_counts_fn)(void);
 

@@ -77,6 +77,7 @@ struct Fiber {
   bool in_atomic = false;      // inside an atomic_* function (checked builds: not a race)
   uint32_t fence = 0;          // mem_flags of the pending barrier
   uint32_t acct_seq = 0;       // counting builds: device accesses so far in this threadgroup
+  uint32_t acct_loads = 0;     // counting builds: device loads of this thread (lane utilisation)
   ThreadCtx ctx{};
 };
 
@@ -436,7 +437,7 @@ static void run_threadgroup(Worker &w, LaunchState &ls, u3 tgpos) {
         Fiber &f = w.fibers[t];
         f.state = FState::Runnable;
         f.tid = t; f.lane = t % kSimdWidth; f.sg = t / kSimdWidth;
-        f.site = 0; f.active_mask = 0; f.acct_seq = 0; f.mute = false; f.in_atomic = false;
+        f.site = 0; f.active_mask = 0; f.acct_seq = 0; f.acct_loads = 0; f.mute = false; f.in_atomic = false;
         ThreadCtx &c = f.ctx;
         c.tpitg = {x, y, z};
         c.tgpig = tgpos;
@@ -533,6 +534,9 @@ static void run_threadgroup(Worker &w, LaunchState &ls, u3 tgpos) {
       return;
     }
   }
+#ifdef MSLEMU_ACCOUNTING
+  if (tl_acct) acct_lanes(*tl_acct, w.fibers.data(), T);
+#endif
 }
 
 static void worker_loop(LaunchState *ls, size_t stack_size) {
