@@ -77,7 +77,9 @@ struct Fiber {
   bool in_atomic = false;      // inside an atomic_* function (checked builds: not a race)
   uint32_t fence = 0;          // mem_flags of the pending barrier
   uint32_t acct_seq = 0;       // counting builds: device accesses so far in this threadgroup
-  uint32_t acct_loads = 0;     // counting builds: device loads of this thread (lane utilisation)
+#ifdef MSLEMU_ACCOUNTING
+  uint32_t acct_loads[MSLEMU_MAX_COUNTED_BUFFERS] = {};  // device loads per buffer (lane utilisation)
+#endif
   ThreadCtx ctx{};
 };
 
@@ -437,7 +439,10 @@ static void run_threadgroup(Worker &w, LaunchState &ls, u3 tgpos) {
         Fiber &f = w.fibers[t];
         f.state = FState::Runnable;
         f.tid = t; f.lane = t % kSimdWidth; f.sg = t / kSimdWidth;
-        f.site = 0; f.active_mask = 0; f.acct_seq = 0; f.acct_loads = 0; f.mute = false; f.in_atomic = false;
+        f.site = 0; f.active_mask = 0; f.acct_seq = 0; f.mute = false; f.in_atomic = false;
+#ifdef MSLEMU_ACCOUNTING
+        memset(f.acct_loads, 0, sizeof f.acct_loads);
+#endif
         ThreadCtx &c = f.ctx;
         c.tpitg = {x, y, z};
         c.tgpig = tgpos;
