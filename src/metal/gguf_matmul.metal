@@ -1,8 +1,9 @@
 // y[m, n] = x[m, k] @ W[n, k]^T with W in GGUF block form.
 //
 // gguf_matvec (decode rows): the loop of gguf_matvec_core.h. Each simdgroup owns
-// 32 / lanes_per_row x rows_per_lane weight rows (the host picks both from k, so every
-// lane walks as many chunks as its siblings); 4 simdgroups per threadgroup; grid y walks
+// 32 / lanes_per_row x rows_per_lane weight rows (the host picks both and the piece size
+// from k, so every lane walks as many pieces as its siblings); 2 simdgroups per
+// threadgroup; grid y walks
 // groups of 8 x rows, each weight chunk decoded once for all of them. The sum order of
 // an x row depends on k alone, so batch-invariant mode runs this kernel for every m.
 //
@@ -17,7 +18,7 @@
 
 using namespace metal;
 
-constant constexpr uint kMatvecSimdgroups = 4;
+constant constexpr uint kMatvecSimdgroups = 2;
 constant constexpr uint kTile = 32;
 
 template <typename Q, typename T>
@@ -46,8 +47,13 @@ kernel void gguf_matvec(
       acc[r][i] = 0.0f;
     }
   }
-  gguf_mv_partial<Q, T>(w, args.w_row_bytes, x, args.x_row_stride, xrows, args.k, args.chunks,
-                        lanes_per_row, l, acc);
+  if (args.piece == 8) {
+    gguf_mv_partial<Q, T, 8>(w, args.w_row_bytes, x, args.x_row_stride, xrows, args.k,
+                             (args.k + 7) / 8, lanes_per_row, l, acc);
+  } else {
+    gguf_mv_partial<Q, T, 16>(w, args.w_row_bytes, x, args.x_row_stride, xrows, args.k,
+                              args.chunks, lanes_per_row, l, acc);
+  }
   gguf_mv_reduce(acc, rows_per_lane, xrows, lanes_per_row);
   if (l.chunk == 0) {  // one lane of each group stores its rows
     for (uint r = 0; r < l.rows; ++r) {

@@ -3,14 +3,15 @@
 //
 // A simdgroup owns `groups x rows_per_lane` weight rows. Its 32 lanes form `groups`
 // contiguous groups of `lanes_per_row` lanes (a power of two dividing 32); lane i of a
-// group walks the 16-weight chunks i, i + lanes_per_row, ... of the group's rows. The
-// host picks lanes_per_row so that it divides the row's chunk count: every lane walks
-// the same number of chunks, so none idles while its siblings decode, at any k.
+// group walks the pieces i, i + lanes_per_row, ... of the group's rows, a piece being 16
+// or 8 weights. The host picks the piece and lanes_per_row so that lanes_per_row divides
+// the row's piece count: every lane walks as many pieces as its siblings, so none idles
+// while they decode, at any k.
 //
-// Per chunk a lane decodes its rows' weights once, then loads each x value once into a
+// Per piece a lane decodes its rows' weights once, then loads each x value once into a
 // register and uses it for every one of its rows (up to kGgufMvMaxX x rows: one decode
-// serves all of them). Sums: per (weight row, x row) a chain of fma over a chunk's 16
-// products, chunk sums added in chunk order, then a butterfly over the group's lanes.
+// serves all of them). Sums: per (weight row, x row) a chain of fma over a piece's
+// products, piece sums added in piece order, then a butterfly over the group's lanes.
 // That order depends on k alone, never on m or on where an x row sits in its group of
 // kGgufMvMaxX: batch-invariant mode runs this loop for every m.
 #pragma once
@@ -27,7 +28,7 @@ constant constexpr uint kGgufMvMaxRowsPerLane = 4;
 struct GgufMvLane {
   uint row0;   // first weight row of the lane's group
   uint rows;   // rows of the group that exist (< rows_per_lane at the end of W)
-  uint chunk;  // the lane's first chunk (its index in the group)
+  uint chunk;  // the lane's first piece (its index in the group)
 };
 
 inline GgufMvLane gguf_mv_lane(uint sg_row0, uint n, uint lanes_per_row, uint rows_per_lane,
@@ -39,20 +40,25 @@ inline GgufMvLane gguf_mv_lane(uint sg_row0, uint n, uint lanes_per_row, uint ro
   return l;
 }
 
-// acc[r][i] += this lane's share of W[l.row0 + r] . x[i], i < xrows.
-template <typename Q, typename T>
+// acc[r][i] += this lane's share of W[l.row0 + r] . x[i], i < xrows, walking the row in
+// pieces of P = 16 or 8 weights (pieces: ceil(k / P); l.chunk and step count pieces).
+template <typename Q, typename T, uint P>
 inline void gguf_mv_partial(device const uchar* w, ulong w_row_bytes, device const T* x,
-                            ulong x_row_stride, uint xrows, uint k, uint chunks, uint step,
+                            ulong x_row_stride, uint xrows, uint k, uint pieces, uint step,
                             GgufMvLane l, thread float (&acc)[kGgufMvMaxRowsPerLane][kGgufMvMaxX]) {
   device const uchar* wr = w + ulong(l.row0) * w_row_bytes;
-  for (uint c = l.chunk; c < chunks; c += step) {
-    float v[kGgufMvMaxRowsPerLane][16];
+  for (uint c = l.chunk; c < pieces; c += step) {
+    float v[kGgufMvMaxRowsPerLane][P];
     for (uint r = 0; r < l.rows; ++r) {
-      Q::decode16(wr + r * w_row_bytes, c, k, v[r]);
+      if (P == 16) {
+        Q::decode16(wr + r * w_row_bytes, c, k, v[r]);
+      } else {
+        Q::decode8(wr + r * w_row_bytes, c, k, v[r]);
+      }
     }
-    uint n_valid = min(16u, k - 16 * c);
+    uint n_valid = min(P, k - P * c);
     for (uint i = 0; i < xrows; ++i) {
-      device const T* xr = x + i * x_row_stride + 16 * c;
+      device const T* xr = x + i * x_row_stride + P * c;
       float s[kGgufMvMaxRowsPerLane] = {0.0f, 0.0f, 0.0f, 0.0f};
       for (uint j = 0; j < n_valid; ++j) {
         float xj = float(xr[j]);  // one load, used by every row of the lane

@@ -175,12 +175,15 @@ def gguf_matvec_row_groups():
 
 
 def gguf_matvec_lane_shapes():
-    # every mat-vec simdgroup shape (lanes per row 2..32, 1..4 rows per lane), ragged n so
-    # the last simdgroup's lanes hold fewer rows or none, 1 and 2 groups of x rows
-    for k, lanes in [(32, 2), (576, 4), (640, 8), (768, 16), (1024, 32)]:
-        assert _core.gguf_matvec_shape(k)[0] == lanes
+    # every mat-vec simdgroup shape (lanes per row 1..32, 1..4 rows per lane, 16- and
+    # 8-weight pieces), ragged n so the last simdgroup's lanes hold fewer rows or none, 1
+    # and 2 groups of x rows
+    for t, k, shape in [(T.F32, 13, (1, 1, 16)), (T.Q8_0, 32, (2, 1, 16)), (T.F32, 56, (4, 1, 16)),
+                        (T.Q8_0, 576, (8, 2, 8)), (T.Q8_0, 640, (16, 4, 8)),
+                        (T.Q8_0, 768, (16, 4, 16)), (T.Q8_0, 1024, (32, 4, 16))]:
+        assert _core.gguf_matvec_shape(k) == shape
         for m, n in [(3, 13), (9, 37)]:
-            gguf(T.Q8_0, m, n, k)
+            gguf(t, m, n, k)
 
 
 # case -> (the src/metal sources it must launch, the case)

@@ -220,11 +220,11 @@ void bind_gguf(nb::module_& m) {
       "gguf_matvec_shape",
       [](int64_t k) {
         vm::GgufMatvecShape s = vm::gguf_matvec_shape(k);
-        return std::make_tuple(s.lanes_per_row, s.rows_per_lane);
+        return std::make_tuple(s.lanes_per_row, s.rows_per_lane, s.piece);
       },
       "k"_a,
-      "(lanes_per_row, rows_per_lane) of the Metal mat-vec kernel for rows of k weights: "
-      "lanes sharing a weight row, weight rows per lane.");
+      "(lanes_per_row, rows_per_lane, piece) of the Metal mat-vec kernel for rows of k "
+      "weights: lanes sharing a weight row, weight rows per lane, weights per piece.");
 }
 
 }  // namespace vllm_metal::bindings
