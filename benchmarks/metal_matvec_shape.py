@@ -106,8 +106,8 @@ def measure(qtype: str, n: int, k: int, m: int, old: OldKernel | None) -> dict:
     case = kt.gguf_matvec(qtype, DTYPE, m, n, k)
     assert case.plan[0].kernel.startswith("gguf_matvec"), case.plan[0].kernel
     t = kt.measure(case)
-    lanes, per_lane = _core.gguf_matvec_shape(k)
-    row = {"type": qtype, "n": n, "k": k, "m": m, "shape": f"{lanes} x {per_lane}",
+    lanes, per_lane, piece = _core.gguf_matvec_shape(k)
+    row = {"type": qtype, "n": n, "k": k, "m": m, "shape": f"{lanes} x {per_lane} x {piece}",
            "new": _stats(t.launches[0], case, x_index=1, args_index=3)}
     if old is not None:  # its own output array: the values are the tests' business
         arrays = [case.arrays[0], case.arrays[1], np.zeros_like(case.arrays[2])]
@@ -157,7 +157,7 @@ def main() -> None:
     cmd = "    .venv/bin/python benchmarks/metal_matvec_shape.py" + (f" --m {a.m}" if a.m != 1 else "")
     body = "\n".join([
         f"Counted in the emulator (counting build), m = {a.m}, {DTYPE} x; shape = lanes per "
-        "weight row x rows per lane. Produced by", "", cmd, "",
+        "weight row x rows per lane x weights per piece. Produced by", "", cmd, "",
         table(model_rows, ["model", "tensor", "type", "n x k"], a.old or None), "",
         "Every type at SmolLM2's sizes (the 256-weight super-block types skip k = 576):", "",
         table(type_rows, ["type", "n x k"], a.old or None)])

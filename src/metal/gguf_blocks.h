@@ -223,15 +223,17 @@ struct GgufQ3_K : GgufDecoders<GgufQ3_K> {
   }
 };
 
-// The six-bit (scale, min) pair j of Q4_K / Q5_K. The same three loads for every j (no
-// branch): lanes decoding different sub-blocks of a super-block stay in step.
+// The six-bit (scale, min) pair j of Q4_K / Q5_K. Only the addresses and shifts depend
+// on j < 4, never whether a byte is loaded: lanes decoding different sub-blocks of a
+// super-block issue the same loads (a select between loaded values becomes a branch).
 inline void gguf_k_scale_min(device const uchar* s, uint j, thread int& sc, thread int& mn) {
-  uint q0 = s[j & 3];        // j < 4: the scale's 6 bits; else the scale's top 2 bits
-  uint q1 = s[(j & 3) + 4];  // j < 4: the min's 6 bits; else the min's top 2 bits
-  uint q2 = s[(j & 3) + 8];  // j >= 4: the low 4 bits of both
-  bool lo = j < 4;
-  sc = int(lo ? (q0 & 63) : ((q2 & 0xF) | ((q0 >> 2) & 0x30)));
-  mn = int(lo ? (q1 & 63) : ((q2 >> 4) | ((q1 >> 2) & 0x30)));
+  uint hi = j < 4 ? 0 : 1;
+  uint sc_lo = s[j + 4 * hi];  // j < 4: all 6 bits; else the low 4
+  uint sc_hi = s[j & 3];       // j < 4: all 6 bits; else the top 2, at bits 6..7
+  uint mn_lo = s[j + 4];       // j < 4: all 6 bits; else the low 4, at bits 4..7
+  uint mn_hi = s[(j & 3) + 4]; // j < 4: all 6 bits; else the top 2, at bits 6..7
+  sc = int((sc_lo & 0xF) | ((sc_hi >> (2 * hi)) & 0x30));
+  mn = int(((mn_lo >> (4 * hi)) & 0xF) | ((mn_hi >> (2 * hi)) & 0x30));
 }
 
 struct GgufQ4_K : GgufDecoders<GgufQ4_K> {
