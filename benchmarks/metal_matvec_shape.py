@@ -3,10 +3,11 @@
 For decode shapes of SmolLM2-135M (Q4_1) and Gemma-3-270M (Q4_K_M, each tensor in the
 type its file stores) and for every GGUF type at SmolLM2's sizes, runs the mat-vec kernel
 once in the emulator's counting build and reports, for the kernel of this checkout ("new")
-and the one of a git revision ("old", default main):
+and the one of a git revision ("old", default 56e8e2f: one weight row per simdgroup, lanes
+striding over its 16-weight chunks):
 
-- unique / min: distinct device bytes over the launch / (weights + x + y), i.e. DRAM
-  traffic with perfect caches against the floor;
+- unique / weights, unique / min: distinct device bytes over the launch / the weight
+  bytes, / (weights + x + y), i.e. DRAM traffic with perfect caches against the floor;
 - x reads: bytes of x loaded by all lanes / bytes of x, i.e. how often x comes back
   from cache;
 - lane use: device loads summed over lanes / (32 x the busiest lane's, per simdgroup);
@@ -38,6 +39,7 @@ DOC = ROOT / "docs" / "kernels.md"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from doc_sections import write_section  # noqa: E402
 
+OLD_REV = "56e8e2f"  # the last revision with one weight row per simdgroup
 DTYPE = "float16"  # both models serve in float16 or bfloat16: 2-byte x and y
 
 # (model, tensor(s), type in the file, n, k, rows in the file when sampled)
@@ -95,8 +97,10 @@ def _stats(counts, case: kt.Case, x_index: int, args_index: int) -> dict:
     counts.excluded = (args_index,)
     dev = counts.device
     x_bytes = case.arrays[0].nbytes
+    unique = dev.read_unique + dev.written_unique
     return {
-        "unique": (dev.read_unique + dev.written_unique) / case.minimum,
+        "unique_w": unique / case.arrays[1].nbytes,
+        "unique": unique / case.minimum,
         "x_reads": counts.buffers[x_index].read / x_bytes,
         "lane_use": counts.lane_use,
     }
@@ -122,10 +126,12 @@ def _cell(r: dict, key: str, fmt: str) -> str:
 
 def table(rows: list[dict], first: list[str], old_rev: str | None) -> str:
     vs = f" ({old_rev} → this kernel)" if old_rev else ""
-    head = first + ["shape", f"unique / min{vs}", f"x reads{vs}", f"lane use{vs}"]
+    head = first + ["shape", f"unique / weights{vs}", f"unique / min{vs}", f"x reads{vs}",
+                    f"lane use{vs}"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = r["first"] + [r["shape"], _cell(r, "unique", ".3f"), _cell(r, "x_reads", ".1f"),
+        cells = r["first"] + [r["shape"], _cell(r, "unique_w", ".3f"), _cell(r, "unique", ".3f"),
+                              _cell(r, "x_reads", ".1f"),
                               _cell(r, "lane_use", ".3f")]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
@@ -133,7 +139,7 @@ def table(rows: list[dict], first: list[str], old_rev: str | None) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--old", default="main", help="git revision of the old kernel ('' to skip)")
+    ap.add_argument("--old", default=OLD_REV, help="git revision of the old kernel ('' to skip)")
     ap.add_argument("--m", type=int, default=1, help="x rows (decode batch)")
     ap.add_argument("--no-write", action="store_true", help="print only, leave docs/kernels.md")
     a = ap.parse_args()
