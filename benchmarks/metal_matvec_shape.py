@@ -140,33 +140,37 @@ def table(rows: list[dict], first: list[str], old_rev: str | None) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--old", default=OLD_REV, help="git revision of the old kernel ('' to skip)")
-    ap.add_argument("--m", type=int, default=1, help="x rows (decode batch)")
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 4],
+                    help="x rows (decode batch) of the model tables; the type table takes the first")
     ap.add_argument("--no-write", action="store_true", help="print only, leave docs/kernels.md")
     a = ap.parse_args()
     old = OldKernel(a.old) if a.old else None
-    model_rows = []
-    for model, tensor, qtype, n, k, full in MODEL_CASES:
-        r = measure(qtype, n, k, a.m, old)
-        rows = f"{n} of {full}" if full else str(n)
-        r["first"] = [model, tensor, qtype, f"{rows} x {k}"]
-        model_rows.append(r)
-        print(model, tensor, r, flush=True)
+    rev = a.old or None
+    parts = [f"Counted in the emulator (counting build), {DTYPE} x; shape = lanes per weight row x "
+             "rows per lane x weights per piece. Produced by", "",
+             "    .venv/bin/python benchmarks/metal_matvec_shape.py"
+             + ("" if a.m == [1, 4] else " --m " + " ".join(map(str, a.m))), ""]
+    for m in a.m:
+        model_rows = []
+        for model, tensor, qtype, n, k, full in MODEL_CASES:
+            r = measure(qtype, n, k, m, old)
+            rows = f"{n} of {full}" if full else str(n)
+            r["first"] = [model, tensor, qtype, f"{rows} x {k}"]
+            model_rows.append(r)
+            print(m, model, tensor, r, flush=True)
+        parts += [f"m = {m}:", "", table(model_rows, ["model", "tensor", "type", "n x k"], rev), ""]
     type_rows = []
     for qtype in TYPES:
         for n, k in TYPE_SHAPES:
             if k % _block(qtype):
                 continue  # 256-weight super-blocks do not tile k = 576
-            r = measure(qtype, n, k, a.m, old)
+            r = measure(qtype, n, k, a.m[0], old)
             r["first"] = [qtype, f"{n} x {k}"]
             type_rows.append(r)
             print(qtype, n, k, r, flush=True)
-    cmd = "    .venv/bin/python benchmarks/metal_matvec_shape.py" + (f" --m {a.m}" if a.m != 1 else "")
-    body = "\n".join([
-        f"Counted in the emulator (counting build), m = {a.m}, {DTYPE} x; shape = lanes per "
-        "weight row x rows per lane x weights per piece. Produced by", "", cmd, "",
-        table(model_rows, ["model", "tensor", "type", "n x k"], a.old or None), "",
-        "Every type at SmolLM2's sizes (the 256-weight super-block types skip k = 576):", "",
-        table(type_rows, ["type", "n x k"], a.old or None)])
+    parts += [f"Every type at SmolLM2's sizes, m = {a.m[0]} (the 256-weight super-block types skip "
+              "k = 576):", "", table(type_rows, ["type", "n x k"], rev)]
+    body = "\n".join(parts)
     print(body)
     if not a.no_write:
         write_section(DOC, "metal_matvec_shape", body, heading="Metal mat-vec: shape and lane use")

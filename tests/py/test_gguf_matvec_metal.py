@@ -104,9 +104,10 @@ def test_eight_weight_pieces_of_every_decoder(t):
 
 
 def lane_use(case) -> float:
-    launches = kt.measure(case).launches
-    assert len(launches) == 1 and launches[0].kernel.startswith("gguf_matvec")
-    return launches[0].lane_use
+    traffic = kt.measure(case)
+    assert len(traffic.launches) == 1 and traffic.launches[0].kernel.startswith("gguf_matvec")
+    assert traffic.lane_use == traffic.launches[0].lane_use
+    return traffic.lane_use
 
 
 @needs_emulator
