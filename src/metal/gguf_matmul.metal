@@ -4,7 +4,7 @@
 // 32 / lanes_per_row x rows_per_lane weight rows (the host picks both and the piece size
 // from k, so every lane walks as many pieces as its siblings); 2 simdgroups per
 // threadgroup; grid y walks
-// groups of 8 x rows, each weight chunk decoded once for all of them. The sum order of
+// groups of 8 x rows, each weight piece decoded once for all of them. The sum order of
 // an x row depends on k alone, so batch-invariant mode runs this kernel for every m.
 //
 // gguf_matmul (prefill): 32 x 32 output tile per threadgroup of 4 simdgroups
@@ -55,7 +55,7 @@ kernel void gguf_matvec(
                               args.chunks, lanes_per_row, l, acc);
   }
   gguf_mv_reduce(acc, rows_per_lane, xrows, lanes_per_row);
-  if (l.chunk == 0) {  // one lane of each group stores its rows
+  if (l.piece == 0) {  // one lane of each group stores its rows
     for (uint r = 0; r < l.rows; ++r) {
       for (uint i = 0; i < xrows; ++i) {
         y[i * args.y_row_stride + l.row0 + r] = T(acc[r][i]);

@@ -24,11 +24,11 @@ using namespace metal;
 constant constexpr uint kGgufMvMaxX = 8;        // x rows per weight decode
 constant constexpr uint kGgufMvMaxRowsPerLane = 4;
 
-// Where a lane sits: its rows [row0, row0 + rows) and its first chunk.
+// Where a lane sits: its rows [row0, row0 + rows) and its first piece.
 struct GgufMvLane {
   uint row0;   // first weight row of the lane's group
   uint rows;   // rows of the group that exist (< rows_per_lane at the end of W)
-  uint chunk;  // the lane's first piece (its index in the group)
+  uint piece;  // the lane's first piece (its index in the group)
 };
 
 inline GgufMvLane gguf_mv_lane(uint sg_row0, uint n, uint lanes_per_row, uint rows_per_lane,
@@ -36,18 +36,18 @@ inline GgufMvLane gguf_mv_lane(uint sg_row0, uint n, uint lanes_per_row, uint ro
   GgufMvLane l;
   l.row0 = sg_row0 + (lane / lanes_per_row) * rows_per_lane;
   l.rows = l.row0 < n ? min(rows_per_lane, n - l.row0) : 0;
-  l.chunk = lane % lanes_per_row;
+  l.piece = lane % lanes_per_row;
   return l;
 }
 
 // acc[r][i] += this lane's share of W[l.row0 + r] . x[i], i < xrows, walking the row in
-// pieces of P = 16 or 8 weights (pieces: ceil(k / P); l.chunk and step count pieces).
+// pieces of P = 16 or 8 weights (pieces: ceil(k / P); l.piece and step count pieces).
 template <typename Q, typename T, uint P>
 inline void gguf_mv_partial(device const uchar* w, ulong w_row_bytes, device const T* x,
                             ulong x_row_stride, uint xrows, uint k, uint pieces, uint step,
                             GgufMvLane l, thread float (&acc)[kGgufMvMaxRowsPerLane][kGgufMvMaxX]) {
   device const uchar* wr = w + ulong(l.row0) * w_row_bytes;
-  for (uint c = l.chunk; c < pieces; c += step) {
+  for (uint c = l.piece; c < pieces; c += step) {
     float v[kGgufMvMaxRowsPerLane][P];
     for (uint r = 0; r < l.rows; ++r) {
       if (P == 16) {
