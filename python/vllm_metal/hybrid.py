@@ -22,12 +22,12 @@ which is what vLLM's own accounting assumes.
 
 from __future__ import annotations
 
-import logging
 
 import mlx.core as mx
 import numpy as np
+from vllm_metal.log import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 

@@ -55,6 +55,14 @@ class Traffic:
         return self.simd / self.case.minimum
 
     @property
+    def lane_use(self) -> float:
+        """Lane utilisation over all launches (mslemu LaunchCounts.lane_use): device loads
+        summed over lanes / 32 x the busiest lane's per simdgroup; 1.0: no lane idled."""
+        dev = [c.device for c in self.launches]
+        slots = sum(d.lane_load_slots for d in dev)
+        return sum(d.lane_loads for d in dev) / slots if slots else 1.0
+
+    @property
     def total_ratio(self) -> float:
         """total / minimum: >1 means bytes read or written more than once."""
         return self.total / self.case.minimum

@@ -19,7 +19,6 @@ and step N+1's inputs take N's tokens from the lazy MLX array (input_sources).
 from __future__ import annotations
 
 import collections
-import logging
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -31,8 +30,9 @@ from vllm_metal.models import AttentionContext, load_model
 from vllm_metal.models.linear_choice import model_runs_on_gpu
 from vllm_metal.sampling import Sampler, SamplingTable, gather_batch
 from vllm_metal.sampling.prompt_logprobs import PromptLogprobs
+from vllm_metal.log import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _TORCH_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32"}
 
@@ -67,6 +67,7 @@ class MetalModelRunner:
         self.sampler = None
         self.hybrid = None  # hybrid.HybridState for models with linear-attention layers
         self.attention_group = 0  # the KV-cache group of the attention layers
+        self.kv_cache_description = "not allocated"  # for the startup summary
 
     # ---- setup ------------------------------------------------------------------
     def load_model(self) -> None:
@@ -158,8 +159,9 @@ class MetalModelRunner:
             max_model_len=self.model_config.max_model_len,
             kv_groups=[_core.KvGroupSpec(block_size, num_blocks=num_blocks)],
         )
-        logger.info("vllm-metal KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, block_size,
-                    2 * spec.num_layers * np.prod(shape) * (4 if spec.dtype == "float32" else 2) / 2**20)
+        kv_bytes = 2 * spec.num_layers * np.prod(shape) * (4 if spec.dtype == "float32" else 2)
+        self.kv_cache_description = (f"{num_blocks} blocks of {block_size} tokens "
+                                     f"({num_blocks * block_size} tokens, {kv_bytes / 2**20:.1f} MiB)")
 
     def _initialize_hybrid_cache(self, kv_cache_config) -> None:
         """Paged KV for the attention layers (their group's block size), state slots for
@@ -184,10 +186,11 @@ class MetalModelRunner:
             kv_groups=self.hybrid.packer_groups(kv_cache_config, num_blocks),
         )
         kv_bytes = 2 * len(attention) * np.prod(shape) * (4 if spec.dtype == "float32" else 2)
-        logger.info("vllm-metal hybrid cache: %d blocks of %d tokens for %d attention layers "
-                    "(%.1f MiB), %d state slots for %d linear-attention layers (%.1f MiB)",
-                    num_blocks, block_size, len(attention), kv_bytes / 2**20, self.hybrid.num_slots,
-                    len(self.loaded.hybrid.linear_layers), self.state_memory_bytes() / 2**20)
+        self.kv_cache_description = (
+            f"{num_blocks} blocks of {block_size} tokens for {len(attention)} attention layers "
+            f"({kv_bytes / 2**20:.1f} MiB), {self.hybrid.num_slots} state slots for "
+            f"{len(self.loaded.hybrid.linear_layers)} linear-attention layers "
+            f"({self.state_memory_bytes() / 2**20:.1f} MiB)")
 
     def warm_up(self) -> None:
         """One tiny forward so the first request does not pay one-time costs."""

@@ -8,17 +8,19 @@ check_and_update_config.
 
 from __future__ import annotations
 
-import logging
+import contextlib
 from typing import TYPE_CHECKING
 
 import psutil
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
+from vllm_metal.log import get_logger
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # The attention backend vLLM's selector sees. Our runner never builds vLLM's
 # attention layers; the class only answers capability questions.
@@ -76,6 +78,18 @@ class MetalPlatform(Platform):
     @classmethod
     def set_device(cls, device: torch.device) -> None:
         return None
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        # vLLM's base class imports vllm._C (its CUDA or CPU custom ops) and warns when it
+        # is absent, as in PyPI's Linux wheel. Nothing here calls those ops: our kernels
+        # come with vllm_metal._core, loaded when the worker builds the model.
+        try:
+            import vllm._C  # noqa: F401
+        except ImportError:
+            logger.debug("vllm._C is not installed; vllm-metal does not use vLLM's custom ops")
+        with contextlib.suppress(ImportError):
+            import vllm._moe_C_stable_libtorch  # noqa: F401
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:

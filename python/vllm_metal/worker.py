@@ -9,7 +9,6 @@ budget; the runner owns the model, the KV pool and the batch.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from dataclasses import dataclass
@@ -18,7 +17,10 @@ import psutil
 import torch
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-logger = logging.getLogger(__name__)
+from vllm_metal.log import get_logger
+from vllm_metal.startup_summary import summary
+
+logger = get_logger(__name__)
 
 # Apple: Metal memory the budget leaves free besides the weights: a step's activations,
 # MLX's buffer cache and the driver's own allocations share the working set with them.
@@ -88,6 +90,7 @@ class MetalWorker(WorkerBase):
         from vllm_metal.model_runner import MetalModelRunner
 
         self.device = torch.device("cpu")
+        self._kv_budget = "not measured"  # determine_available_memory fills it in
         self._init_single_process_distributed()
         self.model_runner = MetalModelRunner(self.vllm_config)
 
@@ -134,7 +137,9 @@ class MetalWorker(WorkerBase):
             logger.info("vllm-metal: %d bytes of the KV-cache budget go to state slots", state)
         memory = DeviceMemory.measure()
         budget = memory.kv_cache_budget(cache.gpu_memory_utilization, cache.kv_cache_memory_bytes, state)
-        logger.info("vllm-metal KV-cache budget %.2f GiB (%s)", budget / 2**30, memory)
+        source = "--kv-cache-memory-bytes" if cache.kv_cache_memory_bytes else (
+            f"--gpu-memory-utilization {cache.gpu_memory_utilization} of {memory}")
+        self._kv_budget = f"{budget / 2**30:.2f} GiB ({source})"
         return budget
 
     def initialize_from_config(self, kv_cache_config) -> None:
@@ -143,7 +148,8 @@ class MetalWorker(WorkerBase):
     def compile_or_warm_up_model(self) -> CompilationTimes:
         start = time.perf_counter()
         self.model_runner.warm_up()
-        logger.info("vllm-metal warm-up took %.2f s", time.perf_counter() - start)
+        logger.info("%s\n  warm-up took %.2f s", summary(self.model_runner, self._kv_budget),
+                    time.perf_counter() - start)
         return CompilationTimes(language_model=0.0, encoder=0.0)
 
     def get_supported_tasks(self):

@@ -1,10 +1,11 @@
 // y[m, n] = x[m, k] @ W[n, k]^T with W in GGUF block form.
 //
-// gguf_matvec (decode rows): one simdgroup per weight row; lanes walk the
-// row's 16-weight chunks, decode each once and dot it with up to 8 x rows;
-// simd_sum reduces. 4 simdgroups (4 weight rows) per threadgroup; grid y walks
-// groups of 8 x rows. Every x row is summed in the same order wherever it
-// sits, so batch-invariant mode runs this kernel for every m.
+// gguf_matvec (decode rows): the loop of gguf_matvec_core.h. Each simdgroup owns
+// 32 / lanes_per_row x rows_per_lane weight rows (the host picks both and the piece size
+// from k, so every lane walks as many pieces as its siblings); 2 simdgroups per
+// threadgroup; grid y walks
+// groups of 8 x rows, each weight piece decoded once for all of them. The sum order of
+// an x row depends on k alone, so batch-invariant mode runs this kernel for every m.
 //
 // gguf_matmul (prefill): 32 x 32 output tile per threadgroup of 4 simdgroups
 // (each a 16 x 16 quarter = 2 x 2 simdgroup 8x8 float matrices). Per 32-wide
@@ -12,12 +13,12 @@
 // float32; out-of-range rows and columns are zero-filled, stores are guarded.
 #include <metal_stdlib>
 #include "gguf_blocks.h"
+#include "gguf_matvec_core.h"
 #include "gguf_matmul_args.h"
 
 using namespace metal;
 
-constant constexpr uint kMatvecMaxRows = 8;
-constant constexpr uint kMatvecRowsPerTg = 4;
+constant constexpr uint kMatvecSimdgroups = 2;
 constant constexpr uint kTile = 32;
 
 template <typename Q, typename T>
@@ -29,36 +30,36 @@ kernel void gguf_matvec(
     uint2 tgp [[threadgroup_position_in_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  uint row = tgp.x * kMatvecRowsPerTg + sg;
-  uint x0 = tgp.y * kMatvecMaxRows;  // first x row of this group
-  if (row >= args.n || x0 >= args.m) {
+  const uint lanes_per_row = args.lanes_per_row;
+  const uint rows_per_lane = args.rows_per_lane;
+  uint sg_row0 = (tgp.x * kMatvecSimdgroups + sg) * (32 / lanes_per_row) * rows_per_lane;
+  uint x0 = tgp.y * kGgufMvMaxX;  // first x row of this group
+  if (sg_row0 >= args.n || x0 >= args.m) {
     return;  // whole simdgroup; no barriers in this kernel
   }
-  uint rows = min(kMatvecMaxRows, args.m - x0);
+  uint xrows = min(kGgufMvMaxX, args.m - x0);
   x += ulong(x0) * args.x_row_stride;
   y += ulong(x0) * args.y_row_stride;
-  device const uchar* wr = w + ulong(row) * args.w_row_bytes;
-  float acc[kMatvecMaxRows];
-  for (uint i = 0; i < kMatvecMaxRows; ++i) {
-    acc[i] = 0.0f;
-  }
-  for (uint c = lane; c < args.chunks; c += 32) {
-    float v[16];
-    Q::decode16(wr, c, args.k, v);
-    uint n_valid = min(16u, args.k - 16 * c);
-    for (uint i = 0; i < rows; ++i) {
-      device const T* xr = x + i * args.x_row_stride + 16 * c;
-      float s = 0.0f;
-      for (uint j = 0; j < n_valid; ++j) {
-        s = fma(v[j], float(xr[j]), s);  // an explicit chain: fast math cannot reorder it
-      }
-      acc[i] += s;
+  GgufMvLane l = gguf_mv_lane(sg_row0, args.n, lanes_per_row, rows_per_lane, lane);
+  float acc[kGgufMvMaxRowsPerLane][kGgufMvMaxX];
+  for (uint r = 0; r < kGgufMvMaxRowsPerLane; ++r) {
+    for (uint i = 0; i < kGgufMvMaxX; ++i) {
+      acc[r][i] = 0.0f;
     }
   }
-  for (uint i = 0; i < rows; ++i) {
-    float total = simd_sum(acc[i]);
-    if (lane == 0) {
-      y[i * args.y_row_stride + row] = T(total);
+  if (args.piece == 8) {
+    gguf_mv_partial<Q, T, 8>(w, args.w_row_bytes, x, args.x_row_stride, xrows, args.k,
+                             (args.k + 7) / 8, lanes_per_row, l, acc);
+  } else {
+    gguf_mv_partial<Q, T, 16>(w, args.w_row_bytes, x, args.x_row_stride, xrows, args.k,
+                              args.chunks, lanes_per_row, l, acc);
+  }
+  gguf_mv_reduce(acc, rows_per_lane, xrows, lanes_per_row);
+  if (l.piece == 0) {  // one lane of each group stores its rows
+    for (uint r = 0; r < l.rows; ++r) {
+      for (uint i = 0; i < xrows; ++i) {
+        y[i * args.y_row_stride + l.row0 + r] = T(acc[r][i]);
+      }
     }
   }
 }

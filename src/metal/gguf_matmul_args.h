@@ -16,10 +16,15 @@ struct GgufMatmulArgs {
   uint32_t n;            // weight rows = outputs per x row
   uint32_t k;            // weights per row
   uint32_t chunks;       // 16-weight chunks per weight row: ceil(k / 16)
+  uint32_t lanes_per_row;  // mat-vec: lanes sharing a weight row (divides 32 and the pieces)
+  uint32_t rows_per_lane;  // mat-vec: weight rows each lane decodes (<= 4)
+  uint32_t piece;          // mat-vec: weights per piece a lane decodes at once (16 or 8)
+  uint32_t pad_;
 };
 
 #ifndef __METAL_VERSION__
-static_assert(sizeof(GgufMatmulArgs) == 40, "GgufMatmulArgs layout must match the shader");
+static_assert(sizeof(GgufMatmulArgs) == 56, "GgufMatmulArgs layout must match the shader");
 static_assert(offsetof(GgufMatmulArgs, m) == 24, "GgufMatmulArgs layout must match the shader");
 static_assert(offsetof(GgufMatmulArgs, chunks) == 36, "GgufMatmulArgs layout must match the shader");
+static_assert(offsetof(GgufMatmulArgs, piece) == 48, "GgufMatmulArgs layout must match the shader");
 #endif

@@ -240,7 +240,7 @@ def test_plans_with_the_switch(metal):
     from vllm_metal import _core
 
     (l,) = _core.plan_gguf_matmul("Q4_K", "float16", 100, 64, 512)
-    assert l.kernel == "gguf_matvec_q4_k_float16" and list(l.grid) == [16, 13, 1]
+    assert l.kernel == "gguf_matvec_q4_k_float16" and list(l.grid) == [8, 13, 1]
     # one decode-kernel launch over all 30 query tokens, with as many partitions as the
     # longest context spans (each row takes its own), whatever the number of rows
     for num_decode in (1, 30):

@@ -135,10 +135,13 @@ def test_empty_inputs_give_empty_output():
 
 def test_plans_choose_matvec_up_to_8_rows():
     (l,) = _core.plan_gguf_matmul("Q4_K", "float16", 8, 100, 512)
-    assert l.kernel == "gguf_matvec_q4_k_float16" and list(l.grid) == [25, 1, 1]
+    # k = 512: 32 lanes per row, 4 rows per lane, 2 simdgroups = 8 weight rows per threadgroup
+    assert _core.gguf_matvec_shape(512) == (32, 4, 16)
+    assert l.kernel == "gguf_matvec_q4_k_float16" and list(l.grid) == [13, 1, 1]
+    assert list(l.threadgroup) == [64, 1, 1] and len(l.args) == 56
     assert [(b.index, b.array_slot) for b in l.buffers] == [(0, 1), (1, 0), (2, 2)]
     (l,) = _core.plan_gguf_matmul("Q4_K", "float16", 9, 100, 512)
     assert l.kernel == "gguf_matmul_q4_k_float16" and list(l.grid) == [4, 1, 1]
-    assert list(l.threadgroup) == [128, 1, 1] and len(l.args) == 40
+    assert list(l.threadgroup) == [128, 1, 1] and len(l.args) == 56
     (l,) = _core.plan_gguf_dequantize("IQ3_S", "bfloat16", 3, 512)
     assert l.kernel == "gguf_dequantize_iq3_s_bfloat16" and l.grid[0] * 256 >= 3 * 32

@@ -174,6 +174,18 @@ def gguf_matvec_row_groups():
     gguf(T.Q6_K, 20, 9, 256)
 
 
+def gguf_matvec_lane_shapes():
+    # every mat-vec simdgroup shape (lanes per row 1..32, 1..4 rows per lane, 16- and
+    # 8-weight pieces), ragged n so the last simdgroup's lanes hold fewer rows or none, 1
+    # and 2 groups of x rows
+    for t, k, shape in [(T.F32, 13, (1, 1, 16)), (T.Q8_0, 32, (2, 1, 16)), (T.F32, 56, (4, 1, 16)),
+                        (T.Q8_0, 576, (8, 2, 8)), (T.Q8_0, 640, (16, 4, 8)),
+                        (T.Q8_0, 768, (16, 4, 16)), (T.Q8_0, 1024, (32, 4, 16))]:
+        assert _core.gguf_matvec_shape(k) == shape
+        for m, n in [(3, 13), (9, 37)]:
+            gguf(t, m, n, k)
+
+
 # case -> (the src/metal sources it must launch, the case)
 CASES = {
     "rms_norm": ({"rms_norm"}, lambda: sources.test_rms_norm_launches_on_numpy(3, 33, "float16", True)),
@@ -199,6 +211,7 @@ for _t in SUPPORTED:  # mat-vec (up to 8 rows) and mat-mat, every type
     _k = 2 * block_size(_t) if block_size(_t) > 1 else 13
     CASES[f"gguf_{_t.name.lower()}"] = ({"gguf_dequantize", "gguf_matmul"},
                                        lambda t=_t, k=_k: (gguf(t, 3, 9, k), gguf(t, 9, 7, k)))
+CASES["gguf_matvec_lane_shapes"] = ({"gguf_dequantize", "gguf_matmul"}, gguf_matvec_lane_shapes)
 CASES["gguf_q4_0_two_row_tiles"] = ({"gguf_dequantize", "gguf_matmul"}, lambda: gguf(SUPPORTED[0], 33, 37, 64))
 
 

@@ -181,3 +181,39 @@ def test_engine_survives_a_client_that_disconnects_mid_stream(server):
                 break  # closes the connection mid-stream
     assert server.alive()
     assert server.complete(PROMPTS[4], max_tokens=4)["status"] == 200
+
+
+def _generation_tokens(server) -> float:
+    """vllm:generation_tokens_total from the server's /metrics (all label sets summed)."""
+    text = server.client.get("/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
+
+
+def test_vllm_bench_serve_runs_against_our_server(server, tmp_path):
+    """vLLM's own benchmark client (docs/serving.md): every request completes, and the
+    tokens it counts are the ones the server reports generating."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from vllm_metal.models import prepare_gguf_dir
+
+    prompts, out_len = 6, 8
+    before = _generation_tokens(server)
+    cmd = [str(Path(sys.executable).with_name("vllm")), "bench", "serve", "--backend", "openai",
+           "--base-url", server.base, "--model", "smollm2",
+           "--tokenizer", prepare_gguf_dir(smollm2_gguf()),
+           "--dataset-name", "random", "--random-input-len", "24", "--random-output-len", str(out_len),
+           "--num-prompts", str(prompts), "--max-concurrency", "3", "--ignore-eos",
+           "--temperature", "0", "--save-result", "--result-dir", str(tmp_path),
+           "--result-filename", "bench.json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "ERROR" not in r.stdout + r.stderr, r.stderr[-3000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["completed"] == prompts and result["failed"] == 0, result
+    assert result["total_output_tokens"] == prompts * out_len
+    assert _generation_tokens(server) - before == prompts * out_len
+    assert result["mean_ttft_ms"] > 0 and result["mean_tpot_ms"] > 0

@@ -4,6 +4,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
@@ -215,6 +216,15 @@ void bind_gguf(nb::module_& m) {
         return vm::plan_gguf_matmul({to_type(type), parse_float_dtype(dtype), m, n, k});
       },
       "type"_a, "dtype"_a, "m"_a, "n"_a, "k"_a, "Kernel launches of gguf_matmul.");
+  m.def(
+      "gguf_matvec_shape",
+      [](int64_t k) {
+        vm::GgufMatvecShape s = vm::gguf_matvec_shape(k);
+        return std::make_tuple(s.lanes_per_row, s.rows_per_lane, s.piece);
+      },
+      "k"_a,
+      "(lanes_per_row, rows_per_lane, piece) of the Metal mat-vec kernel for rows of k "
+      "weights: lanes sharing a weight row, weight rows per lane, weights per piece.");
 }
 
 }  // namespace vllm_metal::bindings

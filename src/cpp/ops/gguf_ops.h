@@ -41,7 +41,19 @@ struct GgufDequantizeProblem {
   int64_t cols = 0;
 };
 
-constexpr int64_t kGgufMetalMatvecMaxRows = 8;  // gguf_matmul.metal kMatvecMaxRows
+constexpr int64_t kGgufMetalMatvecMaxRows = 8;  // gguf_matvec_core.h kGgufMvMaxX
+
+// How the mat-vec kernel spreads a weight row over a simdgroup (gguf_matvec_core.h):
+// lanes_per_row lanes share a row, each taking every lanes_per_row-th piece of `piece`
+// weights (lanes_per_row divides the piece count, so no lane idles); each lane decodes
+// rows_per_lane rows (each x value loaded once for all of them).
+struct GgufMatvecShape {
+  uint32_t lanes_per_row = 32;
+  uint32_t rows_per_lane = 4;
+  uint32_t piece = 16;
+  uint32_t rows_per_simdgroup() const { return 32 / lanes_per_row * rows_per_lane; }
+};
+GgufMatvecShape gguf_matvec_shape(int64_t k);
 
 struct GgufMatmulProblem {
   gguf::GGMLType type = gguf::GGMLType::kF32;

@@ -41,3 +41,18 @@ kernel void tg_sum(device const float* x [[buffer(0)]], device float* out [[buff
     }
     threadgroup_barrier(mem_flags::mem_none);
 }
+
+// One simdgroup sums n floats, lane l taking x[l], x[l + 32], ...: for n not a multiple
+// of 32 the last pass leaves lanes idle (lane utilisation < 1).
+kernel void strided_sum(device const float* x [[buffer(0)]], device float* out [[buffer(1)]],
+                        constant uint& n [[buffer(2)]], uint lane [[thread_index_in_simdgroup]]) {
+    uint count = n;
+    float s = 0.0f;
+    for (uint i = lane; i < count; i += 32) {
+        s += x[i];
+    }
+    s = simd_sum(s);
+    if (lane == 0) {
+        out[0] = s;
+    }
+}

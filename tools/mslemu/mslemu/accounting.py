@@ -20,7 +20,7 @@ class _BufferCounts(ctypes.Structure):
     # mirrors mslemu_buffer_counts
     _fields_ = [(n, ctypes.c_uint64) for n in ("read", "written", "read_unique", "written_unique",
                                                "read_tg_unique", "written_tg_unique", "read_simd",
-                                               "written_simd")]
+                                               "written_simd", "lane_loads", "lane_load_slots")]
 
 
 class _Counts(ctypes.Structure):
@@ -29,7 +29,7 @@ class _Counts(ctypes.Structure):
         "threads", "threadgroups", "simdgroups", "threadgroup_memory", "threadgroup_read",
         "threadgroup_written", "barriers", "simd_ops", "matrix_loads", "matrix_stores", "matrix_macs")] + [
         ("n_buffers", ctypes.c_uint32), ("pad_", ctypes.c_uint32),
-        ("buffers", _BufferCounts * MAX_BUFFERS)]
+        ("buffers", _BufferCounts * MAX_BUFFERS), ("uneven_simdgroups", ctypes.c_uint64)]
 
 
 @dataclasses.dataclass
@@ -44,6 +44,8 @@ class BufferCounts:
     written_tg_unique: int = 0
     read_simd: int = 0        # like read/written, a simdgroup's broadcast load counted once
     written_simd: int = 0
+    lane_loads: int = 0       # loads (not bytes) summed over lanes
+    lane_load_slots: int = 0  # per simdgroup 32 x its busiest lane's loads, summed
 
     def __iadd__(self, o):
         for f in dataclasses.fields(self):
@@ -68,6 +70,7 @@ class LaunchCounts:
     matrix_stores: int
     matrix_macs: int             # simdgroup matrix multiply-accumulates (scalar MACs)
     buffers: dict                # [[buffer(i)]] -> BufferCounts
+    uneven_simdgroups: int = 0   # simdgroups whose lanes did not all load a buffer equally often
     excluded: tuple = ()         # buffer indices left out of `device` (set by the host)
     slots: dict = dataclasses.field(default_factory=dict)  # [[buffer(i)]] -> host array (host's)
 
@@ -78,6 +81,14 @@ class LaunchCounts:
             if i not in self.excluded:
                 total += b
         return total
+
+    @property
+    def lane_use(self):
+        """Lane utilisation over the buffers in `device`: loads summed over lanes / (32 x the
+        busiest lane's loads, per simdgroup and buffer). 1.0: no lane idled while a sibling
+        loaded; a lane that sits out one of 2 passes over a buffer costs 1/64."""
+        d = self.device
+        return d.lane_loads / d.lane_load_slots if d.lane_load_slots else 1.0
 
     @property
     def barriers_per_thread(self):
@@ -99,4 +110,4 @@ def read_counts(lib, kernel, n_buffers):
         b = c.buffers[i]
         bufs[i] = BufferCounts(*(getattr(b, f) for f, _ in _BufferCounts._fields_))
     scalars = [getattr(c, f) for f, _ in _Counts._fields_[:11]]
-    return LaunchCounts(kernel, *scalars, bufs)
+    return LaunchCounts(kernel, *scalars, bufs, uneven_simdgroups=c.uneven_simdgroups)

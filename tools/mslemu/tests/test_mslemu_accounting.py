@@ -62,3 +62,29 @@ def test_simdgroup_broadcasts_count_once_per_simdgroup(counted, strict_env):
     assert c.buffers[2].read_simd == 4 * 4  # 4 simdgroups
     assert c.buffers[0].read_simd == c.buffers[0].read
     assert c.buffers[1].written_simd == c.buffers[1].written
+
+
+@pytest.mark.parametrize("n, idle", [(64, False), (36, True), (40, True), (96, False)])
+def test_lane_use_finds_idle_lanes(counted, strict_env, n, idle):
+    x, out = np.arange(n, dtype=np.float32), np.zeros(1, np.float32)
+    c = counted.dispatch_threadgroups("strided_sum", (1,), (32,), [x, out, np.uint32(n)])
+    assert out[0] == x.sum()
+    # lane l loads x[l], x[l + 32], ...: lanes past n % 32 sit out the last pass
+    passes = -(-n // 32)
+    bx, bn = c.buffers[0], c.buffers[2]
+    assert (bx.lane_loads, bx.lane_load_slots) == (n, 32 * passes)
+    assert bn.lane_loads == bn.lane_load_slots == 32  # every lane loads n once
+    assert (c.lane_use < 1.0) == idle and c.uneven_simdgroups == int(idle)
+    assert c.lane_use == pytest.approx((32 + n) / (32 * (1 + passes)))
+    c.excluded = (2,)  # a host leaves out its args struct: x alone
+    assert c.lane_use == pytest.approx(n / (32 * passes))
+
+
+def test_lane_use_counts_lanes_missing_from_a_partial_simdgroup(counted, strict_env):
+    # 100 threads in threadgroups of 32: the last simdgroup has 4 lanes, 28 idle
+    n = 100
+    x, y = np.arange(n, dtype=np.float32), np.zeros(n, np.float32)
+    c = counted.dispatch_threads("neighbours", (n,), (32,), [x, y, np.uint32(n)])
+    bx = c.buffers[0]
+    assert bx.lane_loads == 2 * n and bx.lane_load_slots == 4 * 32 * 2
+    assert c.lane_use == pytest.approx(100 / 128) and c.uneven_simdgroups == 1

@@ -75,6 +75,9 @@ typedef struct mslemu_buffer_counts {
   uint64_t read_simd, written_simd;             /* like read/written, but lanes of a simdgroup
                                                    loading the same address in the same (n-th)
                                                    access count once: a broadcast */
+  uint64_t lane_loads, lane_load_slots;         /* lane utilisation: loads summed over lanes, and
+                                                   per simdgroup 32 x its busiest lane's loads,
+                                                   summed (equal: no lane waited on a sibling) */
 } mslemu_buffer_counts;
 
 typedef struct mslemu_counts {
@@ -88,6 +91,7 @@ typedef struct mslemu_counts {
   uint32_t n_buffers;
   uint32_t pad_;
   mslemu_buffer_counts buffers[MSLEMU_MAX_COUNTED_BUFFERS];
+  uint64_t uneven_simdgroups;     /* simdgroups whose lanes did not all load a buffer equally often */
 } mslemu_counts;
 typedef const mslemu_counts *(*mslemu_last_counts_fn)(void);
 

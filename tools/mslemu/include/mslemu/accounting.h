@@ -67,6 +67,7 @@ MSLEMU_NOASAN inline void acct_access(uintptr_t a, size_t n, bool write) {
   for (uint32_t i = 0; i < A->n_bufs; ++i) {
     AcctBuf &b = A->bufs[i];
     if (a < b.base || a >= b.end) continue;
+    if (!write) ++tl_fiber->acct_loads[i];  // lane utilisation counts muted lanes' loads too
     if (mute) {  // keep this lane's access ordinals aligned with the leader's
       ++tl_fiber->acct_seq;
       break;
@@ -108,6 +109,28 @@ MSLEMU_NOASAN inline void acct_access(uintptr_t a, size_t n, bool write) {
     break;  // an address bound twice counts for the first binding
   }
   A->busy = false;
+}
+
+// Lane utilisation of a finished threadgroup: per simdgroup and buffer, the device loads
+// of its lanes against 32 x its busiest lane's.  The lanes of a simdgroup issue together,
+// so a lane with fewer loads than the busiest (or a lane missing from a partial
+// simdgroup) idled while its siblings loaded.  Per buffer, so a host can leave out its
+// args struct; generic: it needs nothing from the kernel.
+inline void acct_lanes(Acct &A, const Fiber *fibers, uint32_t T) {
+  for (uint32_t s0 = 0; s0 < T; s0 += kSimdWidth) {
+    bool uneven = false;
+    for (uint32_t b = 0; b < A.n_bufs; ++b) {
+      uint64_t sum = 0, most = 0;
+      for (uint32_t t = s0; t < T && t < s0 + kSimdWidth; ++t) {
+        sum += fibers[t].acct_loads[b];
+        if (fibers[t].acct_loads[b] > most) most = fibers[t].acct_loads[b];
+      }
+      A.c.buffers[b].lane_loads += sum;
+      A.c.buffers[b].lane_load_slots += kSimdWidth * most;
+      uneven |= sum < kSimdWidth * most;
+    }
+    if (uneven) ++A.c.uneven_simdgroups;
+  }
 }
 
 // The buffers of a launch, with per-byte maps sized to them.

@@ -77,6 +77,9 @@ struct Fiber {
   bool in_atomic = false;      // inside an atomic_* function (checked builds: not a race)
   uint32_t fence = 0;          // mem_flags of the pending barrier
   uint32_t acct_seq = 0;       // counting builds: device accesses so far in this threadgroup
+#ifdef MSLEMU_ACCOUNTING
+  uint32_t acct_loads[MSLEMU_MAX_COUNTED_BUFFERS] = {};  // device loads per buffer (lane utilisation)
+#endif
   ThreadCtx ctx{};
 };
 
@@ -437,6 +440,9 @@ static void run_threadgroup(Worker &w, LaunchState &ls, u3 tgpos) {
         f.state = FState::Runnable;
         f.tid = t; f.lane = t % kSimdWidth; f.sg = t / kSimdWidth;
         f.site = 0; f.active_mask = 0; f.acct_seq = 0; f.mute = false; f.in_atomic = false;
+#ifdef MSLEMU_ACCOUNTING
+        memset(f.acct_loads, 0, sizeof f.acct_loads);
+#endif
         ThreadCtx &c = f.ctx;
         c.tpitg = {x, y, z};
         c.tgpig = tgpos;
@@ -533,6 +539,9 @@ static void run_threadgroup(Worker &w, LaunchState &ls, u3 tgpos) {
       return;
     }
   }
+#ifdef MSLEMU_ACCOUNTING
+  if (tl_acct) acct_lanes(*tl_acct, w.fibers.data(), T);
+#endif
 }
 
 static void worker_loop(LaunchState *ls, size_t stack_size) {
