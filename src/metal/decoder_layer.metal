@@ -1,0 +1,412 @@
+// Fused kernels of one decoder layer for small batches (up to 8 rows per
+// threadgroup; grid y walks groups of 8 rows). With paged attention's decode
+// kernel, a llama-family layer is 5 dispatches and a gemma3 layer 6:
+//
+//   layer_qkv       x -> input RMSNorm -> q, k, v (+ bias) -> q/k norm -> rope;
+//                   q to q_out, k and v into the caches at slot_mapping
+//   paged_attention (its own plan)
+//   layer_matvec    o projection: h = x + o (gemma: o alone)
+//   layer_gate_up   [gemma: h = x + attn_out_norm(o)] -> RMSNorm -> gate, up ->
+//                   act(gate) * up (SiLU, or gemma's tanh GELU)
+//   layer_matvec    down projection: out = h + down (gemma: down alone)
+//   layer_add_norm  gemma only: out = h + mlp_out_norm(down)
+//
+// Every value is rounded to T where the per-op kernels round it (the projections'
+// outputs, the bias and residual sums, each norm's output, rope's output), every
+// row's RMS is summed in rms_norm.metal's order (the first `norm_threads` threads
+// stride over the row, simd_sum, then the simdgroups' sums in order) and every
+// mat-vec row in gguf_matvec's order (layer_matvec_core.h). So the fused layer
+// gives the per-op Metal path's bits, except the MLP activation, which is
+// computed in float32 and rounded once, as the CPU's fused layer does. Each
+// threadgroup recomputes its rows' RMS (a few KB at decode sizes) instead of
+// reading a normalised copy. Weight types are function constants (GGML ids).
+#include <metal_stdlib>
+#include "decoder_layer_args.h"
+#include "layer_matvec_core.h"
+#include "rope_turns.h"
+
+using namespace metal;
+
+constant uint fc_type0 [[function_constant(0)]];  // q / gate / the mat-vec's weight
+constant uint fc_type1 [[function_constant(1)]];  // k / up
+constant uint fc_type2 [[function_constant(2)]];  // v
+constant bool fc_bias [[function_constant(3)]];
+constant bool fc_qk_norm [[function_constant(4)]];
+constant bool fc_neox [[function_constant(5)]];
+constant bool fc_residual [[function_constant(6)]];
+constant bool fc_sandwich [[function_constant(7)]];
+constant bool fc_gelu [[function_constant(8)]];
+
+constant constexpr uint kLayerMaxHead = 512;
+constant constexpr uint kLayerMaxSimdgroups = 32;
+
+// Rows of a dense [rows, stride] activation.
+template <typename T>
+struct LayerRows {
+  device const T* x;
+  uint stride;
+  float at(uint i, uint j) const { return float(x[i * stride + j]); }
+};
+
+// The residual stream entering the MLP: x itself, or (gemma) T(res + T(norm_a(x))).
+template <typename T>
+struct LayerResidual {
+  device const T* x;
+  device const T* res;
+  device const T* wa;
+  uint stride;
+  float inv_x[kLayerMaxRows];
+  float at(uint i, uint j) const {
+    if (!fc_sandwich) {
+      return float(x[i * stride + j]);
+    }
+    T a = T(float(x[i * stride + j]) * inv_x[i] * float(wa[j]));
+    return float(T(float(res[i * stride + j]) + float(a)));
+  }
+};
+
+// RMSNorm of a row source, as rms_norm.metal writes it: T(x * inv_rms * w).
+template <typename T, typename X>
+struct LayerNormed {
+  X src;
+  device const T* w;
+  float inv[kLayerMaxRows];
+  float at(uint i, uint j) const { return float(T(src.at(i, j) * inv[i] * float(w[j]))); }
+};
+
+// Sums part[i], i < rows, over the threadgroup in rms_norm.metal's order: each
+// simdgroup's simd_sum, then the simdgroups' sums in index order (simdgroups with
+// nothing to add give +0, which changes no sum). Every thread gets the totals.
+inline void layer_row_sums(thread const float* part, uint rows, threadgroup float* red,
+                           uint nsg, uint sg, uint lane, thread float* total) {
+  for (uint i = 0; i < rows; ++i) {
+    float s = simd_sum(part[i]);
+    if (lane == 0) {
+      red[i * kLayerMaxSimdgroups + sg] = s;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint i = 0; i < rows; ++i) {
+    float t = 0.0f;
+    for (uint g = 0; g < nsg; ++g) {
+      t += red[i * kLayerMaxSimdgroups + g];
+    }
+    total[i] = t;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // red is reused
+}
+
+// inv[i] = rsqrt(mean(row i ^ 2) + eps); the first `active` threads walk the row.
+template <typename X>
+inline void layer_inv_rms(thread const X& src, uint width, uint rows, uint active, float eps,
+                          uint tid, threadgroup float* red, uint nsg, uint sg, uint lane,
+                          thread float* inv) {
+  float part[kLayerMaxRows];
+  for (uint i = 0; i < kLayerMaxRows; ++i) {
+    part[i] = 0.0f;
+  }
+  if (tid < active) {
+    for (uint j = tid; j < width; j += active) {
+      for (uint i = 0; i < rows; ++i) {
+        float v = src.at(i, j);
+        part[i] += v * v;
+      }
+    }
+  }
+  float total[kLayerMaxRows];
+  layer_row_sums(part, rows, red, nsg, sg, lane, total);
+  for (uint i = 0; i < rows; ++i) {
+    inv[i] = rsqrt(total[i] / float(width) + eps);
+  }
+}
+
+// One threadgroup per (head of q, k or v; group of 8 rows).
+template <typename T>
+kernel void layer_qkv(
+    device const T* x [[buffer(0)]],
+    device const T* input_norm [[buffer(1)]],
+    device const uchar* wq [[buffer(2)]],
+    device const uchar* wk [[buffer(3)]],
+    device const uchar* wv [[buffer(4)]],
+    device const T* q_bias [[buffer(5)]],
+    device const T* k_bias [[buffer(6)]],
+    device const T* v_bias [[buffer(7)]],
+    device const T* q_norm [[buffer(8)]],
+    device const T* k_norm [[buffer(9)]],
+    device const int* positions [[buffer(10)]],
+    device const uint* table [[buffer(11)]],
+    device const int64_t* slot_mapping [[buffer(12)]],
+    device T* q_out [[buffer(13)]],
+    device T* key_cache [[buffer(14)]],
+    device T* value_cache [[buffer(15)]],
+    constant DecoderLayerArgs& args [[buffer(16)]],
+    uint2 tgp [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint ntg [[threads_per_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float tile[kLayerMaxRows * kLayerMaxHead];  // [row][d] of this head
+  threadgroup float red[kLayerMaxRows * kLayerMaxSimdgroups];
+  const uint nsg = (ntg + 31) / 32;
+  const uint x0 = tgp.y * kLayerMaxRows;
+  const uint rows = min(kLayerMaxRows, args.rows - x0);
+  const uint d = args.head_dim;
+  const uint hq = args.num_heads;
+  const uint hkv = args.num_kv_heads;
+  const uint kind = tgp.x < hq ? 0u : (tgp.x < hq + hkv ? 1u : 2u);  // q, k, v
+  const uint h = kind == 0u ? tgp.x : (kind == 1u ? tgp.x - hq : tgp.x - hq - hkv);
+  const uint type = kind == 0u ? fc_type0 : (kind == 1u ? fc_type1 : fc_type2);
+  device const uchar* w = kind == 0u ? wq : (kind == 1u ? wk : wv);
+  const ulong row_bytes =
+      kind == 0u ? args.w0_row_bytes : (kind == 1u ? args.w1_row_bytes : args.w2_row_bytes);
+  device const T* bias = kind == 0u ? q_bias : (kind == 1u ? k_bias : v_bias);
+
+  LayerRows<T> raw;
+  raw.x = x + ulong(x0) * args.k;
+  raw.stride = args.k;
+  LayerNormed<T, LayerRows<T>> xn;
+  xn.src = raw;
+  xn.w = input_norm;
+  layer_inv_rms(raw, args.k, rows, args.norm_threads, args.eps, tid, red, nsg, sg, lane, xn.inv);
+
+  for (uint r = sg; r < d; r += nsg) {
+    float acc[kLayerMaxRows];
+    for (uint i = 0; i < kLayerMaxRows; ++i) {
+      acc[i] = 0.0f;
+    }
+    layer_matvec_row(type, w + ulong(h * d + r) * row_bytes, args.k, args.chunks, xn, rows, lane,
+                     acc);
+    for (uint i = 0; i < rows; ++i) {
+      T y = T(simd_sum(acc[i]));
+      if (fc_bias) {
+        y = T(float(y) + float(bias[h * d + r]));
+      }
+      if (lane == 0) {
+        tile[i * d + r] = float(y);
+      }
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  if (fc_qk_norm && kind < 2u) {  // uniform over the threadgroup
+    device const T* nw = kind == 0u ? q_norm : k_norm;
+    float part[kLayerMaxRows];
+    for (uint i = 0; i < kLayerMaxRows; ++i) {
+      part[i] = 0.0f;
+    }
+    if (tid < args.head_norm_threads) {
+      for (uint j = tid; j < d; j += args.head_norm_threads) {
+        for (uint i = 0; i < rows; ++i) {
+          float v = tile[i * d + j];
+          part[i] += v * v;
+        }
+      }
+    }
+    float total[kLayerMaxRows];
+    layer_row_sums(part, rows, red, nsg, sg, lane, total);
+    for (uint i = 0; i < rows; ++i) {
+      float inv = rsqrt(total[i] / float(d) + args.qk_eps);
+      for (uint j = tid; j < d; j += ntg) {
+        tile[i * d + j] = float(T(tile[i * d + j] * inv * float(nw[j])));
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  const uint half_rot = args.rotary_half;
+  for (uint i = 0; i < rows; ++i) {
+    const uint t = x0 + i;
+    device T* dst;
+    if (kind == 0u) {
+      dst = q_out + (ulong(t) * hq + h) * d;
+    } else {
+      const int64_t slot = slot_mapping[t];
+      if (slot < 0 || slot >= args.num_slots) {
+        continue;  // padding token (or a slot the host refused): nothing written
+      }
+      dst = (kind == 1u ? key_cache : value_cache) + (ulong(slot) * hkv + h) * d;
+    }
+    threadgroup const float* src = tile + i * d;
+    uint copy_from = 0;
+    if (kind < 2u) {
+      const long pos = long(positions[t]);
+      const uint pl = uint(pos);
+      const uint ph = uint(pos >> 32);
+      for (uint p = tid; p < half_rot; p += ntg) {
+        float2 cs = rope_cos_sin(pl, ph, table[p], table[half_rot + p], args.mscale);
+        uint i1 = fc_neox ? p : 2u * p;
+        uint i2 = fc_neox ? p + half_rot : 2u * p + 1u;
+        float a = src[i1];
+        float b = src[i2];
+        dst[i1] = T(a * cs.x - b * cs.y);
+        dst[i2] = T(b * cs.x + a * cs.y);
+      }
+      copy_from = 2u * half_rot;  // partial rotary: the rest passes through
+    }
+    for (uint j = copy_from + tid; j < d; j += ntg) {
+      dst[j] = T(src[j]);
+    }
+  }
+}
+
+// One simdgroup per intermediate row, 8 rows of x at a time: act(gate) * up.
+template <typename T>
+kernel void layer_gate_up(
+    device const T* x [[buffer(0)]],
+    device const T* residual [[buffer(1)]],
+    device const T* attn_out_norm [[buffer(2)]],
+    device const T* norm [[buffer(3)]],
+    device const uchar* w_gate [[buffer(4)]],
+    device const uchar* w_up [[buffer(5)]],
+    device T* out [[buffer(6)]],
+    device T* h_out [[buffer(7)]],
+    constant DecoderLayerArgs& args [[buffer(8)]],
+    uint2 tgp [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint ntg [[threads_per_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float red[kLayerMaxRows * kLayerMaxSimdgroups];
+  const uint nsg = (ntg + 31) / 32;
+  const uint x0 = tgp.y * kLayerMaxRows;
+  const uint rows = min(kLayerMaxRows, args.rows - x0);
+  const ulong base = ulong(x0) * args.k;
+
+  LayerRows<T> raw;
+  raw.x = x + base;
+  raw.stride = args.k;
+  LayerResidual<T> hs;
+  hs.x = x + base;
+  hs.res = residual + base;
+  hs.wa = attn_out_norm;
+  hs.stride = args.k;
+  layer_inv_rms(raw, args.k, rows, args.norm_threads, args.eps, tid, red, nsg, sg, lane,
+                hs.inv_x);
+  LayerNormed<T, LayerResidual<T>> xn;
+  xn.src = hs;
+  xn.w = norm;
+  if (fc_sandwich) {  // uniform: the residual stream is x + attn_out_norm(x)
+    layer_inv_rms(hs, args.k, rows, args.norm_threads, args.eps, tid, red, nsg, sg, lane, xn.inv);
+    if (tgp.x == 0) {  // one threadgroup per row group writes it for the down projection
+      for (uint j = tid; j < args.k; j += ntg) {
+        for (uint i = 0; i < rows; ++i) {
+          h_out[base + i * args.k + j] = T(hs.at(i, j));
+        }
+      }
+    }
+  } else {
+    for (uint i = 0; i < kLayerMaxRows; ++i) {
+      xn.inv[i] = hs.inv_x[i];
+    }
+  }
+
+  const uint r = tgp.x * nsg + sg;
+  if (r >= args.n) {
+    return;  // whole simdgroup; no barrier follows
+  }
+  float g_acc[kLayerMaxRows];
+  float u_acc[kLayerMaxRows];
+  for (uint i = 0; i < kLayerMaxRows; ++i) {
+    g_acc[i] = 0.0f;
+    u_acc[i] = 0.0f;
+  }
+  layer_matvec_row(fc_type0, w_gate + ulong(r) * args.w0_row_bytes, args.k, args.chunks, xn,
+                   rows, lane, g_acc);
+  layer_matvec_row(fc_type1, w_up + ulong(r) * args.w1_row_bytes, args.k, args.chunks, xn, rows,
+                   lane, u_acc);
+  for (uint i = 0; i < rows; ++i) {
+    float g = float(T(simd_sum(g_acc[i])));
+    float u = float(T(simd_sum(u_acc[i])));
+    // silu(g) = g / (1 + e^-g); tanh GELU = g / (1 + e^(-2 sqrt(2/pi) (g + 0.044715 g^3)))
+    float z = fc_gelu ? -1.5957691216057308f * (g + 0.044715f * g * g * g) : -g;
+    float act = g / (1.0f + exp(z));
+    if (lane == 0) {
+      out[(ulong(x0) + i) * args.n + r] = T(act * u);
+    }
+  }
+}
+
+// y = [residual +] T(W x [+ bias]): one simdgroup per weight row, 8 rows of x at a time.
+template <typename T>
+kernel void layer_matvec(
+    device const T* x [[buffer(0)]],
+    device const uchar* w [[buffer(1)]],
+    device const T* bias [[buffer(2)]],
+    device const T* residual [[buffer(3)]],
+    device T* y [[buffer(4)]],
+    constant DecoderLayerArgs& args [[buffer(5)]],
+    uint2 tgp [[threadgroup_position_in_grid]],
+    uint ntg [[threads_per_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  const uint nsg = (ntg + 31) / 32;
+  const uint r = tgp.x * nsg + sg;
+  const uint x0 = tgp.y * kLayerMaxRows;
+  if (r >= args.n) {
+    return;  // whole simdgroup; no barriers in this kernel
+  }
+  const uint rows = min(kLayerMaxRows, args.rows - x0);
+  LayerRows<T> xs;
+  xs.x = x + ulong(x0) * args.k;
+  xs.stride = args.k;
+  float acc[kLayerMaxRows];
+  for (uint i = 0; i < kLayerMaxRows; ++i) {
+    acc[i] = 0.0f;
+  }
+  layer_matvec_row(fc_type0, w + ulong(r) * args.w0_row_bytes, args.k, args.chunks, xs, rows,
+                   lane, acc);
+  for (uint i = 0; i < rows; ++i) {
+    const ulong at = (ulong(x0) + i) * args.n + r;
+    T v = T(simd_sum(acc[i]));
+    if (fc_bias) {
+      v = T(float(v) + float(bias[r]));
+    }
+    if (fc_residual) {
+      v = T(float(residual[at]) + float(v));
+    }
+    if (lane == 0) {
+      y[at] = v;
+    }
+  }
+}
+
+// out = T(residual + T(norm(y))): gemma's MLP output norm and residual add, one
+// threadgroup per row (norm_threads threads, rms_norm's count).
+template <typename T>
+kernel void layer_add_norm(
+    device const T* y [[buffer(0)]],
+    device const T* residual [[buffer(1)]],
+    device const T* w [[buffer(2)]],
+    device T* out [[buffer(3)]],
+    constant DecoderLayerArgs& args [[buffer(4)]],
+    uint row [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint ntg [[threads_per_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float red[kLayerMaxRows * kLayerMaxSimdgroups];
+  const uint nsg = (ntg + 31) / 32;
+  const ulong base = ulong(row) * args.k;
+  LayerRows<T> ys;
+  ys.x = y + base;
+  ys.stride = args.k;
+  float inv[kLayerMaxRows];
+  layer_inv_rms(ys, args.k, 1u, args.norm_threads, args.eps, tid, red, nsg, sg, lane, inv);
+  for (uint j = tid; j < args.k; j += ntg) {
+    T n = T(float(y[base + j]) * inv[0] * float(w[j]));
+    out[base + j] = T(float(residual[base + j]) + float(n));
+  }
+}
+
+#define instantiate_decoder_layer(tname, T)                                                  \
+  template [[host_name("layer_qkv_" #tname)]] kernel decltype(layer_qkv<T>) layer_qkv<T>;    \
+  template [[host_name("layer_gate_up_" #tname)]] kernel decltype(layer_gate_up<T>)          \
+      layer_gate_up<T>;                                                                      \
+  template [[host_name("layer_matvec_" #tname)]] kernel decltype(layer_matvec<T>)            \
+      layer_matvec<T>;                                                                       \
+  template [[host_name("layer_add_norm_" #tname)]] kernel decltype(layer_add_norm<T>)        \
+      layer_add_norm<T>;
+
+instantiate_decoder_layer(float32, float)
+instantiate_decoder_layer(float16, half)
+instantiate_decoder_layer(bfloat16, bfloat)
