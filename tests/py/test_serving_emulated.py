@@ -54,8 +54,12 @@ STEP_LOG_HOOK = runner_hook(
             before = _core.cache_write_copies()
             out = execute_model(self, so)
             if so.total_num_scheduled_tokens:
+                from vllm_metal.models.fused_layers import takes_step
+
+                fused = bool(self.model.__dict__.get("_fused_plan")) and takes_step(
+                    so.total_num_scheduled_tokens)
                 log.write(f"{_core.cache_write_copies() - before} {int(in_flight)} "
-                          f"{ops.kernel_backend()}\\n")
+                          f"{int(fused)} {ops.kernel_backend()}\\n")
                 log.flush()
             return out
 
@@ -169,7 +173,7 @@ def step_log(log) -> list[tuple[int, int]]:
     lines = [line.split() for line in log.read_text().splitlines()]
     # the Metal kernels in the emulator (the fused layers run their Metal plan)
     assert lines and all(backend == "emulated" for *_, backend in lines), lines[:3]
-    return [(int(copies), int(in_flight)) for copies, in_flight, _ in lines]
+    return [(int(copies), int(in_flight), int(fused)) for copies, in_flight, fused, _ in lines]
 
 
 def serve_batch_invariant(tmp) -> tuple:
@@ -215,10 +219,18 @@ def test_emulated_gpu_path_gives_the_cpu_path_tokens(served, arch):
 def test_async_steps_write_the_kv_cache_in_place(served, arch):
     _, got, steps = served[arch]
     assert [len(tokens) for tokens, _ in got] == [m for _, m in JOBS]
-    overlapped = [copies for copies, in_flight in steps if in_flight]
+    overlapped = [copies for copies, in_flight, _ in steps if in_flight]
     # the previous step was still unread (computing) when most steps were built
     assert len(overlapped) >= 10, steps
-    assert sum(copies for copies, _ in steps) == 0, f"{arch}: KV-cache copies per step: {steps}"
+    assert sum(copies for copies, _, _ in steps) == 0, f"{arch}: KV-cache copies per step: {steps}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_decode_steps_run_the_fused_metal_layer(served, arch):
+    """The attention architectures' short steps ran decoder_layer's Metal plan (its caches
+    written in place too: no copies, above), the prefill-heavy ones the per-op kernels."""
+    fused = [f for _, _, f in served[arch][2]]
+    assert 0 < sum(fused) < len(fused), fused
 
 
 def test_batch_invariant_mode_gives_each_request_its_solo_logprobs_bitwise(served):
