@@ -19,7 +19,9 @@
 // gives the per-op Metal path's bits, except the MLP activation, which is
 // computed in float32 and rounded once, as the CPU's fused layer does. Each
 // threadgroup recomputes its rows' RMS (a few KB at decode sizes) instead of
-// reading a normalised copy. Weight types are function constants (GGML ids).
+// reading a normalised copy, and (fc_staged, when they fit) keeps its normalised
+// rows in threadgroup memory for all its weight rows; otherwise every weight row
+// normalises x again on the fly. Weight types are function constants (GGML ids).
 #include <metal_stdlib>
 #include "decoder_layer_args.h"
 #include "layer_matvec_core.h"
@@ -36,8 +38,8 @@ constant bool fc_neox [[function_constant(5)]];
 constant bool fc_residual [[function_constant(6)]];
 constant bool fc_sandwich [[function_constant(7)]];
 constant bool fc_gelu [[function_constant(8)]];
+constant bool fc_staged [[function_constant(9)]];  // normalised rows in threadgroup memory
 
-constant constexpr uint kLayerMaxHead = 512;
 constant constexpr uint kLayerMaxSimdgroups = 32;
 
 // Rows of a dense [rows, stride] activation.
@@ -73,6 +75,41 @@ struct LayerNormed {
   float inv[kLayerMaxRows];
   float at(uint i, uint j) const { return float(T(src.at(i, j) * inv[i] * float(w[j]))); }
 };
+
+// Rows kept in threadgroup memory, [rows][stride], exactly the values the source gives.
+template <typename T>
+struct LayerStaged {
+  threadgroup const T* x;
+  uint stride;
+  float at(uint i, uint j) const { return float(x[i * stride + j]); }
+};
+
+// Writes src's rows into xs (all threads), then a barrier.
+template <typename T, typename X>
+inline void layer_stage(thread const X& src, threadgroup T* xs, uint width, uint rows, uint tid,
+                        uint ntg) {
+  for (uint j = tid; j < width; j += ntg) {
+    for (uint i = 0; i < rows; ++i) {
+      xs[i * width + j] = T(src.at(i, j));
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+// One weight row for the rows of x: from the staged copy, or normalised on the fly.
+template <typename T, typename X>
+inline void layer_matvec_staged(uint type, device const uchar* wr, uint k, uint chunks,
+                                thread const X& x, threadgroup const T* xs, uint rows, uint lane,
+                                thread float* acc) {
+  if (fc_staged) {
+    LayerStaged<T> st;
+    st.x = xs;
+    st.stride = k;
+    layer_matvec_row(type, wr, k, chunks, st, rows, lane, acc);
+  } else {
+    layer_matvec_row(type, wr, k, chunks, x, rows, lane, acc);
+  }
+}
 
 // Sums part[i], i < rows, over the threadgroup in rms_norm.metal's order: each
 // simdgroup's simd_sum, then the simdgroups' sums in index order (simdgroups with
@@ -140,12 +177,13 @@ kernel void layer_qkv(
     device T* key_cache [[buffer(14)]],
     device T* value_cache [[buffer(15)]],
     constant DecoderLayerArgs& args [[buffer(16)]],
+    threadgroup float* tile [[threadgroup(0)]],  // [rows][head_dim] of this head
+    threadgroup T* xs [[threadgroup(1)]],        // fc_staged: [rows][k] normalised x
     uint2 tgp [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint ntg [[threads_per_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float tile[kLayerMaxRows * kLayerMaxHead];  // [row][d] of this head
   threadgroup float red[kLayerMaxRows * kLayerMaxSimdgroups];
   const uint nsg = (ntg + 31) / 32;
   const uint x0 = tgp.y * kLayerMaxRows;
@@ -168,14 +206,17 @@ kernel void layer_qkv(
   xn.src = raw;
   xn.w = input_norm;
   layer_inv_rms(raw, args.k, rows, args.norm_threads, args.eps, tid, red, nsg, sg, lane, xn.inv);
+  if (fc_staged) {
+    layer_stage(xn, xs, args.k, rows, tid, ntg);
+  }
 
   for (uint r = sg; r < d; r += nsg) {
     float acc[kLayerMaxRows];
     for (uint i = 0; i < kLayerMaxRows; ++i) {
       acc[i] = 0.0f;
     }
-    layer_matvec_row(type, w + ulong(h * d + r) * row_bytes, args.k, args.chunks, xn, rows, lane,
-                     acc);
+    layer_matvec_staged(type, w + ulong(h * d + r) * row_bytes, args.k, args.chunks, xn, xs, rows,
+                        lane, acc);
     for (uint i = 0; i < rows; ++i) {
       T y = T(simd_sum(acc[i]));
       if (fc_bias) {
@@ -261,6 +302,7 @@ kernel void layer_gate_up(
     device T* out [[buffer(6)]],
     device T* h_out [[buffer(7)]],
     constant DecoderLayerArgs& args [[buffer(8)]],
+    threadgroup T* xs [[threadgroup(0)]],  // fc_staged: [rows][k] normalised residual stream
     uint2 tgp [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint ntg [[threads_per_threadgroup]],
@@ -299,6 +341,9 @@ kernel void layer_gate_up(
       xn.inv[i] = hs.inv_x[i];
     }
   }
+  if (fc_staged) {
+    layer_stage(xn, xs, args.k, rows, tid, ntg);
+  }
 
   const uint r = tgp.x * nsg + sg;
   if (r >= args.n) {
@@ -310,10 +355,10 @@ kernel void layer_gate_up(
     g_acc[i] = 0.0f;
     u_acc[i] = 0.0f;
   }
-  layer_matvec_row(fc_type0, w_gate + ulong(r) * args.w0_row_bytes, args.k, args.chunks, xn,
-                   rows, lane, g_acc);
-  layer_matvec_row(fc_type1, w_up + ulong(r) * args.w1_row_bytes, args.k, args.chunks, xn, rows,
-                   lane, u_acc);
+  layer_matvec_staged(fc_type0, w_gate + ulong(r) * args.w0_row_bytes, args.k, args.chunks, xn,
+                      xs, rows, lane, g_acc);
+  layer_matvec_staged(fc_type1, w_up + ulong(r) * args.w1_row_bytes, args.k, args.chunks, xn, xs,
+                      rows, lane, u_acc);
   for (uint i = 0; i < rows; ++i) {
     float g = float(T(simd_sum(g_acc[i])));
     float u = float(T(simd_sum(u_acc[i])));
@@ -335,26 +380,31 @@ kernel void layer_matvec(
     device const T* residual [[buffer(3)]],
     device T* y [[buffer(4)]],
     constant DecoderLayerArgs& args [[buffer(5)]],
+    threadgroup T* staged [[threadgroup(0)]],  // fc_staged: [rows][k] copy of x
     uint2 tgp [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
     uint ntg [[threads_per_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
   const uint nsg = (ntg + 31) / 32;
   const uint r = tgp.x * nsg + sg;
   const uint x0 = tgp.y * kLayerMaxRows;
-  if (r >= args.n) {
-    return;  // whole simdgroup; no barriers in this kernel
-  }
   const uint rows = min(kLayerMaxRows, args.rows - x0);
   LayerRows<T> xs;
   xs.x = x + ulong(x0) * args.k;
   xs.stride = args.k;
+  if (fc_staged) {
+    layer_stage(xs, staged, args.k, rows, tid, ntg);
+  }
+  if (r >= args.n) {
+    return;  // whole simdgroup; no barrier follows
+  }
   float acc[kLayerMaxRows];
   for (uint i = 0; i < kLayerMaxRows; ++i) {
     acc[i] = 0.0f;
   }
-  layer_matvec_row(fc_type0, w + ulong(r) * args.w0_row_bytes, args.k, args.chunks, xs, rows,
-                   lane, acc);
+  layer_matvec_staged(fc_type0, w + ulong(r) * args.w0_row_bytes, args.k, args.chunks, xs, staged,
+                      rows, lane, acc);
   for (uint i = 0; i < rows; ++i) {
     const ulong at = (ulong(x0) + i) * args.n + r;
     T v = T(simd_sum(acc[i]));

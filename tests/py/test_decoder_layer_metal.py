@@ -245,3 +245,20 @@ def test_op_without_hints_needs_evaluated_metadata(emulated):
     out = _core.decoder_layer(**args, num_decode_seqs=2, max_seq_len=5, max_query_len=1)
     mx.eval(out)
     assert np.isfinite(np.array(out)).all()
+
+
+def _staged(launch) -> bool:
+    return next(c.bits for c in launch.constants if c.index == 9) == 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_rows_too_wide_to_stage_are_normalised_on_the_fly(dtype):
+    """8 float32 rows of 1024 do not fit in threadgroup memory next to the head tile: every
+    weight row then normalises x itself. Same numbers (and bits) either way."""
+    wide = make_case(("Q8_0", "Q4_K", "Q4_K", "Q4_K", "Q6_K", "Q4_0", "Q4_K"), dtype, rows=8,
+                     hidden=1024, ctx=CTX, seed=2)
+    qkv, gate_up = wide.plan[0], wide.plan[3]
+    assert _staged(qkv) == _staged(gate_up) == (dtype == "float16")
+    narrow = make_case(("Q4_K",) * 7, dtype, rows=8, ctx=CTX)
+    assert _staged(narrow.plan[0]) and _staged(narrow.plan[3])
+    check_against_reference(wide)

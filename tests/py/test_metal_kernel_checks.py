@@ -205,6 +205,8 @@ CASES = {
         make_case(("Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q4_K", "Q6_K"), "bfloat16", rows=3,
                   ctx=[5, 17, 40], qk_norm=True, sandwich=True, gelu=True, neox=False,
                   rotary_dim=32))),
+    "decoder_layer_unstaged": ({"decoder_layer", "paged_attention"},
+                               lambda: layer.test_rows_too_wide_to_stage_are_normalised_on_the_fly("float32")),
     "decoder_layer_row_groups_invariant": ({"decoder_layer", "paged_attention"}, batch_invariant(
         lambda: layer.check_against_reference(make_case(("Q8_0",) * 7, "float32", rows=9)))),
 }

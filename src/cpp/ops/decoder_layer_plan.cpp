@@ -15,20 +15,24 @@ namespace {
 constexpr const char* kSource = "decoder_layer";
 constexpr int64_t kMaxRows = 8;      // decoder_layer.metal kLayerMaxRows
 constexpr int64_t kMaxHead = 512;    // decoder_layer.metal kLayerMaxHead
-constexpr uint32_t kMatvecThreads = 128;  // layer_matvec: 4 weight rows per threadgroup
+constexpr uint32_t kMatvecThreads = 256;  // layer_matvec: 8 weight rows per threadgroup
+constexpr uint64_t kThreadgroupBytes = 32768;  // Metal's limit per threadgroup
+constexpr uint64_t kStaticBytes = 1024;        // `red` of layer_qkv / layer_gate_up (8 x 32 floats)
+
+uint64_t round16(uint64_t n) { return (n + 15) / 16 * 16; }
 
 // The kernels' function constants, all of them on every launch (Metal leaves an
 // unset constant undefined).
 struct Constants {
   uint32_t type0 = 0, type1 = 0, type2 = 0;
   bool bias = false, qk_norm = false, neox = true, residual = false, sandwich = false,
-       gelu = false;
+       gelu = false, staged = false;
   std::vector<FunctionConstant> list() const {
     return {FunctionConstant::uint32(0, type0),   FunctionConstant::uint32(1, type1),
             FunctionConstant::uint32(2, type2),   FunctionConstant::boolean(3, bias),
             FunctionConstant::boolean(4, qk_norm), FunctionConstant::boolean(5, neox),
             FunctionConstant::boolean(6, residual), FunctionConstant::boolean(7, sandwich),
-            FunctionConstant::boolean(8, gelu)};
+            FunctionConstant::boolean(8, gelu), FunctionConstant::boolean(9, staged)};
   }
 };
 
@@ -99,6 +103,8 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
   const DecoderLayerSlots slot(s);
   const std::string dt = dtype_name(p.dtype);
   const uint32_t groups = ceil_div(p.tokens, kMaxRows);
+  const uint64_t group_rows = static_cast<uint64_t>(std::min(p.tokens, kMaxRows));
+  const uint64_t elt = mx::size_of(p.dtype);
   const int64_t q_width = s.num_heads * s.head_dim;
   const int x = DecoderLayerSlots::kX;
   // a disabled optional weight's buffer is bound to x (every buffer is bound)
@@ -142,7 +148,6 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
     c.bias = s.qkv_bias;
     c.qk_norm = s.qk_norm;
     c.neox = s.neox;
-    l.constants = c.list();
     l.bind(0, x);
     l.bind(1, slot.weight("input_norm"));
     l.bind(2, slot.weight("q_proj"));
@@ -159,6 +164,12 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
     l.bind(13, slot.q);
     bind_cache(l, 14, DecoderLayerSlots::kKeyCache);
     bind_cache(l, 15, DecoderLayerSlots::kValueCache);
+    // [rows][head_dim] floats for the head, and the normalised rows when they fit too
+    const uint64_t tile = round16(4 * group_rows * s.head_dim);
+    const uint64_t staged = round16(elt * group_rows * s.hidden);
+    c.staged = kStaticBytes + tile + staged <= kThreadgroupBytes;
+    l.constants = c.list();
+    l.threadgroup_memory = {tile, c.staged ? staged : 16};
     l.set_args(16, matvec_args(s.hidden, q_width, {s.types[0], s.types[1], s.types[2]}));
     l.grid = {static_cast<uint32_t>(s.num_heads + 2 * s.num_kv_heads), groups, 1};
     l.threadgroup = {std::max({256u, base.norm_threads, base.head_norm_threads}), 1, 1};
@@ -195,7 +206,10 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
     c.type0 = type_id(type);
     c.bias = bias && slot.weight(bias) >= 0;
     c.residual = residual;
+    const uint64_t staged = round16(elt * group_rows * k);
+    c.staged = staged <= kThreadgroupBytes;  // its only threadgroup memory
     l.constants = c.list();
+    l.threadgroup_memory = {c.staged ? staged : 16};
     l.bind(0, in);
     l.bind(1, slot.weight(w));
     l.bind(2, bias ? weight_or_x(bias) : x);
@@ -219,7 +233,10 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
     c.type1 = type_id(s.types[5]);
     c.sandwich = s.sandwich;
     c.gelu = s.gelu;
+    const uint64_t staged = round16(elt * group_rows * s.hidden);
+    c.staged = kStaticBytes + staged <= kThreadgroupBytes;
     l.constants = c.list();
+    l.threadgroup_memory = {c.staged ? staged : 16};
     l.bind(0, s.sandwich ? slot.o : slot.h);
     l.bind(1, x);
     l.bind(2, weight_or_x("attn_out_norm"));
