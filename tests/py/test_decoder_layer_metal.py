@@ -262,3 +262,13 @@ def test_rows_too_wide_to_stage_are_normalised_on_the_fly(dtype):
     narrow = make_case(("Q4_K",) * 7, dtype, rows=8, ctx=CTX)
     assert _staged(narrow.plan[0]) and _staged(narrow.plan[3])
     check_against_reference(wide)
+
+
+def test_op_refuses_an_out_of_range_slot(emulated):
+    """The kernels skip a slot outside the cache; a computed slot table is refused first."""
+    case = make_case(("Q8_0",) * 7, "float32", rows=2, ctx=[2, 5])
+    args = _op_args(case)
+    num_slots = case.arrays[6].shape[0] * case.arrays[6].shape[1]
+    args["slot_mapping"] = mx.array([0, num_slots], mx.int64)
+    with pytest.raises(IndexError, match=rf"slot_mapping\[1\] = {num_slots} is outside"):
+        _core.decoder_layer(**args)

@@ -164,8 +164,6 @@ mx::array decoder_layer(const mx::array& x, const mx::array& positions,
   for (size_t i = 0; i < in.size(); ++i) {
     if (i != 6 && i != 7) in[i] = mx::contiguous(in[i], false, stream);  // caches: as given
   }
-  in.push_back(mx::zeros({1}, mx::float32, stream));  // paged attention's sinks: none
-
   auto p = std::make_shared<DecoderLayerProblem>();
   p->spec = spec;
   p->dtype = x.dtype();
@@ -194,6 +192,19 @@ mx::array decoder_layer(const mx::array& x, const mx::array& positions,
     hints.max_seq_len = max_seq_len;
     hints.max_query_len = max_query_len;
     resolve_paged_attention_hints(a, hints, block_tables, seq_lens, cu_seqlens_q);
+    in.push_back(mx::zeros({1}, mx::float32, stream));  // paged attention's sinks: none
+    // the kernels skip a slot outside the cache (they cannot raise): refuse it now when
+    // the table is already computed, as reshape_and_cache does
+    const mx::array& slots = slot_mapping;
+    if (slots.status() == mx::array::Status::available && slots.flags().row_contiguous) {
+      const int64_t* sp = slots.data<int64_t>();
+      const int64_t bad = cpu::find_out_of_range_slot(sp, slots.size(), p->num_slots);
+      if (bad >= 0) {
+        throw std::out_of_range(std::string("[") + kOp + "] slot_mapping[" + std::to_string(bad) +
+                                "] = " + std::to_string(sp[bad]) + " is outside the cache's " +
+                                std::to_string(p->num_slots) + " slots");
+      }
+    }
   }
   auto outputs = mx::array::make_arrays(decoder_layer_output_shapes(*p),
                                         decoder_layer_output_dtypes(*p),
