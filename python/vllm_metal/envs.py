@@ -55,8 +55,8 @@ ENVIRONMENT: dict[str, tuple[Callable[[str], Any], Any, str]] = {
         _bool,
         True,
         "Run each llama-family decoder layer as one fused op (ops.decoder_layer): on the CPU "
-        "instead of ~20 MLX ops, on the GPU (and emulated) its Metal plan for steps of up to 8 "
-        "tokens; 0 runs the per-op path (same arithmetic but act(gate) * up, slower).",
+        "instead of ~20 MLX ops, on the GPU (and emulated) its Metal plan (fused kernels for "
+        "steps of up to 8 tokens); 0 runs the per-op path (same arithmetic but act(gate) * up).",
     ),
     "VLLM_METAL_NATIVE_SAMPLING": (
         _bool,

@@ -39,6 +39,7 @@ constant bool fc_residual [[function_constant(6)]];
 constant bool fc_sandwich [[function_constant(7)]];
 constant bool fc_gelu [[function_constant(8)]];
 constant bool fc_staged [[function_constant(9)]];  // normalised rows in threadgroup memory
+constant bool fc_projected [[function_constant(10)]];  // layer_qkv: q, k, v come projected
 
 constant constexpr uint kLayerMaxSimdgroups = 32;
 
@@ -111,6 +112,13 @@ inline void layer_matvec_staged(uint type, device const uchar* wr, uint k, uint 
   }
 }
 
+// act(g) * u in float32: silu(g) = g / (1 + e^-g), or (fc_gelu) tanh GELU
+// = g / (1 + e^(-2 sqrt(2/pi) (g + 0.044715 g^3))).
+inline float layer_gated(float g, float u) {
+  float z = fc_gelu ? -1.5957691216057308f * (g + 0.044715f * g * g * g) : -g;
+  return g / (1.0f + exp(z)) * u;
+}
+
 // Sums part[i], i < rows, over the threadgroup in rms_norm.metal's order: each
 // simdgroup's simd_sum, then the simdgroups' sums in index order (simdgroups with
 // nothing to add give +0, which changes no sum). Every thread gets the totals.
@@ -157,48 +165,14 @@ inline void layer_inv_rms(thread const X& src, uint width, uint rows, uint activ
   }
 }
 
-// One threadgroup per (head of q, k or v; group of 8 rows).
+// layer_qkv's mat-vec part: tile[i][r] = T(norm(x_i) . W row (h d + r)) (+ bias).
 template <typename T>
-kernel void layer_qkv(
-    device const T* x [[buffer(0)]],
-    device const T* input_norm [[buffer(1)]],
-    device const uchar* wq [[buffer(2)]],
-    device const uchar* wk [[buffer(3)]],
-    device const uchar* wv [[buffer(4)]],
-    device const T* q_bias [[buffer(5)]],
-    device const T* k_bias [[buffer(6)]],
-    device const T* v_bias [[buffer(7)]],
-    device const T* q_norm [[buffer(8)]],
-    device const T* k_norm [[buffer(9)]],
-    device const int* positions [[buffer(10)]],
-    device const uint* table [[buffer(11)]],
-    device const int64_t* slot_mapping [[buffer(12)]],
-    device T* q_out [[buffer(13)]],
-    device T* key_cache [[buffer(14)]],
-    device T* value_cache [[buffer(15)]],
-    constant DecoderLayerArgs& args [[buffer(16)]],
-    threadgroup float* tile [[threadgroup(0)]],  // [rows][head_dim] of this head
-    threadgroup T* xs [[threadgroup(1)]],        // fc_staged: [rows][k] normalised x
-    uint2 tgp [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint ntg [[threads_per_threadgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float red[kLayerMaxRows * kLayerMaxSimdgroups];
-  const uint nsg = (ntg + 31) / 32;
-  const uint x0 = tgp.y * kLayerMaxRows;
-  const uint rows = min(kLayerMaxRows, args.rows - x0);
-  const uint d = args.head_dim;
-  const uint hq = args.num_heads;
-  const uint hkv = args.num_kv_heads;
-  const uint kind = tgp.x < hq ? 0u : (tgp.x < hq + hkv ? 1u : 2u);  // q, k, v
-  const uint h = kind == 0u ? tgp.x : (kind == 1u ? tgp.x - hq : tgp.x - hq - hkv);
-  const uint type = kind == 0u ? fc_type0 : (kind == 1u ? fc_type1 : fc_type2);
-  device const uchar* w = kind == 0u ? wq : (kind == 1u ? wk : wv);
-  const ulong row_bytes =
-      kind == 0u ? args.w0_row_bytes : (kind == 1u ? args.w1_row_bytes : args.w2_row_bytes);
-  device const T* bias = kind == 0u ? q_bias : (kind == 1u ? k_bias : v_bias);
-
+inline void layer_project_head(device const T* x, device const T* input_norm,
+                               device const uchar* w, uint type, ulong row_bytes,
+                               device const T* bias, uint h, uint d, uint rows, uint x0,
+                               constant DecoderLayerArgs& args, threadgroup float* tile,
+                               threadgroup T* xs, threadgroup float* red, uint tid, uint ntg,
+                               uint nsg, uint sg, uint lane) {
   LayerRows<T> raw;
   raw.x = x + ulong(x0) * args.k;
   raw.stride = args.k;
@@ -209,7 +183,6 @@ kernel void layer_qkv(
   if (fc_staged) {
     layer_stage(xn, xs, args.k, rows, tid, ntg);
   }
-
   for (uint r = sg; r < d; r += nsg) {
     float acc[kLayerMaxRows];
     for (uint i = 0; i < kLayerMaxRows; ++i) {
@@ -227,8 +200,20 @@ kernel void layer_qkv(
       }
     }
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
 
+// layer_qkv after the projection: per-head q/k norm, rope, q out, k and v into the caches.
+template <typename T>
+inline void layer_head_epilogue(uint kind, uint h, uint d, uint rows, uint x0,
+                                device const T* q_norm, device const T* k_norm,
+                                device const int* positions, device const uint* table,
+                                device const int64_t* slot_mapping, device T* q_out,
+                                device T* key_cache, device T* value_cache,
+                                constant DecoderLayerArgs& args, threadgroup float* tile,
+                                threadgroup float* red, uint tid, uint ntg, uint nsg, uint sg,
+                                uint lane) {
+  const uint hq = args.num_heads;
+  const uint hkv = args.num_kv_heads;
   if (fc_qk_norm && kind < 2u) {  // uniform over the threadgroup
     device const T* nw = kind == 0u ? q_norm : k_norm;
     float part[kLayerMaxRows];
@@ -288,6 +273,72 @@ kernel void layer_qkv(
       dst[j] = T(src[j]);
     }
   }
+}
+
+// One threadgroup per (head of q, k or v; group of 8 rows).
+template <typename T>
+kernel void layer_qkv(
+    device const T* x [[buffer(0)]],
+    device const T* input_norm [[buffer(1)]],
+    device const uchar* wq [[buffer(2)]],
+    device const uchar* wk [[buffer(3)]],
+    device const uchar* wv [[buffer(4)]],
+    device const T* q_bias [[buffer(5)]],
+    device const T* k_bias [[buffer(6)]],
+    device const T* v_bias [[buffer(7)]],
+    device const T* q_norm [[buffer(8)]],
+    device const T* k_norm [[buffer(9)]],
+    device const int* positions [[buffer(10)]],
+    device const uint* table [[buffer(11)]],
+    device const int64_t* slot_mapping [[buffer(12)]],
+    device T* q_out [[buffer(13)]],
+    device T* key_cache [[buffer(14)]],
+    device T* value_cache [[buffer(15)]],
+    constant DecoderLayerArgs& args [[buffer(16)]],
+    device const T* q_projected [[buffer(17)]],  // fc_projected: [rows, Hq * D], bias not added
+    device const T* k_projected [[buffer(18)]],
+    device const T* v_projected [[buffer(19)]],
+    threadgroup float* tile [[threadgroup(0)]],  // [rows][head_dim] of this head
+    threadgroup T* xs [[threadgroup(1)]],        // fc_staged: [rows][k] normalised x
+    uint2 tgp [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint ntg [[threads_per_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float red[kLayerMaxRows * kLayerMaxSimdgroups];
+  const uint nsg = (ntg + 31) / 32;
+  const uint x0 = tgp.y * kLayerMaxRows;
+  const uint rows = min(kLayerMaxRows, args.rows - x0);
+  const uint d = args.head_dim;
+  const uint hq = args.num_heads;
+  const uint hkv = args.num_kv_heads;
+  const uint kind = tgp.x < hq ? 0u : (tgp.x < hq + hkv ? 1u : 2u);  // q, k, v
+  const uint h = kind == 0u ? tgp.x : (kind == 1u ? tgp.x - hq : tgp.x - hq - hkv);
+  const uint type = kind == 0u ? fc_type0 : (kind == 1u ? fc_type1 : fc_type2);
+  device const uchar* w = kind == 0u ? wq : (kind == 1u ? wk : wv);
+  const ulong row_bytes =
+      kind == 0u ? args.w0_row_bytes : (kind == 1u ? args.w1_row_bytes : args.w2_row_bytes);
+  device const T* bias = kind == 0u ? q_bias : (kind == 1u ? k_bias : v_bias);
+
+  if (fc_projected) {  // long batches: the tiled mat-mul projected (normalised) x already
+    device const T* projected = kind == 0u ? q_projected : (kind == 1u ? k_projected : v_projected);
+    const uint width = (kind == 0u ? hq : hkv) * d;
+    for (uint r = tid; r < d; r += ntg) {
+      for (uint i = 0; i < rows; ++i) {
+        T y = projected[(ulong(x0) + i) * width + h * d + r];
+        if (fc_bias) {
+          y = T(float(y) + float(bias[h * d + r]));
+        }
+        tile[i * d + r] = float(y);
+      }
+    }
+  } else {
+    layer_project_head(x, input_norm, w, type, row_bytes, bias, h, d, rows, x0, args, tile, xs,
+                       red, tid, ntg, nsg, sg, lane);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  layer_head_epilogue(kind, h, d, rows, x0, q_norm, k_norm, positions, table, slot_mapping, q_out,
+                      key_cache, value_cache, args, tile, red, tid, ntg, nsg, sg, lane);
 }
 
 // One simdgroup per intermediate row, 8 rows of x at a time: act(gate) * up.
@@ -362,11 +413,8 @@ kernel void layer_gate_up(
   for (uint i = 0; i < rows; ++i) {
     float g = float(T(simd_sum(g_acc[i])));
     float u = float(T(simd_sum(u_acc[i])));
-    // silu(g) = g / (1 + e^-g); tanh GELU = g / (1 + e^(-2 sqrt(2/pi) (g + 0.044715 g^3)))
-    float z = fc_gelu ? -1.5957691216057308f * (g + 0.044715f * g * g * g) : -g;
-    float act = g / (1.0f + exp(z));
     if (lane == 0) {
-      out[(ulong(x0) + i) * args.n + r] = T(act * u);
+      out[(ulong(x0) + i) * args.n + r] = T(layer_gated(g, u));
     }
   }
 }
@@ -420,13 +468,14 @@ kernel void layer_matvec(
   }
 }
 
-// out = T(residual + T(norm(y))): gemma's MLP output norm and residual add, one
-// threadgroup per row (norm_threads threads, rms_norm's count).
+// out = T(residual + y'), one threadgroup per row (norm_threads threads, rms_norm's
+// count): y' = T(mlp_out_norm(y)) (fc_sandwich: gemma's output norms), else y (+ bias)
+// rounded, as `residual + o_proj(x)` adds the bias first.
 template <typename T>
 kernel void layer_add_norm(
     device const T* y [[buffer(0)]],
     device const T* residual [[buffer(1)]],
-    device const T* w [[buffer(2)]],
+    device const T* w [[buffer(2)]],  // the norm weight (fc_sandwich) or the bias (fc_bias)
     device T* out [[buffer(3)]],
     constant DecoderLayerArgs& args [[buffer(4)]],
     uint row [[threadgroup_position_in_grid]],
@@ -441,11 +490,33 @@ kernel void layer_add_norm(
   ys.x = y + base;
   ys.stride = args.k;
   float inv[kLayerMaxRows];
-  layer_inv_rms(ys, args.k, 1u, args.norm_threads, args.eps, tid, red, nsg, sg, lane, inv);
-  for (uint j = tid; j < args.k; j += ntg) {
-    T n = T(float(y[base + j]) * inv[0] * float(w[j]));
-    out[base + j] = T(float(residual[base + j]) + float(n));
+  if (fc_sandwich) {
+    layer_inv_rms(ys, args.k, 1u, args.norm_threads, args.eps, tid, red, nsg, sg, lane, inv);
   }
+  for (uint j = tid; j < args.k; j += ntg) {
+    T v = y[base + j];
+    if (fc_sandwich) {
+      v = T(float(v) * inv[0] * float(w[j]));
+    } else if (fc_bias) {
+      v = T(float(v) + float(w[j]));
+    }
+    out[base + j] = T(float(residual[base + j]) + float(v));
+  }
+}
+
+// act[t, j] = T(act(gate[t, j]) * up[t, j]) over [rows, n], one thread an element (long
+// batches: gate and up come from the tiled mat-mul).
+template <typename T>
+kernel void layer_act(
+    device const T* gate [[buffer(0)]],
+    device const T* up [[buffer(1)]],
+    device T* out [[buffer(2)]],
+    constant DecoderLayerArgs& args [[buffer(3)]],
+    uint e [[thread_position_in_grid]]) {
+  if (e >= args.rows * args.n) {
+    return;
+  }
+  out[e] = T(layer_gated(float(gate[e]), float(up[e])));
 }
 
 #define instantiate_decoder_layer(tname, T)                                                  \
@@ -455,7 +526,8 @@ kernel void layer_add_norm(
   template [[host_name("layer_matvec_" #tname)]] kernel decltype(layer_matvec<T>)            \
       layer_matvec<T>;                                                                       \
   template [[host_name("layer_add_norm_" #tname)]] kernel decltype(layer_add_norm<T>)        \
-      layer_add_norm<T>;
+      layer_add_norm<T>;                                                                     \
+  template [[host_name("layer_act_" #tname)]] kernel decltype(layer_act<T>) layer_act<T>;
 
 instantiate_decoder_layer(float32, float)
 instantiate_decoder_layer(float16, half)

@@ -58,7 +58,9 @@ TEST(DecoderLayerPlanner, FiveDispatchesForLlamaSixForGemma) {
 }
 
 TEST(DecoderLayerPlanner, SlotsTypesAndGeometry) {
-  auto p = smollm2_decode(11, false);  // two 8-row groups
+  auto p = smollm2_decode(11, false);  // two 8-row groups (fused: batch-invariant mode)
+  p.attention.batch_invariant = true;
+  p.attention.partition_size = vm::kInvariantPartitionSize;
   auto plan = vm::plan_decoder_layer(p);
   const vm::DecoderLayerSlots slots(p.spec);
   const int num_slots = slots.out + vm::DecoderLayerSlots::kNumOutputs;
@@ -108,4 +110,22 @@ TEST(DecoderLayerPlanner, RefusesHeadsTheKernelsDoNotHold) {
   auto p = smollm2_decode(1, false);
   p.spec.head_dim = 1024;
   EXPECT_THROW(vm::plan_decoder_layer(p), std::invalid_argument);
+}
+
+TEST(DecoderLayerPlanner, LongBatchesRunThePerOpKernelsInOnePlan) {
+  auto p = smollm2_decode(9, false);
+  ASSERT_FALSE(vm::decoder_layer_fuses(p));
+  auto plan = vm::plan_decoder_layer(p);
+  std::vector<std::string> want = {
+      "rms_norm_float16", "gguf_matmul_q4_1_float16", "gguf_matmul_q4_1_float16",
+      "gguf_matmul_q8_0_float16", "layer_qkv_float16", "paged_attention_decode_float16_d64",
+      "gguf_matmul_q4_1_float16", "layer_add_norm_float16", "rms_norm_float16",
+      "gguf_matmul_q4_k_float16", "gguf_matmul_q4_1_float16", "layer_act_float16",
+      "gguf_matmul_q6_k_float16", "layer_add_norm_float16"};
+  ASSERT_EQ(plan.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(plan[i].kernel, want[i]) << i;
+  const vm::DecoderLayerSlots slots(p.spec);
+  EXPECT_EQ(plan[1].buffers[2].array_slot, slots.q_projected);  // q's mat-mul output
+  EXPECT_EQ(plan[4].constants[10].bits, 1u);                   // layer_qkv reads it
+  EXPECT_EQ(plan.back().buffers[3].array_slot, slots.out);
 }

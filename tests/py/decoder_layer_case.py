@@ -123,7 +123,8 @@ def make_case(types=("Q4_K",) * 7, dtype="float32", rows=3, *, hidden=256, heads
     plan, outs = _core.plan_decoder_layer(spec, dtype, rows, rows, num_blocks, block_size,
                                           max_blocks, rows, max(ctx), 1)
     outputs = [np.zeros(shape, NP[dt] if dt != "float32" else np.float32) for shape, dt in outs]
-    names = ["out", "q", "attn", "h", "act", "o", "d", "partial_out", "partial_max", "partial_sum"]
+    names = ["out", "q", "attn", "h", "act", "o", "d", "xn", "q_projected", "k_projected",
+             "v_projected", "up", "partial_out", "partial_max", "partial_sum"]
     base = len(inputs)
     slots = {n: base + i for i, n in enumerate(names)}
     slots.update(x=0, key_cache=6, value_cache=7)

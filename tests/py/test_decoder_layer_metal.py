@@ -65,10 +65,22 @@ def test_llama_layer_every_type(qtype, dtype):
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 13])
 def test_rows_and_row_groups(rows):
-    """1..8 rows share one pass over the weights; 9+ take another row group (grid y)."""
+    """1..8 rows share one pass over the weights; 9+ take the long-batch plan."""
     ctx = (CTX * 2)[:rows]
     check_against_reference(make_case(("Q4_1", "Q8_0", "Q6_K", "Q4_0", "Q4_K", "F16", "Q6_K"),
                                       "float16", rows=rows, ctx=ctx, seed=rows))
+
+
+def test_row_groups_of_the_fused_kernels():
+    """In batch-invariant mode every batch takes the fused kernels, 8 rows per group."""
+    ops.set_batch_invariant(True)
+    try:
+        case = make_case(("Q4_1", "Q8_0", "Q6_K", "Q4_0", "Q4_K", "F16", "Q6_K"), "float16",
+                         rows=13, ctx=(CTX * 2)[:13], seed=4)
+        assert case.plan[0].kernel == "layer_qkv_float16" and case.plan[0].grid[1] == 2
+        check_against_reference(case)
+    finally:
+        ops.set_batch_invariant(False)
 
 
 @pytest.mark.parametrize("layout", [
@@ -158,12 +170,13 @@ def per_op(case) -> dict:
                 attn=attn.reshape(rows, -1), h=h), finish
 
 
+@pytest.mark.parametrize("rows", [5, 12])  # the fused kernels; the long-batch plan
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("layout", [dict(), dict(qkv_bias=True, o_bias=True, qk_norm=True),
                                     dict(neox=False, rotary_dim=32)])
-def test_same_bits_as_the_per_op_kernels(dtype, layout):
-    case = make_case(("Q4_K", "Q4_1", "Q6_K", "Q8_0", "Q4_0", "Q4_K", "Q6_K"), dtype, rows=5,
-                     ctx=[3, 17, 16, 50, 1], seed=11, **layout)
+def test_same_bits_as_the_per_op_kernels(dtype, layout, rows):
+    case = make_case(("Q4_K", "Q4_1", "Q6_K", "Q8_0", "Q4_0", "Q4_K", "Q6_K"), dtype, rows=rows,
+                     ctx=([3, 17, 16, 50, 1] * 3)[:rows], seed=11, **layout)
     want, finish = per_op(case)  # before the fused plan writes the caches
     emulation.run_plan(case.plan, case.arrays)
     want["out"] = finish()
@@ -176,6 +189,14 @@ def test_same_bits_as_the_per_op_kernels(dtype, layout):
 
 
 # ---- the plan --------------------------------------------------------------------------
+
+
+def test_long_batches_run_the_per_op_kernels():
+    """Past 8 tokens (prefill), the tiled mat-mul and small epilogues, in one plan."""
+    case = make_case(("Q4_K",) * 7, "float16", rows=9, ctx=CTX + [3], sandwich=True, gelu=True)
+    kernels = [l.kernel for l in case.plan]
+    assert kernels.count("gguf_matmul_q4_k_float16") == 7 and "layer_act_float16" in kernels
+    assert not any(k.startswith(("layer_matvec", "layer_gate_up")) for k in kernels)
 
 
 def test_dispatches_per_layer():

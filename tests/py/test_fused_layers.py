@@ -53,23 +53,23 @@ def test_switch_keeps_the_per_op_path(tmp_path, monkeypatch):
 
 
 def test_emulated_backend_fuses_what_its_kernels_take(tmp_path):
-    """On the Metal kernels (emulated here) the layer runs the fused Metal plan, unless
-    paged attention has no kernel for the head size; long steps keep the per-op path."""
+    """On the Metal kernels (emulated here) the layer runs the op's Metal plan, unless paged
+    attention has no kernel for the head size; up to 8 tokens a step on the fused kernels."""
     from vllm_metal import ops
-    from vllm_metal.models.fused_layers import METAL_MAX_TOKENS, takes_step
+    from vllm_metal.models.fused_layers import METAL_MAX_TOKENS, runs_fused_kernels
 
     small = _load(tmp_path / "d16", "llama").model  # head size 16
     wide = load_model(str(write_random_checkpoint(tiny_config("llama", head_dim=64),
                                                   tmp_path / "d64", seed=1)), "float32").model
-    assert takes_step(100)  # the native CPU backend fuses every step
+    assert not runs_fused_kernels(1)  # the native CPU backend runs its CPU kernels
     previous = ops.kernel_backend()
     ops.set_kernel_backend("emulated")
     try:
         assert "no Metal attention kernel for head size 16" in why_not_fused(small)
         assert why_not_fused(wide) is None
-        assert takes_step(METAL_MAX_TOKENS) and not takes_step(METAL_MAX_TOKENS + 1)
+        assert runs_fused_kernels(METAL_MAX_TOKENS) and not runs_fused_kernels(METAL_MAX_TOKENS + 1)
         ops.set_batch_invariant(True)
-        assert takes_step(METAL_MAX_TOKENS + 1)  # the per-op path would run mat-vecs too
+        assert runs_fused_kernels(METAL_MAX_TOKENS + 1)  # mat-vec sums for every batch
     finally:
         ops.set_batch_invariant(False)
         ops.set_kernel_backend(previous)

@@ -1,7 +1,7 @@
 """Tiny GGUF models on the Metal kernels (emulated): the fused Metal decoder layer
 (decoder_layer's Metal plan, fused_layers.py) against the per-op path it replaces, and
-batch invariance through it. Steps of up to 8 tokens take the fused layer; longer ones
-(prefill chunks here) keep the per-op path, so each schedule mixes both."""
+batch invariance through it. Steps of up to 8 tokens run the fused kernels, longer ones
+(prefill chunks here) the per-op kernels in the op's plan, so each schedule mixes both."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from vllm_metal.models import load_model
 from vllm_metal.models.fused_layers import why_not_fused
 from vllm_metal.models.testing import run_packed, tiny_config, write_tiny_gguf
 
-# decode rows next to short chunks (fused) and a 13-token chunk (per-op)
+# decode rows next to short chunks (fused kernels) and a 13-token chunk (long-batch plan)
 SCHEDULES = [[3, 1, 1, 1, 1, 1], [1, 2, 1, 1, 1], [13, 1, 1, 1], [2, 1, 3, 1, 1]]
 
 

@@ -205,6 +205,15 @@ CASES = {
         make_case(("Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q4_K", "Q6_K"), "bfloat16", rows=3,
                   ctx=[5, 17, 40], qk_norm=True, sandwich=True, gelu=True, neox=False,
                   rotary_dim=32))),
+    "decoder_layer_long_batch": ({"decoder_layer", "paged_attention", "rms_norm", "gguf_matmul"},
+                                 lambda: layer.check_against_reference(make_case(
+                                     ("Q4_K", "Q4_1", "Q6_K", "Q4_K", "Q8_0", "Q4_K", "Q6_K"),
+                                     "float16", rows=11, ctx=[5, 17, 16, 40, 1, 9, 2, 33, 3, 8, 20],
+                                     qkv_bias=True, o_bias=True, qk_norm=True))),
+    "decoder_layer_long_batch_gemma": ({"decoder_layer", "paged_attention", "rms_norm", "gguf_matmul"},
+                                       lambda: layer.check_against_reference(make_case(
+                                           ("Q6_K",) * 7, "float32", rows=10, sandwich=True,
+                                           gelu=True, qk_norm=True))),
     "decoder_layer_unstaged": ({"decoder_layer", "paged_attention"},
                                lambda: layer.test_rows_too_wide_to_stage_are_normalised_on_the_fly("float32")),
     "decoder_layer_row_groups_invariant": ({"decoder_layer", "paged_attention"}, batch_invariant(

@@ -6,12 +6,10 @@ weights collected once.
 - Native CPU backend: the CPU kernels the per-op path runs, rounded at the same points.
   MLX's CPU backend pays ~10 us per graph node, and a layer is ~20 nodes of a few
   microseconds of work each at decode sizes, so this is most of a decode step's time.
-- GPU (Apple) and the emulated backend: the op's Metal plan, fused kernels back to back
-  (5 dispatches a llama layer, 6 a gemma3 layer, instead of ~14 plus MLX's elementwise
-  ops; docs/kernels.md "Metal decoder layer plan"). Its mat-vec kernels read the weights
-  once per 8 rows, so only steps of up to 8 tokens take it (`takes_step`; any step in
-  batch-invariant mode, where the per-op path runs mat-vecs too); longer steps (prefill)
-  keep the per-op path and its tiled mat-mul.
+- GPU (Apple) and the emulated backend: the op's Metal plan (docs/kernels.md "Metal decoder
+  layer plan"): for steps of up to 8 tokens (any step in batch-invariant mode) fused kernels
+  back to back, 5 dispatches a llama layer and 6 a gemma3 layer instead of ~14 plus MLX's
+  elementwise ops; for longer steps (prefill) the per-op kernels (tiled mat-mul) in one plan.
 For layers it cannot express (float16 gemma's clipped residuals, position-scaled queries,
 rope types our kernel lacks, MLX-quantized or biased MLPs) the model keeps the per-op
 path; `why_not_fused` says which.
@@ -29,8 +27,8 @@ from vllm_metal.models.layers import PagedAttention, RMSNorm
 
 # GGML type ids of dense weights (gguf_linear names them by string)
 _DENSE_TYPE_IDS = {"F32": 0, "F16": 1, "BF16": 30}
-# Metal plan: most tokens a step may have to take the fused kernels (decoder_layer.metal
-# reads each weight block once per 8 rows)
+# Metal plan: most tokens a step may have to run the fused kernels (decoder_layer.metal
+# reads each weight block once per 8 rows); decoder_layer_plan.cpp decides, this mirrors it
 METAL_MAX_TOKENS = 8
 # the mlx-lm modules whose MLP is down(act(gate(x)) * up(x)), and act
 _GATED_MLP_MODULES = {"mlx_lm.models.llama": "silu", "mlx_lm.models.qwen2": "silu",
@@ -100,10 +98,10 @@ def on_metal() -> bool:
     return mx.default_device() != mx.cpu or ops.kernel_backend() != "native"
 
 
-def takes_step(num_tokens: int) -> bool:
-    """Whether a step of `num_tokens` packed tokens runs the fused layers (see the module
-    docstring); the per-op path runs it otherwise."""
-    return not on_metal() or num_tokens <= METAL_MAX_TOKENS or ops.batch_invariant()
+def runs_fused_kernels(num_tokens: int) -> bool:
+    """On the Metal kernels: whether a step of `num_tokens` packed tokens runs the fused
+    kernels (else the per-op kernels in the op's plan)."""
+    return on_metal() and (num_tokens <= METAL_MAX_TOKENS or ops.batch_invariant())
 
 
 def _mlp_input_norms(layer, sandwich: bool):

@@ -19,7 +19,6 @@ from vllm_metal import ops
 from vllm_metal.models.architectures import (Architecture, architecture_of, layer_sliding_windows,
                                              mlx_lm_config)
 from vllm_metal.models.context import AttentionContext
-from vllm_metal.models.fused_layers import takes_step
 from vllm_metal.models.gguf_linear import GGUFEmbedding
 from vllm_metal.models.layers import PagedAttention, RMSNorm
 from vllm_metal.models.rope import rope_config
@@ -102,7 +101,7 @@ class PagedCausalLM(nn.Module):
             h = h * mx.array(self.embed_scale, mx.bfloat16).astype(h.dtype)
         query_scale = self._llama4_query_scale(ctx.positions)
         fused = self._fused_layers()
-        if fused and takes_step(input_ids.shape[0]):
+        if fused:
             for layer in fused:
                 h = layer(h, ctx)
             # The fused layers write the caches in place, a side effect MLX cannot see: hand

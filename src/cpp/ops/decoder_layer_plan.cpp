@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "cpu/batch_invariant.h"
 #include "decoder_layer_args.h"
 #include "ops/dtype_names.h"
+#include "ops/gguf_ops.h"
 #include "ops/rms_norm.h"
 #include "runtime/gguf_types.h"
 
@@ -26,13 +28,14 @@ uint64_t round16(uint64_t n) { return (n + 15) / 16 * 16; }
 struct Constants {
   uint32_t type0 = 0, type1 = 0, type2 = 0;
   bool bias = false, qk_norm = false, neox = true, residual = false, sandwich = false,
-       gelu = false, staged = false;
+       gelu = false, staged = false, projected = false;
   std::vector<FunctionConstant> list() const {
     return {FunctionConstant::uint32(0, type0),   FunctionConstant::uint32(1, type1),
             FunctionConstant::uint32(2, type2),   FunctionConstant::boolean(3, bias),
             FunctionConstant::boolean(4, qk_norm), FunctionConstant::boolean(5, neox),
             FunctionConstant::boolean(6, residual), FunctionConstant::boolean(7, sandwich),
-            FunctionConstant::boolean(8, gelu), FunctionConstant::boolean(9, staged)};
+            FunctionConstant::boolean(8, gelu), FunctionConstant::boolean(9, staged),
+            FunctionConstant::boolean(10, projected)};
   }
 };
 
@@ -56,7 +59,19 @@ void bind_cache(KernelLaunch& l, int index, int slot) {
   l.buffers.back().read_before_in_place_write = true;
 }
 
+// Appends another op's plan with its array slots mapped onto the layer's (map[slot]).
+void append_mapped(KernelPlan& plan, KernelPlan part, const std::vector<int>& map) {
+  for (KernelLaunch& l : part) {
+    for (auto& b : l.buffers) b.array_slot = map.at(b.array_slot);
+    plan.push_back(std::move(l));
+  }
+}
+
 }  // namespace
+
+bool decoder_layer_fuses(const DecoderLayerProblem& p) {
+  return p.tokens <= kMaxRows || p.attention.batch_invariant;
+}
 
 DecoderLayerSlots::DecoderLayerSlots(const DecoderLayerSpec& spec) : names(spec.weight_names()) {
   sinks = kWeights + static_cast<int>(names.size());
@@ -67,7 +82,12 @@ DecoderLayerSlots::DecoderLayerSlots(const DecoderLayerSpec& spec) : names(spec.
   act = out + 4;
   o = out + 5;
   d = out + 6;
-  partials = out + 7;
+  xn = out + 7;
+  q_projected = out + 8;
+  k_projected = out + 9;
+  v_projected = out + 10;
+  up = out + 11;
+  partials = out + 12;
 }
 
 int DecoderLayerSlots::weight(const std::string& name) const {
@@ -79,18 +99,28 @@ std::vector<mx::Shape> decoder_layer_output_shapes(const DecoderLayerProblem& p)
   const auto& s = p.spec;
   const int t = static_cast<int>(p.tokens), hid = static_cast<int>(s.hidden);
   if (!p.attention.uses_kernels) {
-    return {{t, hid}, {0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}};
+    std::vector<mx::Shape> none(DecoderLayerSlots::kNumOutputs, mx::Shape{0});
+    none[0] = {t, hid};
+    return none;
   }
-  const int hq = static_cast<int>(s.num_heads), dim = static_cast<int>(s.head_dim);
-  const mx::Shape gemma = s.sandwich ? mx::Shape{t, hid} : mx::Shape{0};
-  std::vector<mx::Shape> shapes = {{t, hid}, {t, hq * dim}, {t, hq, dim}, {t, hid},
-                                   {t, static_cast<int>(s.intermediate)}, gemma, gemma};
+  const int hq = static_cast<int>(s.num_heads), hkv = static_cast<int>(s.num_kv_heads);
+  const int dim = static_cast<int>(s.head_dim), inter = static_cast<int>(s.intermediate);
+  const bool fused = decoder_layer_fuses(p);
+  auto when = [](bool needed, mx::Shape shape) { return needed ? shape : mx::Shape{0}; };
+  std::vector<mx::Shape> shapes = {{t, hid}, {t, hq * dim}, {t, hq, dim}, {t, hid}, {t, inter},
+                                   when(s.sandwich || !fused, {t, hid}),  // o
+                                   when(s.sandwich || !fused, {t, hid}),  // d
+                                   when(!fused, {t, hid}),                // xn
+                                   when(!fused, {t, hq * dim}),
+                                   when(!fused, {t, hkv * dim}),
+                                   when(!fused, {t, hkv * dim}),
+                                   when(!fused, {t, inter})};             // up
   for (const auto& shape : paged_attention_scratch_shapes(p.attention)) shapes.push_back(shape);
   return shapes;
 }
 
 std::vector<mx::Dtype> decoder_layer_output_dtypes(const DecoderLayerProblem& p) {
-  std::vector<mx::Dtype> d(7, p.dtype);
+  std::vector<mx::Dtype> d(DecoderLayerSlots::kNumOutputs - 3, p.dtype);
   d.insert(d.end(), 3, mx::float32);
   return d;
 }
@@ -136,10 +166,12 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
     for (auto t : types) *bytes[i++] = encoded_row_bytes(t, k);
     return a;
   };
+  const bool fused = decoder_layer_fuses(p);
   KernelPlan plan;
 
-  // 1. norm -> q, k, v -> q/k norm -> rope -> q out, k and v into the caches
-  {
+  // norm -> q, k, v (or, long batches, the projections made by gguf_matmul) -> q/k norm
+  // -> rope -> q out, k and v into the caches
+  auto push_qkv = [&]() {
     KernelLaunch l = launch("layer_qkv", dt);
     Constants c;
     c.type0 = type_id(s.types[0]);
@@ -148,6 +180,7 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
     c.bias = s.qkv_bias;
     c.qk_norm = s.qk_norm;
     c.neox = s.neox;
+    c.projected = !fused;
     l.bind(0, x);
     l.bind(1, slot.weight("input_norm"));
     l.bind(2, slot.weight("q_proj"));
@@ -164,39 +197,100 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
     l.bind(13, slot.q);
     bind_cache(l, 14, DecoderLayerSlots::kKeyCache);
     bind_cache(l, 15, DecoderLayerSlots::kValueCache);
+    l.bind(17, fused ? x : slot.q_projected);
+    l.bind(18, fused ? x : slot.k_projected);
+    l.bind(19, fused ? x : slot.v_projected);
     // [rows][head_dim] floats for the head, and the normalised rows when they fit too
     const uint64_t tile = round16(4 * group_rows * s.head_dim);
     const uint64_t staged = round16(elt * group_rows * s.hidden);
-    c.staged = kStaticBytes + tile + staged <= kThreadgroupBytes;
+    c.staged = fused && kStaticBytes + tile + staged <= kThreadgroupBytes;
     l.constants = c.list();
     l.threadgroup_memory = {tile, c.staged ? staged : 16};
     l.set_args(16, matvec_args(s.hidden, q_width, {s.types[0], s.types[1], s.types[2]}));
     l.grid = {static_cast<uint32_t>(s.num_heads + 2 * s.num_kv_heads), groups, 1};
     l.threadgroup = {std::max({256u, base.norm_threads, base.head_norm_threads}), 1, 1};
     plan.push_back(l);
-  }
+  };
 
-  // 2. attention: paged_attention's own plan with its slots mapped onto ours
-  {
+  // attention: paged_attention's own plan with its slots mapped onto ours
+  auto push_attention = [&]() {
     PagedAttentionProblem a = p.attention;
     a.q_token_stride = q_width;
     a.q_head_stride = s.head_dim;
-    const int map[11] = {slot.q,
-                         DecoderLayerSlots::kKeyCache,
-                         DecoderLayerSlots::kValueCache,
-                         DecoderLayerSlots::kBlockTables,
-                         DecoderLayerSlots::kSeqLens,
-                         DecoderLayerSlots::kCuSeqlensQ,
-                         slot.sinks,
-                         slot.attn,
-                         slot.partials,
-                         slot.partials + 1,
-                         slot.partials + 2};
-    for (KernelLaunch l : plan_paged_attention(a)) {
-      for (auto& b : l.buffers) b.array_slot = map[b.array_slot];
-      plan.push_back(std::move(l));
+    append_mapped(plan, plan_paged_attention(a),
+                  {slot.q, DecoderLayerSlots::kKeyCache, DecoderLayerSlots::kValueCache,
+                   DecoderLayerSlots::kBlockTables, DecoderLayerSlots::kSeqLens,
+                   DecoderLayerSlots::kCuSeqlensQ, slot.sinks, slot.attn, slot.partials,
+                   slot.partials + 1, slot.partials + 2});
+  };
+
+  // out = residual + [mlp_out_norm | attn_out_norm](y) (gemma), or residual + y (+ bias)
+  auto push_add_norm = [&](int y, int residual, const char* weight, bool norm, int out) {
+    KernelLaunch l = launch("layer_add_norm", dt);
+    Constants c;
+    c.sandwich = norm;
+    c.bias = !norm && weight && slot.weight(weight) >= 0;
+    l.constants = c.list();
+    l.bind(0, y);
+    l.bind(1, residual);
+    l.bind(2, weight ? weight_or_x(weight) : x);
+    l.bind(3, out);
+    l.set_args(4, matvec_args(s.hidden, s.hidden, {}));
+    l.grid = {static_cast<uint32_t>(p.tokens), 1, 1};
+    l.threadgroup = {base.norm_threads, 1, 1};
+    plan.push_back(l);
+  };
+
+  if (!fused) {
+    // Long batches (prefill): the tiled mat-mul reads each weight once per 32 rows with
+    // simdgroup matrices; small epilogues do what MLX's elementwise ops did between.
+    auto push_norm = [&](int in, const char* weight, int out) {
+      RmsNormProblem n;
+      n.dtype = p.dtype;
+      n.rows = p.tokens;
+      n.hidden = s.hidden;
+      n.x_row_stride = s.hidden;
+      n.eps = s.norm_eps;
+      append_mapped(plan, plan_rms_norm(n), {in, slot.weight(weight), out});
+    };
+    auto push_matmul = [&](int in, int proj, int64_t n, int64_t k, int out) {
+      GgufMatmulProblem m{s.types[proj], p.dtype, p.tokens, n, k};
+      append_mapped(plan, plan_gguf_matmul(m), {in, slot.weight(slot.names[2 + proj]), out});
+    };
+    const int64_t kv_width = s.num_kv_heads * s.head_dim;
+    push_norm(x, "input_norm", slot.xn);
+    push_matmul(slot.xn, 0, q_width, s.hidden, slot.q_projected);
+    push_matmul(slot.xn, 1, kv_width, s.hidden, slot.k_projected);
+    push_matmul(slot.xn, 2, kv_width, s.hidden, slot.v_projected);
+    push_qkv();
+    push_attention();
+    push_matmul(slot.attn, 3, s.hidden, q_width, slot.o);
+    push_add_norm(slot.o, x, s.sandwich ? "attn_out_norm" : "o_bias", s.sandwich, slot.h);
+    push_norm(slot.h, "post_norm", slot.xn);
+    push_matmul(slot.xn, 4, s.intermediate, s.hidden, slot.act);
+    push_matmul(slot.xn, 5, s.intermediate, s.hidden, slot.up);
+    {
+      KernelLaunch l = launch("layer_act", dt);
+      Constants c;
+      c.gelu = s.gelu;
+      l.constants = c.list();
+      l.bind(0, slot.act);
+      l.bind(1, slot.up);
+      l.bind(2, slot.act);  // in place: each thread reads and writes its own element
+      l.set_args(3, matvec_args(s.intermediate, s.intermediate, {}));
+      l.grid = {ceil_div(uint64_t(p.tokens) * s.intermediate, 256), 1, 1};
+      l.threadgroup = {256, 1, 1};
+      plan.push_back(l);
     }
+    push_matmul(slot.act, 6, s.hidden, s.intermediate, slot.d);
+    push_add_norm(slot.d, slot.h, s.sandwich ? "mlp_out_norm" : nullptr, s.sandwich, slot.out);
+    return plan;
   }
+
+  // 1. norm -> q, k, v -> q/k norm -> rope -> q out, k and v into the caches
+  push_qkv();
+  // 2. attention
+  push_attention();
 
   // the mat-vec with a residual (or bias) epilogue: o and down
   auto push_matvec = [&](int in, const char* w, gguf::GGMLType type, int64_t k,
@@ -257,18 +351,7 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
               s.sandwich ? slot.d : slot.out);
 
   // 6. gemma: out = h + mlp_out_norm(down)
-  if (s.sandwich) {
-    KernelLaunch l = launch("layer_add_norm", dt);
-    l.constants = Constants{}.list();
-    l.bind(0, slot.d);
-    l.bind(1, slot.h);
-    l.bind(2, slot.weight("mlp_out_norm"));
-    l.bind(3, slot.out);
-    l.set_args(4, matvec_args(s.hidden, s.hidden, {}));
-    l.grid = {static_cast<uint32_t>(p.tokens), 1, 1};
-    l.threadgroup = {base.norm_threads, 1, 1};
-    plan.push_back(l);
-  }
+  if (s.sandwich) push_add_norm(slot.d, slot.h, "mlp_out_norm", true, slot.out);
   return plan;
 }
 

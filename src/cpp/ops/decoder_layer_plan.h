@@ -35,9 +35,12 @@ struct DecoderLayerSlots {
   int sinks = 0;
   // outputs: out [T, hidden], then scratch: q [T, Hq * D], attn [T, Hq, D], h [T, hidden]
   // (the residual stream after attention), act [T, intermediate], o and d [T, hidden]
-  // (gemma: the o and down projections before their norms), split-KV partials (3)
-  int out = 0, q = 0, attn = 0, h = 0, act = 0, o = 0, d = 0, partials = 0;
-  static constexpr int kNumOutputs = 10;
+  // (the o and down projections before their norm or residual add: gemma, long batches),
+  // long batches only: xn [T, hidden] (a normalised input), q/k/v_projected, up
+  // [T, intermediate]; split-KV partials (3). Unused ones are [0].
+  int out = 0, q = 0, attn = 0, h = 0, act = 0, o = 0, d = 0, xn = 0, q_projected = 0,
+      k_projected = 0, v_projected = 0, up = 0, partials = 0;
+  static constexpr int kNumOutputs = 15;
 };
 
 // Shapes of the outputs (slot order from `out`); scratch is empty ([0]) when
@@ -45,8 +48,14 @@ struct DecoderLayerSlots {
 std::vector<mx::Shape> decoder_layer_output_shapes(const DecoderLayerProblem& p);
 std::vector<mx::Dtype> decoder_layer_output_dtypes(const DecoderLayerProblem& p);
 
-// Dispatches per layer: layer_qkv, attention (decode [+ reduce] [+ prefill]),
-// layer_matvec (o), layer_gate_up, layer_matvec (down) [, layer_add_norm (gemma)].
+// Whether the plan runs the fused kernels: up to 8 tokens (one pass over the weights),
+// or any batch in batch-invariant mode (the per-op path then runs mat-vecs too).
+bool decoder_layer_fuses(const DecoderLayerProblem& p);
+
+// Fused: layer_qkv, attention (decode [+ reduce]), layer_matvec (o), layer_gate_up,
+// layer_matvec (down) [, layer_add_norm (gemma)]. Longer batches: the per-op kernels
+// (rms_norm, the tiled gguf_matmul, attention's prefill kernel) with small epilogue
+// kernels of decoder_layer.metal for what MLX ops did between them.
 KernelPlan plan_decoder_layer(const DecoderLayerProblem& p);
 
 }  // namespace vllm_metal
