@@ -98,11 +98,7 @@ int DecoderLayerSlots::weight(const std::string& name) const {
 std::vector<mx::Shape> decoder_layer_output_shapes(const DecoderLayerProblem& p) {
   const auto& s = p.spec;
   const int t = static_cast<int>(p.tokens), hid = static_cast<int>(s.hidden);
-  if (!p.attention.uses_kernels) {
-    std::vector<mx::Shape> none(DecoderLayerSlots::kNumOutputs, mx::Shape{0});
-    none[0] = {t, hid};
-    return none;
-  }
+  if (!p.attention.uses_kernels) return {{t, hid}};  // the CPU kernels keep their own scratch
   const int hq = static_cast<int>(s.num_heads), hkv = static_cast<int>(s.num_kv_heads);
   const int dim = static_cast<int>(s.head_dim), inter = static_cast<int>(s.intermediate);
   const bool fused = decoder_layer_fuses(p);
@@ -120,6 +116,7 @@ std::vector<mx::Shape> decoder_layer_output_shapes(const DecoderLayerProblem& p)
 }
 
 std::vector<mx::Dtype> decoder_layer_output_dtypes(const DecoderLayerProblem& p) {
+  if (!p.attention.uses_kernels) return {p.dtype};
   std::vector<mx::Dtype> d(DecoderLayerSlots::kNumOutputs - 3, p.dtype);
   d.insert(d.end(), 3, mx::float32);
   return d;

@@ -43,8 +43,8 @@ struct DecoderLayerSlots {
   static constexpr int kNumOutputs = 15;
 };
 
-// Shapes of the outputs (slot order from `out`); scratch is empty ([0]) when
-// attention.uses_kernels is false (the native CPU path keeps its own).
+// Shapes of the outputs (slot order from `out`); only `out` when attention.uses_kernels
+// is false (the native CPU path keeps its own scratch).
 std::vector<mx::Shape> decoder_layer_output_shapes(const DecoderLayerProblem& p);
 std::vector<mx::Dtype> decoder_layer_output_dtypes(const DecoderLayerProblem& p);
 
