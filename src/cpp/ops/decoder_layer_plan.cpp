@@ -18,6 +18,7 @@ constexpr const char* kSource = "decoder_layer";
 constexpr int64_t kMaxRows = 8;      // decoder_layer.metal kLayerMaxRows
 constexpr int64_t kMaxHead = 512;    // decoder_layer.metal kLayerMaxHead
 constexpr uint32_t kMatvecThreads = 256;  // layer_matvec: 8 weight rows per threadgroup
+constexpr uint32_t kLayerThreads = 256;   // layer_qkv, layer_gate_up
 constexpr uint64_t kThreadgroupBytes = 32768;  // Metal's limit per threadgroup
 constexpr uint64_t kStaticBytes = 1024;        // `red` of layer_qkv / layer_gate_up (8 x 32 floats)
 
@@ -147,8 +148,13 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
   base.num_kv_heads = static_cast<uint32_t>(s.num_kv_heads);
   base.head_dim = static_cast<uint32_t>(s.head_dim);
   base.rotary_half = static_cast<uint32_t>(s.rotary_dim / 2);
-  base.norm_threads = rms_norm_threads(s.hidden);
-  base.head_norm_threads = rms_norm_threads(s.head_dim);
+  // The mat-vec kernels' threadgroups stay at 256 threads (their registers: 8 rows of
+  // accumulators and norms per thread); they sum an input row's squares with as many of
+  // them as rms_norm would use, so up to hidden 1024 the RMS has rms_norm's bits, past it
+  // (rms_norm: 512+ threads) it is summed by 256 threads instead.
+  const uint32_t norm_threads = rms_norm_threads(s.hidden);
+  base.norm_threads = std::min(norm_threads, kLayerThreads);
+  base.head_norm_threads = rms_norm_threads(s.head_dim);  // <= 128 for head_dim <= 512
   base.eps = s.norm_eps;
   base.qk_eps = s.qk_norm_eps;
   base.mscale = s.rope_mscale;
@@ -205,7 +211,7 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
     l.threadgroup_memory = {tile, c.staged ? staged : 16};
     l.set_args(16, matvec_args(s.hidden, q_width, {s.types[0], s.types[1], s.types[2]}));
     l.grid = {static_cast<uint32_t>(s.num_heads + 2 * s.num_kv_heads), groups, 1};
-    l.threadgroup = {std::max({256u, base.norm_threads, base.head_norm_threads}), 1, 1};
+    l.threadgroup = {kLayerThreads, 1, 1};
     plan.push_back(l);
   };
 
@@ -232,9 +238,11 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
     l.bind(1, residual);
     l.bind(2, weight ? weight_or_x(weight) : x);
     l.bind(3, out);
-    l.set_args(4, matvec_args(s.hidden, s.hidden, {}));
+    DecoderLayerArgs a = matvec_args(s.hidden, s.hidden, {});
+    a.norm_threads = norm_threads;  // a row per threadgroup, as rms_norm
+    l.set_args(4, a);
     l.grid = {static_cast<uint32_t>(p.tokens), 1, 1};
-    l.threadgroup = {base.norm_threads, 1, 1};
+    l.threadgroup = {norm_threads, 1, 1};
     plan.push_back(l);
   };
 
@@ -337,7 +345,7 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
     l.bind(6, slot.act);
     l.bind(7, slot.h);  // written by gemma's variant only
     l.set_args(8, matvec_args(s.hidden, s.intermediate, {s.types[4], s.types[5]}));
-    const uint32_t threads = std::max(128u, base.norm_threads);
+    const uint32_t threads = kLayerThreads;
     l.grid = {ceil_div(s.intermediate, threads / 32), groups, 1};
     l.threadgroup = {threads, 1, 1};
     plan.push_back(l);
