@@ -269,10 +269,9 @@ kernel void layer_gate_up(
     g_acc[i] = 0.0f;
     u_acc[i] = 0.0f;
   }
-  layer_matvec_staged(fc_type0, w_gate + ulong(r) * args.w0_row_bytes, args.k, args.chunks, xn,
-                      xs, rows, lane, g_acc);
-  layer_matvec_staged(fc_type1, w_up + ulong(r) * args.w1_row_bytes, args.k, args.chunks, xn, xs,
-                      rows, lane, u_acc);
+  layer_matvec2_staged(fc_type0, w_gate + ulong(r) * args.w0_row_bytes, fc_type1,
+                       w_up + ulong(r) * args.w1_row_bytes, args.k, args.chunks, xn, xs, rows,
+                       lane, g_acc, u_acc);
   for (uint i = 0; i < rows; ++i) {
     float g = float(T(simd_sum(g_acc[i])));
     float u = float(T(simd_sum(u_acc[i])));

@@ -99,6 +99,22 @@ inline float layer_gated(float g, float u) {
   return g / (1.0f + exp(z)) * u;
 }
 
+// Gate and up rows in one pass over x (see layer_matvec_row2).
+template <typename T, typename X>
+inline void layer_matvec2_staged(uint type0, device const uchar* w0, uint type1,
+                                 device const uchar* w1, uint k, uint chunks, thread const X& x,
+                                 threadgroup const T* xs, uint rows, uint lane,
+                                 thread float* acc0, thread float* acc1) {
+  if (fc_staged) {
+    LayerStaged<T> st;
+    st.x = xs;
+    st.stride = k;
+    layer_matvec_row2(type0, w0, type1, w1, k, chunks, st, rows, lane, acc0, acc1);
+  } else {
+    layer_matvec_row2(type0, w0, type1, w1, k, chunks, x, rows, lane, acc0, acc1);
+  }
+}
+
 // Sums part[i], i < rows, over the threadgroup in rms_norm.metal's order: each
 // simdgroup's simd_sum, then the simdgroups' sums in index order (simdgroups with
 // nothing to add give +0, which changes no sum). Every thread gets the totals.

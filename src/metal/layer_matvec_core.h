@@ -65,3 +65,29 @@ inline void layer_matvec_row(uint type, device const uchar* wr, uint k, uint chu
     }
   }
 }
+
+// Two weight rows (gate and up) over the same x: each x value is read once for both;
+// each row's sums are those of layer_matvec_row (same chunks, same order).
+template <typename X>
+inline void layer_matvec_row2(uint type0, device const uchar* w0, uint type1,
+                              device const uchar* w1, uint k, uint chunks, thread const X& x,
+                              uint rows, uint lane, thread float* acc0, thread float* acc1) {
+  for (uint c = lane; c < chunks; c += 32) {
+    float v0[16];
+    float v1[16];
+    gguf_decode16_of(type0, w0, c, k, v0);
+    gguf_decode16_of(type1, w1, c, k, v1);
+    uint n_valid = min(16u, k - 16 * c);
+    for (uint i = 0; i < rows; ++i) {
+      float s0 = 0.0f;
+      float s1 = 0.0f;
+      for (uint j = 0; j < n_valid; ++j) {
+        float xv = x.at(i, 16 * c + j);
+        s0 = fma(v0[j], xv, s0);
+        s1 = fma(v1[j], xv, s1);
+      }
+      acc0[i] += s0;
+      acc1[i] += s1;
+    }
+  }
+}
