@@ -252,7 +252,6 @@ def decoder_layer(qtype: str, dtype: str, m: int, hidden: int, heads: int, kv_he
     small = {"q_norm": head_dim, "k_norm": head_dim}
     for name in spec.weight_names():
         inputs.append(weights[name] if name in weights else _rand(small.get(name, hidden), dtype, rng))
-    inputs.append(np.zeros(1, np.float32))  # sinks
     plan, outs = _core.plan_decoder_layer(spec, dtype, m, m, num_blocks, block_size,
                                           blocks_per_seq, m, ctx, 1)
     outputs = [np.zeros(shape, _NP[dt]) for shape, dt in outs]

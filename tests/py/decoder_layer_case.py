@@ -119,7 +119,6 @@ def make_case(types=("Q4_K",) * 7, dtype="float32", rows=3, *, hidden=256, heads
               np.arange(rows + 1, dtype=np.int32), key_cache, value_cache,
               np.ascontiguousarray(np.array(table))]
     inputs += [weights[n] for n in spec.weight_names()]
-    inputs.append(np.zeros(1, np.float32))  # sinks
     plan, outs = _core.plan_decoder_layer(spec, dtype, rows, rows, num_blocks, block_size,
                                           max_blocks, rows, max(ctx), 1)
     outputs = [np.zeros(shape, NP[dt] if dt != "float32" else np.float32) for shape, dt in outs]

@@ -125,8 +125,7 @@ void bind_decoder_layer(nb::module_& m) {
       "spec"_a, "dtype"_a, "tokens"_a, "num_seqs"_a, "num_blocks"_a, "block_size"_a,
       "max_blocks"_a, "num_decode_seqs"_a, "max_seq_len"_a, "max_query_len"_a,
       "Kernel launches of decoder_layer's Metal plan and its outputs as (shape, dtype),\n"
-      "slot order: the op's inputs (x .. rope_table, the weights, a 1-element float32\n"
-      "sinks dummy), then the outputs.");
+      "slot order: the op's inputs (x .. rope_table, the weights), then the outputs.");
 }
 
 }  // namespace vllm_metal::bindings

@@ -192,7 +192,6 @@ mx::array decoder_layer(const mx::array& x, const mx::array& positions,
     hints.max_seq_len = max_seq_len;
     hints.max_query_len = max_query_len;
     resolve_paged_attention_hints(a, hints, block_tables, seq_lens, cu_seqlens_q);
-    in.push_back(mx::zeros({1}, mx::float32, stream));  // paged attention's sinks: none
     // the kernels skip a slot outside the cache (they cannot raise): refuse it now when
     // the table is already computed, as reshape_and_cache does
     const mx::array& slots = slot_mapping;

@@ -75,8 +75,7 @@ bool decoder_layer_fuses(const DecoderLayerProblem& p) {
 }
 
 DecoderLayerSlots::DecoderLayerSlots(const DecoderLayerSpec& spec) : names(spec.weight_names()) {
-  sinks = kWeights + static_cast<int>(names.size());
-  out = sinks + 1;
+  out = kWeights + static_cast<int>(names.size());
   q = out + 1;
   attn = out + 2;
   h = out + 3;
@@ -223,7 +222,9 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
     append_mapped(plan, plan_paged_attention(a),
                   {slot.q, DecoderLayerSlots::kKeyCache, DecoderLayerSlots::kValueCache,
                    DecoderLayerSlots::kBlockTables, DecoderLayerSlots::kSeqLens,
-                   DecoderLayerSlots::kCuSeqlensQ, slot.sinks, slot.attn, slot.partials,
+                   DecoderLayerSlots::kCuSeqlensQ,
+                   x,  // sinks: none (has_sinks is off, the buffer is never read)
+                   slot.attn, slot.partials,
                    slot.partials + 1, slot.partials + 2});
   };
 

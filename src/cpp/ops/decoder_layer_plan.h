@@ -23,7 +23,7 @@ struct DecoderLayerProblem {
 };
 
 // Array slots of the plan: the op's inputs (x .. rope_table, the weights in
-// spec.weight_names() order, a 1-element sinks dummy), then its outputs.
+// spec.weight_names() order), then its outputs.
 struct DecoderLayerSlots {
   explicit DecoderLayerSlots(const DecoderLayerSpec& spec);
   int weight(const std::string& name) const;  // -1 when the spec has no such weight
@@ -32,7 +32,6 @@ struct DecoderLayerSlots {
                        kSeqLens = 4, kCuSeqlensQ = 5, kKeyCache = 6, kValueCache = 7,
                        kRopeTable = 8, kWeights = 9;
   std::vector<std::string> names;
-  int sinks = 0;
   // outputs: out [T, hidden], then scratch: q [T, Hq * D], attn [T, Hq, D], h [T, hidden]
   // (the residual stream after attention), act [T, intermediate], o and d [T, hidden]
   // (the o and down projections before their norm or residual add: gemma, long batches),
