@@ -218,3 +218,60 @@ def paged_attention(dtype: str, q_lens, seq_lens, num_q_heads: int, num_kv_heads
     name = (f"paged_attention(q={q_lens},ctx={seq_lens},hq={num_q_heads},hkv={num_kv_heads},"
             f"d={head_size},bs={block_size},{dtype})")
     return Case(name, plan, arrays, minimum, flops=flops, scratch=scratch)
+
+
+_TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}  # GGML ids
+
+
+def decoder_layer(qtype: str, dtype: str, m: int, hidden: int, heads: int, kv_heads: int,
+                  head_dim: int, intermediate: int, ctx: int = 100, sandwich: bool = False,
+                  block_size: int = 16) -> Case:
+    """The fused Metal decoder layer (plan_decoder_layer) over m decode rows of context
+    `ctx` each, every projection of type qtype. The floor counts the layer's inputs and
+    output, the weights, the K/V context and the new tokens' cache rows; `scratch` is what
+    crosses between its dispatches (q, attention, residual stream, MLP activation; the
+    layer input read again for the residual; gemma's pre-norm o and down outputs)."""
+    rng = np.random.default_rng(m * hidden + ctx)
+    s = _SIZE[dtype]
+    spec = _core.DecoderLayerSpec()
+    spec.hidden, spec.num_heads, spec.num_kv_heads = hidden, heads, kv_heads
+    spec.head_dim, spec.intermediate = head_dim, intermediate
+    spec.sandwich, spec.gelu, spec.qk_norm = sandwich, sandwich, sandwich
+    spec.types = [_TYPE_IDS[qtype]] * 7
+    spec.rotary_dim = head_dim
+    spec.scale = head_dim ** -0.5
+    table, mscale = _core.rope_turn_table(head_dim)
+    spec.rope_mscale = mscale
+    q_w, kv_w = heads * head_dim, kv_heads * head_dim
+    dims = dict(q_proj=(q_w, hidden), k_proj=(kv_w, hidden), v_proj=(kv_w, hidden),
+                o_proj=(hidden, q_w), gate_proj=(intermediate, hidden),
+                up_proj=(intermediate, hidden), down_proj=(hidden, intermediate))
+    weights = {n: _random_blocks(qtype, r, _row_bytes(qtype, c), rng) for n, (r, c) in dims.items()}
+    blocks_per_seq = -(-ctx // block_size)
+    num_blocks = m * blocks_per_seq + 2
+    tables = rng.permutation(num_blocks)[:m * blocks_per_seq].astype(np.int32).reshape(m, -1)
+    positions = np.full(m, ctx - 1, np.int32)
+    slots = (tables[:, (ctx - 1) // block_size].astype(np.int64) * block_size
+             + (ctx - 1) % block_size)
+    cache = (num_blocks, block_size, kv_heads, head_dim)
+    inputs = [_rand((m, hidden), dtype, rng), positions, slots, tables,
+              np.full(m, ctx, np.int32), np.arange(m + 1, dtype=np.int32),
+              _rand(cache, dtype, rng), _rand(cache, dtype, rng), np.array(table)]
+    small = {"q_norm": head_dim, "k_norm": head_dim}
+    for name in spec.weight_names():
+        inputs.append(weights[name] if name in weights else _rand(small.get(name, hidden), dtype, rng))
+    plan, outs = _core.plan_decoder_layer(spec, dtype, m, m, num_blocks, block_size,
+                                          blocks_per_seq, m, ctx, 1)
+    outputs = [np.zeros(shape, _NP[dt]) for shape, dt in outs]
+    norms = sum(a.nbytes for n, a in zip(spec.weight_names(), inputs[9:]) if n not in weights)
+    minimum = (sum(w.nbytes for w in weights.values()) + 2 * m * hidden * s + norms
+               + positions.nbytes + slots.nbytes + np.array(table).nbytes + tables.nbytes
+               + 4 * (2 * m + 1) + 2 * m * ctx * kv_w * s + 2 * m * kv_w * s)
+    # per row: q and attention (write + read), the MLP activation (write + read), x read
+    # again; llama: h written by o, read by gate/up and down; gemma: o, h, down twice each
+    crossing = 2 * q_w + 2 * q_w + 2 * intermediate + hidden + (6 * hidden if sandwich else 3 * hidden)
+    flops = 2 * m * sum(r * c for r, c in dims.values()) + 4 * heads * head_dim * m * ctx
+    name = (f"decoder_layer({qtype},{dtype},m={m},hidden={hidden},heads={heads}/{kv_heads},"
+            f"d={head_dim},I={intermediate},ctx={ctx}{',gemma' if sandwich else ''})")
+    return Case(name, plan, inputs + outputs, minimum, flops=flops, scratch=m * crossing * s)
+

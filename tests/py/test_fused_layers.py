@@ -46,18 +46,32 @@ def test_float16_gemma_keeps_the_per_op_path(tmp_path):
     assert "clip" in why_not_fused(model)
 
 
-def test_switch_and_emulated_backend_keep_the_per_op_path(tmp_path, monkeypatch):
-    from vllm_metal import ops
-
+def test_switch_keeps_the_per_op_path(tmp_path, monkeypatch):
     model = _load(tmp_path, "llama").model
     monkeypatch.setenv("VLLM_METAL_FUSED_LAYERS", "0")
     assert why_not_fused(model) == "VLLM_METAL_FUSED_LAYERS=0"
-    monkeypatch.delenv("VLLM_METAL_FUSED_LAYERS")
+
+
+def test_emulated_backend_fuses_what_its_kernels_take(tmp_path):
+    """On the Metal kernels (emulated here) the layer runs the op's Metal plan, unless paged
+    attention has no kernel for the head size; up to 8 tokens a step on the fused kernels."""
+    from vllm_metal import ops
+    from vllm_metal.models.fused_layers import METAL_MAX_TOKENS, runs_fused_kernels
+
+    small = _load(tmp_path / "d16", "llama").model  # head size 16
+    wide = load_model(str(write_random_checkpoint(tiny_config("llama", head_dim=64),
+                                                  tmp_path / "d64", seed=1)), "float32").model
+    assert not runs_fused_kernels(1)  # the native CPU backend runs its CPU kernels
     previous = ops.kernel_backend()
     ops.set_kernel_backend("emulated")
     try:
-        assert "native CPU backend" in why_not_fused(model)
+        assert "no Metal attention kernel for head size 16" in why_not_fused(small)
+        assert why_not_fused(wide) is None
+        assert runs_fused_kernels(METAL_MAX_TOKENS) and not runs_fused_kernels(METAL_MAX_TOKENS + 1)
+        ops.set_batch_invariant(True)
+        assert runs_fused_kernels(METAL_MAX_TOKENS + 1)  # mat-vec sums for every batch
     finally:
+        ops.set_batch_invariant(False)
         ops.set_kernel_backend(previous)
 
 
@@ -204,9 +218,3 @@ def test_out_of_range_slot_is_refused_at_eval(layer_call):
     args = dict(layer_call, slot_mapping=mx.array([0, 1, 99], mx.int64))
     with pytest.raises(Exception, match=r"slot_mapping\[2\] = 99 is outside"):
         mx.eval(_core.decoder_layer(**args))
-
-
-@pytest.mark.skipif(not mx.metal.is_available(), reason="needs MLX's Metal backend (Apple)")
-def test_gpu_stream_is_refused(layer_call):
-    with pytest.raises(ValueError, match="CPU only"):
-        _core.decoder_layer(**layer_call, stream=mx.gpu)

@@ -58,6 +58,15 @@ CASES = [
      "split-KV: partials written then read by the reduce (the scratch term of the budget)"),
     (lambda: kt.paged_attention("float16", [1, 5], [20, 30], 9, 3, 64), UNIQUE_BUDGET, 4.3,
      "prefill: each 8-row query tile of each q head reads its context's K/V again"),
+    # the fused decoder layer: unique bytes are the floor + what crosses between its
+    # dispatches (kt.decoder_layer's scratch). Re-reads: each threadgroup reads its x rows
+    # (and the norm weight) once into threadgroup memory, then its weight rows use that copy
+    (lambda: kt.decoder_layer("Q4_1", "float16", 1, 576, 9, 3, 64, 1536), UNIQUE_BUDGET, 2.45,
+     "SmolLM2 layer, 1 decode row: x once per threadgroup (cache-resident); weights once"),
+    (lambda: kt.decoder_layer("Q4_1", "float16", 8, 576, 9, 3, 64, 1536), UNIQUE_BUDGET, 5.1,
+     "as above, 8 rows: 8 x rows per threadgroup"),
+    (lambda: kt.decoder_layer("Q4_K", "float32", 3, 256, 4, 1, 256, 512, ctx=40, sandwich=True),
+     UNIQUE_BUDGET, 4.7, "gemma layout, float32, small hidden: x copies weigh more"),
 ]
 
 

@@ -18,10 +18,12 @@ import functools
 import numpy as np
 import pytest
 
+import test_decoder_layer_metal as layer
 import test_hybrid_launches as hybrid
 import test_metal_sources as sources
 import test_paged_attention as attention
 import test_rope as rope
+from decoder_layer_case import make_case
 from paged_attention_reference import paged_attention_reference
 from test_gguf_fixtures import SUPPORTED, T, block_size, random_blocks, reference_dequantize
 from vllm_metal import _core, emulation
@@ -206,6 +208,28 @@ CASES = {
     "paged_token_rows_invariant": ({"paged_attention"}, batch_invariant(paged_token_rows)),
     "gguf_matvec_row_groups_invariant": ({"gguf_dequantize", "gguf_matmul"},
                                          batch_invariant(gguf_matvec_row_groups)),
+    # the fused decoder layer: a llama layer of 8 decode rows (mixed weight types), a
+    # gemma3 layer (q/k norm, sandwich norms, GELU, GPT-J pairs), 9 rows (two row groups)
+    "decoder_layer_llama": ({"decoder_layer", "paged_attention"}, lambda: layer.check_against_reference(
+        make_case(("Q4_1", "Q8_0", "Q6_K", "Q4_0", "Q4_K", "F16", "Q6_K"), "float16", rows=8,
+                  ctx=[1, 16, 17, 33, 100, 7, 64, 65], qkv_bias=True, o_bias=True))),
+    "decoder_layer_gemma": ({"decoder_layer", "paged_attention"}, lambda: layer.check_against_reference(
+        make_case(("Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q4_K", "Q6_K"), "bfloat16", rows=3,
+                  ctx=[5, 17, 40], qk_norm=True, sandwich=True, gelu=True, neox=False,
+                  rotary_dim=32))),
+    "decoder_layer_long_batch": ({"decoder_layer", "paged_attention", "rms_norm", "gguf_matmul"},
+                                 lambda: layer.check_against_reference(make_case(
+                                     ("Q4_K", "Q4_1", "Q6_K", "Q4_K", "Q8_0", "Q4_K", "Q6_K"),
+                                     "float16", rows=11, ctx=[5, 17, 16, 40, 1, 9, 2, 33, 3, 8, 20],
+                                     qkv_bias=True, o_bias=True, qk_norm=True))),
+    "decoder_layer_long_batch_gemma": ({"decoder_layer", "paged_attention", "rms_norm", "gguf_matmul"},
+                                       lambda: layer.check_against_reference(make_case(
+                                           ("Q6_K",) * 7, "float32", rows=10, sandwich=True,
+                                           gelu=True, qk_norm=True))),
+    "decoder_layer_unstaged": ({"decoder_layer", "paged_attention"},
+                               lambda: layer.test_rows_too_wide_to_stage_are_normalised_on_the_fly("float32")),
+    "decoder_layer_row_groups_invariant": ({"decoder_layer", "paged_attention"}, batch_invariant(
+        lambda: layer.check_against_reference(make_case(("Q8_0",) * 7, "float32", rows=9)))),
 }
 for _t in SUPPORTED:  # mat-vec (up to 8 rows) and mat-mat, every type
     _k = 2 * block_size(_t) if block_size(_t) > 1 else 13

@@ -1,6 +1,7 @@
 """`vllm serve` on the path a Mac runs: every op on its Metal kernel (here in the emulator,
-VLLM_METAL_KERNELS=emulated), op by op (VLLM_METAL_FUSED_LAYERS=0, not the fused CPU
-decoder layer), under async scheduling (vLLM's default: step N+1 is built and submitted
+VLLM_METAL_KERNELS=emulated): each layer one decoder_layer op whose Metal plan runs fused
+kernels for steps of up to 8 tokens and the per-op kernels for longer ones, under async
+scheduling (vLLM's default: step N+1 is built and submitted
 while step N computes). Tiny random-weight checkpoints (2 layers, head size 64) of llama,
 gemma3 and qwen3.5 keep the emulator fast.
 
@@ -32,7 +33,7 @@ from serving_harness import Server, runner_hook
 
 pytestmark = [pytest.mark.slow, pytest.mark.serving]
 
-EMULATED_GPU_PATH = {"VLLM_METAL_KERNELS": "emulated", "VLLM_METAL_FUSED_LAYERS": "0"}
+EMULATED_GPU_PATH = {"VLLM_METAL_KERNELS": "emulated"}
 # float32: vLLM's dtype "auto" would serve a float32 checkpoint in half precision
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "8",
                "--num-gpu-blocks-override", "48",
@@ -54,8 +55,12 @@ STEP_LOG_HOOK = runner_hook(
             before = _core.cache_write_copies()
             out = execute_model(self, so)
             if so.total_num_scheduled_tokens:
+                from vllm_metal.models.fused_layers import runs_fused_kernels
+
+                layer_op = bool(self.model.__dict__.get("_fused_plan"))
+                fused = layer_op + (layer_op and runs_fused_kernels(so.total_num_scheduled_tokens))
                 log.write(f"{_core.cache_write_copies() - before} {int(in_flight)} "
-                          f"{ops.kernel_backend()}\\n")
+                          f"{int(fused)} {ops.kernel_backend()}\\n")
                 log.flush()
             return out
 
@@ -167,9 +172,9 @@ def serve_one(arch: str, tmp) -> tuple:
 
 def step_log(log) -> list[tuple[int, int]]:
     lines = [line.split() for line in log.read_text().splitlines()]
-    # the Metal kernels in the emulator, so never the fused CPU layers (why_not_fused)
+    # the Metal kernels in the emulator (the fused layers run their Metal plan)
     assert lines and all(backend == "emulated" for *_, backend in lines), lines[:3]
-    return [(int(copies), int(in_flight)) for copies, in_flight, _ in lines]
+    return [(int(copies), int(in_flight), int(fused)) for copies, in_flight, fused, _ in lines]
 
 
 def serve_batch_invariant(tmp) -> tuple:
@@ -215,10 +220,19 @@ def test_emulated_gpu_path_gives_the_cpu_path_tokens(served, arch):
 def test_async_steps_write_the_kv_cache_in_place(served, arch):
     _, got, steps = served[arch]
     assert [len(tokens) for tokens, _ in got] == [m for _, m in JOBS]
-    overlapped = [copies for copies, in_flight in steps if in_flight]
+    overlapped = [copies for copies, in_flight, _ in steps if in_flight]
     # the previous step was still unread (computing) when most steps were built
     assert len(overlapped) >= 10, steps
-    assert sum(copies for copies, _ in steps) == 0, f"{arch}: KV-cache copies per step: {steps}"
+    assert sum(copies for copies, _, _ in steps) == 0, f"{arch}: KV-cache copies per step: {steps}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_steps_run_the_metal_decoder_layer(served, arch):
+    """The attention architectures' steps all ran decoder_layer's Metal plan (its caches
+    written in place too: no copies, above): the short ones on the fused kernels (2), the
+    prefill-heavy ones on the per-op kernels in the op's plan (1)."""
+    kinds = {f for _, _, f in served[arch][2]}
+    assert kinds == {1, 2}, served[arch][2]
 
 
 def test_batch_invariant_mode_gives_each_request_its_solo_logprobs_bitwise(served):

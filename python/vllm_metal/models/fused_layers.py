@@ -1,13 +1,18 @@
-"""Llama-family and gemma3 decoder layers run as one fused C++ op each on the CPU.
+"""Llama-family and gemma3 decoder layers run as one fused C++ op each.
 
 `fused_layers(model)` returns, for a PagedCausalLM whose layers all qualify, one
-`FusedDecoderLayer` per layer; each calls `_core.decoder_layer` (the same kernels the
-per-op path runs, rounded at the same points) with the layer's weights collected once.
-MLX's CPU backend pays ~10 us per graph node, and a layer is ~20 nodes of a few
-microseconds of work each at decode sizes, so this is most of a decode step's time.
-On Apple GPUs, in the emulated backend, and for layers it cannot express (float16
-gemma's clipped residuals, position-scaled queries, rope types our kernel lacks,
-MLX-quantized or biased MLPs) the model keeps the per-op path; `why_not_fused` says which.
+`FusedDecoderLayer` per layer; each calls `_core.decoder_layer` with the layer's
+weights collected once.
+- Native CPU backend: the CPU kernels the per-op path runs, rounded at the same points.
+  MLX's CPU backend pays ~10 us per graph node, and a layer is ~20 nodes of a few
+  microseconds of work each at decode sizes, so this is most of a decode step's time.
+- GPU (Apple) and the emulated backend: the op's Metal plan (docs/kernels.md "Metal decoder
+  layer plan"): for steps of up to 8 tokens (any step in batch-invariant mode) fused kernels
+  back to back, 5 dispatches a llama layer and 6 a gemma3 layer instead of ~14 plus MLX's
+  elementwise ops; for longer steps (prefill) the per-op kernels (tiled mat-mul) in one plan.
+For layers it cannot express (float16 gemma's clipped residuals, position-scaled queries,
+rope types our kernel lacks, MLX-quantized or biased MLPs) the model keeps the per-op
+path; `why_not_fused` says which.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from vllm_metal.models.layers import PagedAttention, RMSNorm
 
 # GGML type ids of dense weights (gguf_linear names them by string)
 _DENSE_TYPE_IDS = {"F32": 0, "F16": 1, "BF16": 30}
+# Metal plan: most tokens a step may have to run the fused kernels (decoder_layer.metal
+# reads each weight block once per 8 rows); decoder_layer_plan.cpp decides, this mirrors it
+METAL_MAX_TOKENS = 8
 # the mlx-lm modules whose MLP is down(act(gate(x)) * up(x)), and act
 _GATED_MLP_MODULES = {"mlx_lm.models.llama": "silu", "mlx_lm.models.qwen2": "silu",
                       "mlx_lm.models.qwen3": "silu", "mlx_lm.models.gemma3_text": "gelu_tanh"}
@@ -80,7 +88,20 @@ class FusedDecoderLayer:
         key_cache, value_cache = ctx.kv_caches[self.layer_idx]
         return _core.decoder_layer(
             x, ctx.positions, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q,
-            key_cache, value_cache, self.rope_table, self.weights, self.spec)
+            key_cache, value_cache, self.rope_table, self.weights, self.spec,
+            num_decode_seqs=ctx.num_decode_seqs, max_seq_len=ctx.max_seq_len,
+            max_query_len=ctx.max_query_len)
+
+
+def on_metal() -> bool:
+    """Ops run Metal kernels: on the GPU, or emulated on the CPU."""
+    return mx.default_device() != mx.cpu or ops.kernel_backend() != "native"
+
+
+def runs_fused_kernels(num_tokens: int) -> bool:
+    """On the Metal kernels: whether a step of `num_tokens` packed tokens runs the fused
+    kernels (else the per-op kernels in the op's plan)."""
+    return on_metal() and (num_tokens <= METAL_MAX_TOKENS or ops.batch_invariant())
 
 
 def _mlp_input_norms(layer, sandwich: bool):
@@ -98,8 +119,7 @@ def why_not_fused(model) -> str | None:
     """None when every layer of `model` (a PagedCausalLM) can run fused, else why not."""
     if not envs.VLLM_METAL_FUSED_LAYERS:
         return "VLLM_METAL_FUSED_LAYERS=0"
-    if mx.default_device() != mx.cpu or ops.kernel_backend() != "native":
-        return "fused layers run on the native CPU backend only"
+    metal = on_metal()
     if model.llama4_beta is not None:
         return f"{model.arch.model_type} scales queries by position"
     sandwich = model.sandwich
@@ -108,6 +128,8 @@ def why_not_fused(model) -> str | None:
         attn, mlp = layer.self_attn, layer.mlp
         if not isinstance(attn, PagedAttention) or attn.rope.fallback is not None:
             return f"layer {i}: its rope runs on the mlx-lm fallback"
+        if metal and _core.paged_attention_head_size_problem(attn.head_dim, metal=True):
+            return f"layer {i}: no Metal attention kernel for head size {attn.head_dim}"
         mlp_linears = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         if type(mlp).__module__ not in _GATED_MLP_MODULES or not all(
                 isinstance(m, GGUFLinear) for m in mlp_linears):

@@ -1,5 +1,7 @@
 // Bindings of the fused CPU decoder layer (ops/decoder_layer.h) and of silu_and_mul.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
@@ -7,12 +9,15 @@
 #include "bindings/bindings.h"
 #include "bindings/common.h"
 #include "mlx/array.h"
+#include "cpu/batch_invariant.h"
 #include "ops/decoder_layer.h"
+#include "ops/decoder_layer_plan.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 namespace mx = mlx::core;
 namespace vm = vllm_metal;
+using vllm_metal::bindings::parse_float_dtype;
 using vllm_metal::bindings::StreamArg;
 using vllm_metal::bindings::to_stream_or_device;
 
@@ -61,20 +66,66 @@ void bind_decoder_layer(nb::module_& m) {
          const mx::array& block_tables, const mx::array& seq_lens, const mx::array& cu_seqlens_q,
          const mx::array& key_cache, const mx::array& value_cache, const mx::array& rope_table,
          const std::vector<mx::array>& weights, const vm::DecoderLayerSpec& spec,
-         const StreamArg& s) {
+         std::optional<int64_t> num_decode_seqs, std::optional<int64_t> max_seq_len,
+         std::optional<int64_t> max_query_len, const StreamArg& s) {
         return vm::decoder_layer(x, positions, slot_mapping, block_tables, seq_lens,
                                  cu_seqlens_q, key_cache, value_cache, rope_table, weights, spec,
+                                 num_decode_seqs, max_seq_len, max_query_len,
                                  to_stream_or_device(s));
       },
       "x"_a, "positions"_a, "slot_mapping"_a, "block_tables"_a, "seq_lens"_a, "cu_seqlens_q"_a,
       "key_cache"_a, "value_cache"_a, "rope_table"_a, "weights"_a, "spec"_a, nb::kw_only(),
-      "stream"_a = nb::none(),
-      "One pre-norm llama-family decoder layer on the CPU as one node:\n"
+      "num_decode_seqs"_a = nb::none(), "max_seq_len"_a = nb::none(),
+      "max_query_len"_a = nb::none(), "stream"_a = nb::none(),
+      "One pre-norm llama-family decoder layer as one node:\n"
       "x [T, hidden] -> out [T, hidden]: the residual stream in, the residual stream out\n"
       "(x + attention + MLP). The step's keys and values are written into key_cache and\n"
       "value_cache IN PLACE at eval (vLLM's KV-cache contract; each cache must own its\n"
-      "buffer alone). Metadata as paged_attention and reshape_and_cache take it; weights\n"
-      "in spec.weight_names() order. Native CPU backend only.");
+      "buffer alone). Metadata as paged_attention and reshape_and_cache take it, with its\n"
+      "planning hints (needed on the Metal plan when the metadata is lazy); weights in\n"
+      "spec.weight_names() order. The native CPU backend runs the CPU kernels; a GPU\n"
+      "stream and the emulated backend run the fused Metal plan.");
+  m.def(
+      "plan_decoder_layer",
+      [](const vm::DecoderLayerSpec& spec, const std::string& dtype, int64_t tokens,
+         int64_t num_seqs, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
+         int64_t num_decode_seqs, int64_t max_seq_len, int64_t max_query_len) {
+        vm::DecoderLayerProblem p;
+        p.spec = spec;
+        p.dtype = parse_float_dtype(dtype);
+        p.tokens = tokens;
+        p.num_slots = num_blocks * block_size;
+        vm::PagedAttentionProblem& a = p.attention;
+        a.dtype = p.dtype;
+        a.num_tokens = tokens;
+        a.num_seqs = num_seqs;
+        a.num_q_heads = spec.num_heads;
+        a.num_kv_heads = spec.num_kv_heads;
+        a.head_size = spec.head_dim;
+        a.block_size = block_size;
+        a.num_blocks = num_blocks;
+        a.max_blocks = max_blocks;
+        a.num_decode_seqs = num_decode_seqs;
+        a.max_seq_len = max_seq_len;
+        a.max_query_len = max_query_len;
+        a.sliding_window = spec.sliding_window;
+        a.scale = spec.scale;
+        a.softcap = spec.softcap;
+        a.batch_invariant = vm::cpu::batch_invariant();
+        if (a.batch_invariant) a.partition_size = vm::kInvariantPartitionSize;
+        std::vector<std::pair<std::vector<int>, std::string>> outputs;
+        auto shapes = vm::decoder_layer_output_shapes(p);
+        auto dtypes = vm::decoder_layer_output_dtypes(p);
+        for (size_t i = 0; i < shapes.size(); ++i) {
+          outputs.push_back({std::vector<int>(shapes[i].begin(), shapes[i].end()),
+                             dtypes[i] == mx::float32 ? "float32" : dtype});
+        }
+        return std::make_pair(vm::plan_decoder_layer(p), outputs);
+      },
+      "spec"_a, "dtype"_a, "tokens"_a, "num_seqs"_a, "num_blocks"_a, "block_size"_a,
+      "max_blocks"_a, "num_decode_seqs"_a, "max_seq_len"_a, "max_query_len"_a,
+      "Kernel launches of decoder_layer's Metal plan and its outputs as (shape, dtype),\n"
+      "slot order: the op's inputs (x .. rope_table, the weights), then the outputs.");
 }
 
 }  // namespace vllm_metal::bindings

@@ -1,6 +1,8 @@
 #include "ops/decoder_layer.h"
 
 #include <stdexcept>
+
+#include "cpu/batch_invariant.h"
 #include <string>
 
 #include "cpu/decoder_layer.h"
@@ -10,7 +12,9 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "ops/dtype_names.h"
+#include "ops/decoder_layer_plan.h"
 #include "ops/kernel_backend.h"
+#include "ops/paged_attention.h"
 
 namespace vllm_metal {
 
@@ -144,19 +148,15 @@ std::vector<std::string> DecoderLayerSpec::weight_names() const {
 }
 
 mx::array decoder_layer(const mx::array& x, const mx::array& positions,
-                                     const mx::array& slot_mapping,
-                                     const mx::array& block_tables, const mx::array& seq_lens,
-                                     const mx::array& cu_seqlens_q, const mx::array& key_cache,
-                                     const mx::array& value_cache, const mx::array& rope_table,
-                                     const std::vector<mx::array>& weights,
-                                     const DecoderLayerSpec& spec, mx::StreamOrDevice s) {
+                        const mx::array& slot_mapping, const mx::array& block_tables,
+                        const mx::array& seq_lens, const mx::array& cu_seqlens_q,
+                        const mx::array& key_cache, const mx::array& value_cache,
+                        const mx::array& rope_table, const std::vector<mx::array>& weights,
+                        const DecoderLayerSpec& spec, std::optional<int64_t> num_decode_seqs,
+                        std::optional<int64_t> max_seq_len, std::optional<int64_t> max_query_len,
+                        mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
-  if (stream.device != mx::Device::cpu) {
-    fail("runs on the CPU only (on the GPU the per-op kernels are used)");
-  }
-  if (default_kernel_backend() != KernelBackend::kNative) {
-    fail("runs on the native CPU backend only (the emulated backend runs the per-op kernels)");
-  }
+  const KernelBackend backend = default_kernel_backend();
   std::vector<mx::array> in = {x, positions, slot_mapping, block_tables, seq_lens,
                                cu_seqlens_q, key_cache, value_cache, rope_table};
   in.insert(in.end(), weights.begin(), weights.end());
@@ -164,20 +164,72 @@ mx::array decoder_layer(const mx::array& x, const mx::array& positions,
   for (size_t i = 0; i < in.size(); ++i) {
     if (i != 6 && i != 7) in[i] = mx::contiguous(in[i], false, stream);  // caches: as given
   }
-  return mx::array(x.shape(), x.dtype(), std::make_shared<DecoderLayer>(stream, spec), in);
+  auto p = std::make_shared<DecoderLayerProblem>();
+  p->spec = spec;
+  p->dtype = x.dtype();
+  p->tokens = x.shape(0);
+  p->num_slots = static_cast<int64_t>(key_cache.shape(0)) * key_cache.shape(1);
+  PagedAttentionProblem& a = p->attention;
+  a.uses_kernels = backend == KernelBackend::kEmulated || stream.device == mx::Device::gpu;
+  if (a.uses_kernels) {
+    if (auto why = head_size_problem(spec.head_dim, true); !why.empty()) fail(why);
+    a.dtype = x.dtype();
+    a.num_tokens = p->tokens;
+    a.num_seqs = seq_lens.shape(0);
+    a.num_q_heads = spec.num_heads;
+    a.num_kv_heads = spec.num_kv_heads;
+    a.head_size = spec.head_dim;
+    a.num_blocks = key_cache.shape(0);
+    a.block_size = key_cache.shape(1);
+    a.max_blocks = block_tables.shape(1);
+    a.sliding_window = spec.sliding_window;
+    a.scale = spec.scale;
+    a.softcap = spec.softcap;
+    a.batch_invariant = cpu::batch_invariant();  // fixed here: the plan and scratch agree
+    if (a.batch_invariant) a.partition_size = kInvariantPartitionSize;
+    PagedAttentionOptions hints;
+    hints.num_decode_seqs = num_decode_seqs;
+    hints.max_seq_len = max_seq_len;
+    hints.max_query_len = max_query_len;
+    resolve_paged_attention_hints(a, hints, block_tables, seq_lens, cu_seqlens_q);
+    // the kernels skip a slot outside the cache (they cannot raise): refuse it now when
+    // the table is already computed, as reshape_and_cache does
+    const mx::array& slots = slot_mapping;
+    if (slots.status() == mx::array::Status::available && slots.flags().row_contiguous) {
+      const int64_t* sp = slots.data<int64_t>();
+      const int64_t bad = cpu::find_out_of_range_slot(sp, slots.size(), p->num_slots);
+      if (bad >= 0) {
+        throw std::out_of_range(std::string("[") + kOp + "] slot_mapping[" + std::to_string(bad) +
+                                "] = " + std::to_string(sp[bad]) + " is outside the cache's " +
+                                std::to_string(p->num_slots) + " slots");
+      }
+    }
+  }
+  auto outputs = mx::array::make_arrays(decoder_layer_output_shapes(*p),
+                                        decoder_layer_output_dtypes(*p),
+                                        std::make_shared<DecoderLayer>(stream, backend, p), in);
+  return outputs[0];
 }
 
-void DecoderLayer::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  fail("has no Metal plan; on the GPU models run the per-op kernels");
+DecoderLayer::DecoderLayer(mx::Stream stream, KernelBackend backend,
+                           std::shared_ptr<DecoderLayerProblem> p)
+    : KernelPrimitive(stream, backend), problem_(std::move(p)) {}
+
+KernelPlan DecoderLayer::plan(const std::vector<mx::array>&,
+                              const std::vector<mx::array>&) const {
+  return plan_decoder_layer(*problem_);
 }
 
-void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs,
-                            std::vector<mx::array>& outputs) {
-  const DecoderLayerSpec& s = spec_;
+void DecoderLayer::allocate_outputs(const std::vector<mx::array>& inputs,
+                                    std::vector<mx::array>& outputs) {
   check_cache_is_writable(inputs[6], "key_cache");
   check_cache_is_writable(inputs[7], "value_cache");
-  outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+  KernelPrimitive::allocate_outputs(inputs, outputs);
+}
 
+void DecoderLayer::eval_native_cpu(const std::vector<mx::array>& inputs,
+                                   std::vector<mx::array>& outputs) {
+  const DecoderLayerSpec& s = problem_->spec;
   cpu::DecoderLayerRows a;
   a.elt = elt_of(inputs[0].dtype());
   a.tokens = inputs[0].shape(0);

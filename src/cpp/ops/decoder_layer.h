@@ -1,19 +1,24 @@
 // decoder_layer: one pre-norm llama-family layer (norm, q/k/v, q/k norms, rope,
 // cache write, paged attention, o_proj, residual, norm, SwiGLU MLP, residual) as a
-// single MLX node on the CPU (cpu/decoder_layer.h).
+// single MLX node.
 //
-// Why: on MLX's CPU backend every node costs ~10 us of dispatch whatever its size,
-// and a decode step of a small model is ~20 nodes a layer of a few microseconds of
-// work each. On Apple GPUs the per-op path is already cheap (kernels queue in one
-// command buffer), so this op has no Metal plan: it refuses GPU streams and the
-// emulated backend, and models use it on the native CPU backend only.
+// On the native CPU backend it runs cpu/decoder_layer.h: on MLX's CPU backend every
+// node costs ~10 us of dispatch whatever its size, and a decode step of a small model
+// is ~20 nodes a layer of a few microseconds of work each. On a GPU stream (Apple) and
+// on the emulated backend it runs a Metal plan (ops/decoder_layer_plan.h): the fused
+// kernels of src/metal/decoder_layer.metal and paged attention's kernels back to back,
+// 5 dispatches a llama layer and 6 a gemma3 layer, instead of ~14 of ours plus MLX's
+// elementwise ops. The fused kernels re-read the weights for every 8 rows, so models
+// send only small batches (decode steps) through it on the GPU (fused_layers.py).
 #pragma once
 
+#include <memory>
+#include <optional>
 #include <vector>
 
 #include "mlx/array.h"
-#include "mlx/primitives.h"
 #include "mlx/utils.h"
+#include "ops/kernel_primitive.h"
 #include "runtime/gguf_types.h"
 
 namespace vllm_metal {
@@ -56,25 +61,37 @@ struct DecoderLayerSpec {
 // eval (vLLM's KV-cache contract: buffers the runner owns; each must own its buffer
 // alone, else the eval raises); rope_table uint32 [2, rotary_dim / 2]
 // (rope_turn_table). Returns out [T, hidden]: the residual stream after the layer.
+// The Metal plan needs paged attention's planning hints (paged_attention.h): given, or
+// computed from evaluated metadata.
 mx::array decoder_layer(const mx::array& x, const mx::array& positions,
-                                     const mx::array& slot_mapping,
-                                     const mx::array& block_tables, const mx::array& seq_lens,
-                                     const mx::array& cu_seqlens_q, const mx::array& key_cache,
-                                     const mx::array& value_cache, const mx::array& rope_table,
-                                     const std::vector<mx::array>& weights,
-                                     const DecoderLayerSpec& spec, mx::StreamOrDevice s = {});
+                        const mx::array& slot_mapping, const mx::array& block_tables,
+                        const mx::array& seq_lens, const mx::array& cu_seqlens_q,
+                        const mx::array& key_cache, const mx::array& value_cache,
+                        const mx::array& rope_table, const std::vector<mx::array>& weights,
+                        const DecoderLayerSpec& spec,
+                        std::optional<int64_t> num_decode_seqs = std::nullopt,
+                        std::optional<int64_t> max_seq_len = std::nullopt,
+                        std::optional<int64_t> max_query_len = std::nullopt,
+                        mx::StreamOrDevice s = {});
 
-class DecoderLayer : public mx::Primitive {
+struct DecoderLayerProblem;
+
+class DecoderLayer : public KernelPrimitive {
  public:
-  DecoderLayer(mx::Stream stream, DecoderLayerSpec spec)
-      : mx::Primitive(stream), spec_(std::move(spec)) {}
+  DecoderLayer(mx::Stream stream, KernelBackend backend, std::shared_ptr<DecoderLayerProblem> p);
 
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  KernelPlan plan(const std::vector<mx::array>& inputs,
+                  const std::vector<mx::array>& outputs) const override;
   const char* name() const override { return "DecoderLayer"; }
 
+ protected:
+  void allocate_outputs(const std::vector<mx::array>& inputs,
+                        std::vector<mx::array>& outputs) override;
+  void eval_native_cpu(const std::vector<mx::array>& inputs,
+                       std::vector<mx::array>& outputs) override;
+
  private:
-  DecoderLayerSpec spec_;
+  std::shared_ptr<const DecoderLayerProblem> problem_;
 };
 
 }  // namespace vllm_metal

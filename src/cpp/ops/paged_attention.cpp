@@ -135,6 +135,16 @@ void resolve_hints(PagedAttentionProblem& p, const PagedAttentionOptions& o, con
   }
 }
 
+}  // namespace
+
+void resolve_paged_attention_hints(PagedAttentionProblem& p, const PagedAttentionOptions& o,
+                                   const mx::array& block_tables, const mx::array& seq_lens,
+                                   const mx::array& cu_seqlens_q) {
+  resolve_hints(p, o, block_tables, seq_lens, cu_seqlens_q);
+}
+
+namespace {
+
 mx::array sinks_or_dummy(const std::optional<mx::array>& sinks) {
   return sinks ? *sinks : mx::zeros({1}, mx::float32);
 }

@@ -92,6 +92,13 @@ std::string metal_head_sizes_text();  // "48, 64, ..., 512"
 // kernels (a GPU stream or the emulated backend). The model runner asks at load.
 std::string head_size_problem(int64_t head_size, bool metal);
 
+// Fills p's planning hints (num_decode_seqs, max_seq_len, max_query_len) from `o`, or
+// from the metadata when it is evaluated (then also validated against p's counts and
+// the given hints). Throws std::invalid_argument "[paged_attention] ...".
+void resolve_paged_attention_hints(PagedAttentionProblem& p, const PagedAttentionOptions& o,
+                                   const mx::array& block_tables, const mx::array& seq_lens,
+                                   const mx::array& cu_seqlens_q);
+
 // Slots: 0 q, 1 key_cache, 2 value_cache, 3 block_tables, 4 seq_lens,
 // 5 cu_seqlens_q, 6 sinks (a 1-element dummy when absent), 7 out,
 // 8 partial_out [rows, Hq, P, D] f32, 9 partial_max [rows, Hq, P], 10 partial_sum.

@@ -82,6 +82,15 @@ std::string rms_norm_kernel_name(mx::Dtype dtype, bool fused_add) {
   return std::string(fused_add ? "add_rms_norm_" : "rms_norm_") + dtype_name(dtype);
 }
 
+uint32_t rms_norm_threads(int64_t hidden) {
+  // Enough threads to cover the row in a few passes; a whole simdgroup at least.
+  uint32_t threads = 32;
+  while (threads < 1024 && threads * 4 < hidden) {
+    threads *= 2;
+  }
+  return threads;
+}
+
 KernelPlan plan_rms_norm(const RmsNormProblem& p) {
   KernelLaunch l;
   l.source = "rms_norm";
@@ -92,13 +101,8 @@ KernelPlan plan_rms_norm(const RmsNormProblem& p) {
   args.out_row_stride = p.hidden;
   args.hidden = static_cast<uint32_t>(p.hidden);
   args.eps = p.eps;
-  // Enough threads to cover the row in a few passes; a whole simdgroup at least.
-  uint32_t threads = 32;
-  while (threads < 1024 && threads * 4 < p.hidden) {
-    threads *= 2;
-  }
   l.grid = {static_cast<uint32_t>(p.rows), 1, 1};
-  l.threadgroup = {threads, 1, 1};
+  l.threadgroup = {rms_norm_threads(p.hidden), 1, 1};
   if (p.fused_add) {
     // slots: 0 x, 1 residual, 2 weight, 3 out, 4 residual_out
     for (int i = 0; i < 5; ++i) l.bind(i, i);

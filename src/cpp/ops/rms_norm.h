@@ -39,6 +39,10 @@ std::string rms_norm_kernel_name(mx::Dtype dtype, bool fused_add);
 // out, [residual_out].
 KernelPlan plan_rms_norm(const RmsNormProblem& p);
 
+// Threads of a row's threadgroup; they fix the order a row's squares are summed in,
+// which the fused decoder-layer kernels repeat (decoder_layer.metal).
+uint32_t rms_norm_threads(int64_t hidden);
+
 class RmsNorm : public KernelPrimitive {
  public:
   RmsNorm(mx::Stream stream, KernelBackend backend, float eps, bool fused_add)

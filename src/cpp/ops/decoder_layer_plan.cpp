@@ -1,0 +1,364 @@
+#include "ops/decoder_layer_plan.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "cpu/batch_invariant.h"
+#include "decoder_layer_args.h"
+#include "ops/dtype_names.h"
+#include "ops/gguf_ops.h"
+#include "ops/rms_norm.h"
+#include "runtime/gguf_types.h"
+
+namespace vllm_metal {
+
+namespace {
+
+constexpr const char* kSource = "decoder_layer";
+constexpr int64_t kMaxRows = 8;      // decoder_layer.metal kLayerMaxRows
+constexpr int64_t kMaxHead = 512;    // decoder_layer.metal kLayerMaxHead
+constexpr uint32_t kMatvecThreads = 256;  // layer_matvec: 8 weight rows per threadgroup
+constexpr uint32_t kLayerThreads = 256;   // layer_qkv, layer_gate_up
+constexpr uint64_t kThreadgroupBytes = 32768;  // Metal's limit per threadgroup
+constexpr uint64_t kStaticBytes = 1024;        // `red` of layer_qkv / layer_gate_up (8 x 32 floats)
+
+uint64_t round16(uint64_t n) { return (n + 15) / 16 * 16; }
+
+// The kernels' function constants, all of them on every launch (Metal leaves an
+// unset constant undefined).
+struct Constants {
+  uint32_t type0 = 0, type1 = 0, type2 = 0;
+  bool bias = false, qk_norm = false, neox = true, residual = false, sandwich = false,
+       gelu = false, staged = false, projected = false;
+  std::vector<FunctionConstant> list() const {
+    return {FunctionConstant::uint32(0, type0),   FunctionConstant::uint32(1, type1),
+            FunctionConstant::uint32(2, type2),   FunctionConstant::boolean(3, bias),
+            FunctionConstant::boolean(4, qk_norm), FunctionConstant::boolean(5, neox),
+            FunctionConstant::boolean(6, residual), FunctionConstant::boolean(7, sandwich),
+            FunctionConstant::boolean(8, gelu), FunctionConstant::boolean(9, staged),
+            FunctionConstant::boolean(10, projected)};
+  }
+};
+
+uint32_t type_id(gguf::GGMLType t) { return static_cast<uint32_t>(t); }
+
+uint64_t encoded_row_bytes(gguf::GGMLType t, int64_t k) {
+  return static_cast<uint64_t>(gguf::row_bytes(t, k));
+}
+
+KernelLaunch launch(const std::string& kernel, const std::string& dtype) {
+  KernelLaunch l;
+  l.source = kSource;
+  l.kernel = kernel + "_" + dtype;
+  return l;
+}
+
+// The caches are written in place: on Metal they are registered as written too, so
+// the encoder orders attention's reads (and the next step's writes) after this write.
+void bind_cache(KernelLaunch& l, int index, int slot) {
+  l.bind(index, slot);
+  l.buffers.back().read_before_in_place_write = true;
+}
+
+// Appends another op's plan with its array slots mapped onto the layer's (map[slot]).
+void append_mapped(KernelPlan& plan, KernelPlan part, const std::vector<int>& map) {
+  for (KernelLaunch& l : part) {
+    for (auto& b : l.buffers) b.array_slot = map.at(b.array_slot);
+    plan.push_back(std::move(l));
+  }
+}
+
+}  // namespace
+
+bool decoder_layer_fuses(const DecoderLayerProblem& p) {
+  return p.tokens <= kMaxRows || p.attention.batch_invariant;
+}
+
+DecoderLayerSlots::DecoderLayerSlots(const DecoderLayerSpec& spec) : names(spec.weight_names()) {
+  out = kWeights + static_cast<int>(names.size());
+  q = out + 1;
+  attn = out + 2;
+  h = out + 3;
+  act = out + 4;
+  o = out + 5;
+  d = out + 6;
+  xn = out + 7;
+  q_projected = out + 8;
+  k_projected = out + 9;
+  v_projected = out + 10;
+  up = out + 11;
+  partials = out + 12;
+}
+
+int DecoderLayerSlots::weight(const std::string& name) const {
+  auto it = std::find(names.begin(), names.end(), name);
+  return it == names.end() ? -1 : kWeights + static_cast<int>(it - names.begin());
+}
+
+std::vector<mx::Shape> decoder_layer_output_shapes(const DecoderLayerProblem& p) {
+  const auto& s = p.spec;
+  const int t = static_cast<int>(p.tokens), hid = static_cast<int>(s.hidden);
+  if (!p.attention.uses_kernels) return {{t, hid}};  // the CPU kernels keep their own scratch
+  const int hq = static_cast<int>(s.num_heads), hkv = static_cast<int>(s.num_kv_heads);
+  const int dim = static_cast<int>(s.head_dim), inter = static_cast<int>(s.intermediate);
+  const bool fused = decoder_layer_fuses(p);
+  auto when = [](bool needed, mx::Shape shape) { return needed ? shape : mx::Shape{0}; };
+  std::vector<mx::Shape> shapes = {{t, hid}, {t, hq * dim}, {t, hq, dim}, {t, hid}, {t, inter},
+                                   when(s.sandwich || !fused, {t, hid}),  // o
+                                   when(s.sandwich || !fused, {t, hid}),  // d
+                                   when(!fused, {t, hid}),                // xn
+                                   when(!fused, {t, hq * dim}),
+                                   when(!fused, {t, hkv * dim}),
+                                   when(!fused, {t, hkv * dim}),
+                                   when(!fused, {t, inter})};             // up
+  for (const auto& shape : paged_attention_scratch_shapes(p.attention)) shapes.push_back(shape);
+  return shapes;
+}
+
+std::vector<mx::Dtype> decoder_layer_output_dtypes(const DecoderLayerProblem& p) {
+  if (!p.attention.uses_kernels) return {p.dtype};
+  std::vector<mx::Dtype> d(DecoderLayerSlots::kNumOutputs - 3, p.dtype);
+  d.insert(d.end(), 3, mx::float32);
+  return d;
+}
+
+KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
+  const DecoderLayerSpec& s = p.spec;
+  if (s.head_dim > kMaxHead) {
+    throw std::invalid_argument("[decoder_layer] the Metal kernels take head_dim up to 512");
+  }
+  const DecoderLayerSlots slot(s);
+  const std::string dt = dtype_name(p.dtype);
+  const uint32_t groups = ceil_div(p.tokens, kMaxRows);
+  const uint64_t group_rows = static_cast<uint64_t>(std::min(p.tokens, kMaxRows));
+  const uint64_t elt = mx::size_of(p.dtype);
+  const int64_t q_width = s.num_heads * s.head_dim;
+  const int x = DecoderLayerSlots::kX;
+  // a disabled optional weight's buffer is bound to x (every buffer is bound)
+  auto weight_or_x = [&](const char* name) {
+    const int w = slot.weight(name);
+    return w < 0 ? x : w;
+  };
+
+  DecoderLayerArgs base{};
+  base.num_slots = p.num_slots;
+  base.rows = static_cast<uint32_t>(p.tokens);
+  base.num_heads = static_cast<uint32_t>(s.num_heads);
+  base.num_kv_heads = static_cast<uint32_t>(s.num_kv_heads);
+  base.head_dim = static_cast<uint32_t>(s.head_dim);
+  base.rotary_half = static_cast<uint32_t>(s.rotary_dim / 2);
+  // The mat-vec kernels' threadgroups stay at 256 threads (their registers: 8 rows of
+  // accumulators and norms per thread); they sum an input row's squares with as many of
+  // them as rms_norm would use, so up to hidden 1024 the RMS has rms_norm's bits, past it
+  // (rms_norm: 512+ threads) it is summed by 256 threads instead.
+  const uint32_t norm_threads = rms_norm_threads(s.hidden);
+  base.norm_threads = std::min(norm_threads, kLayerThreads);
+  base.head_norm_threads = rms_norm_threads(s.head_dim);  // <= 128 for head_dim <= 512
+  base.eps = s.norm_eps;
+  base.qk_eps = s.qk_norm_eps;
+  base.mscale = s.rope_mscale;
+  // a mat-vec over k inputs with n outputs, weights of `types`
+  auto matvec_args = [&](int64_t k, int64_t n, std::initializer_list<gguf::GGMLType> types) {
+    DecoderLayerArgs a = base;
+    a.k = static_cast<uint32_t>(k);
+    a.n = static_cast<uint32_t>(n);
+    a.chunks = ceil_div(k, 16);
+    uint64_t* bytes[3] = {&a.w0_row_bytes, &a.w1_row_bytes, &a.w2_row_bytes};
+    int i = 0;
+    for (auto t : types) *bytes[i++] = encoded_row_bytes(t, k);
+    return a;
+  };
+  const bool fused = decoder_layer_fuses(p);
+  KernelPlan plan;
+
+  // norm -> q, k, v (or, long batches, the projections made by gguf_matmul) -> q/k norm
+  // -> rope -> q out, k and v into the caches
+  auto push_qkv = [&]() {
+    KernelLaunch l = launch("layer_qkv", dt);
+    Constants c;
+    c.type0 = type_id(s.types[0]);
+    c.type1 = type_id(s.types[1]);
+    c.type2 = type_id(s.types[2]);
+    c.bias = s.qkv_bias;
+    c.qk_norm = s.qk_norm;
+    c.neox = s.neox;
+    c.projected = !fused;
+    l.bind(0, x);
+    l.bind(1, slot.weight("input_norm"));
+    l.bind(2, slot.weight("q_proj"));
+    l.bind(3, slot.weight("k_proj"));
+    l.bind(4, slot.weight("v_proj"));
+    l.bind(5, weight_or_x("q_bias"));
+    l.bind(6, weight_or_x("k_bias"));
+    l.bind(7, weight_or_x("v_bias"));
+    l.bind(8, weight_or_x("q_norm"));
+    l.bind(9, weight_or_x("k_norm"));
+    l.bind(10, DecoderLayerSlots::kPositions);
+    l.bind(11, DecoderLayerSlots::kRopeTable);
+    l.bind(12, DecoderLayerSlots::kSlotMapping);
+    l.bind(13, slot.q);
+    bind_cache(l, 14, DecoderLayerSlots::kKeyCache);
+    bind_cache(l, 15, DecoderLayerSlots::kValueCache);
+    l.bind(17, fused ? x : slot.q_projected);
+    l.bind(18, fused ? x : slot.k_projected);
+    l.bind(19, fused ? x : slot.v_projected);
+    // [rows][head_dim] floats for the head, and the normalised rows when they fit too
+    const uint64_t tile = round16(4 * group_rows * s.head_dim);
+    const uint64_t staged = round16(elt * group_rows * s.hidden);
+    c.staged = fused && kStaticBytes + tile + staged <= kThreadgroupBytes;
+    l.constants = c.list();
+    l.threadgroup_memory = {tile, c.staged ? staged : 16};
+    l.set_args(16, matvec_args(s.hidden, q_width, {s.types[0], s.types[1], s.types[2]}));
+    l.grid = {static_cast<uint32_t>(s.num_heads + 2 * s.num_kv_heads), groups, 1};
+    l.threadgroup = {kLayerThreads, 1, 1};
+    plan.push_back(l);
+  };
+
+  // attention: paged_attention's own plan with its slots mapped onto ours
+  auto push_attention = [&]() {
+    PagedAttentionProblem a = p.attention;
+    a.q_token_stride = q_width;
+    a.q_head_stride = s.head_dim;
+    append_mapped(plan, plan_paged_attention(a),
+                  {slot.q, DecoderLayerSlots::kKeyCache, DecoderLayerSlots::kValueCache,
+                   DecoderLayerSlots::kBlockTables, DecoderLayerSlots::kSeqLens,
+                   DecoderLayerSlots::kCuSeqlensQ,
+                   x,  // sinks: none (has_sinks is off, the buffer is never read)
+                   slot.attn, slot.partials,
+                   slot.partials + 1, slot.partials + 2});
+  };
+
+  // out = residual + [mlp_out_norm | attn_out_norm](y) (gemma), or residual + y (+ bias)
+  auto push_add_norm = [&](int y, int residual, const char* weight, bool norm, int out) {
+    KernelLaunch l = launch("layer_add_norm", dt);
+    Constants c;
+    c.sandwich = norm;
+    c.bias = !norm && weight && slot.weight(weight) >= 0;
+    l.constants = c.list();
+    l.bind(0, y);
+    l.bind(1, residual);
+    l.bind(2, weight ? weight_or_x(weight) : x);
+    l.bind(3, out);
+    DecoderLayerArgs a = matvec_args(s.hidden, s.hidden, {});
+    a.norm_threads = norm_threads;  // a row per threadgroup, as rms_norm
+    l.set_args(4, a);
+    l.grid = {static_cast<uint32_t>(p.tokens), 1, 1};
+    l.threadgroup = {norm_threads, 1, 1};
+    plan.push_back(l);
+  };
+
+  if (!fused) {
+    // Long batches (prefill): the tiled mat-mul reads each weight once per 32 rows with
+    // simdgroup matrices; small epilogues do what MLX's elementwise ops did between.
+    auto push_norm = [&](int in, const char* weight, int out) {
+      RmsNormProblem n;
+      n.dtype = p.dtype;
+      n.rows = p.tokens;
+      n.hidden = s.hidden;
+      n.x_row_stride = s.hidden;
+      n.eps = s.norm_eps;
+      append_mapped(plan, plan_rms_norm(n), {in, slot.weight(weight), out});
+    };
+    auto push_matmul = [&](int in, int proj, int64_t n, int64_t k, int out) {
+      GgufMatmulProblem m{s.types[proj], p.dtype, p.tokens, n, k};
+      append_mapped(plan, plan_gguf_matmul(m), {in, slot.weight(slot.names[2 + proj]), out});
+    };
+    const int64_t kv_width = s.num_kv_heads * s.head_dim;
+    push_norm(x, "input_norm", slot.xn);
+    push_matmul(slot.xn, 0, q_width, s.hidden, slot.q_projected);
+    push_matmul(slot.xn, 1, kv_width, s.hidden, slot.k_projected);
+    push_matmul(slot.xn, 2, kv_width, s.hidden, slot.v_projected);
+    push_qkv();
+    push_attention();
+    push_matmul(slot.attn, 3, s.hidden, q_width, slot.o);
+    push_add_norm(slot.o, x, s.sandwich ? "attn_out_norm" : "o_bias", s.sandwich, slot.h);
+    push_norm(slot.h, "post_norm", slot.xn);
+    push_matmul(slot.xn, 4, s.intermediate, s.hidden, slot.act);
+    push_matmul(slot.xn, 5, s.intermediate, s.hidden, slot.up);
+    {
+      KernelLaunch l = launch("layer_act", dt);
+      Constants c;
+      c.gelu = s.gelu;
+      l.constants = c.list();
+      l.bind(0, slot.act);
+      l.bind(1, slot.up);
+      l.bind(2, slot.act);  // in place: each thread reads and writes its own element
+      l.set_args(3, matvec_args(s.intermediate, s.intermediate, {}));
+      l.grid = {ceil_div(uint64_t(p.tokens) * s.intermediate, 256), 1, 1};
+      l.threadgroup = {256, 1, 1};
+      plan.push_back(l);
+    }
+    push_matmul(slot.act, 6, s.hidden, s.intermediate, slot.d);
+    push_add_norm(slot.d, slot.h, s.sandwich ? "mlp_out_norm" : nullptr, s.sandwich, slot.out);
+    return plan;
+  }
+
+  // 1. norm -> q, k, v -> q/k norm -> rope -> q out, k and v into the caches
+  push_qkv();
+  // 2. attention
+  push_attention();
+
+  // the mat-vec with a residual (or bias) epilogue: o and down
+  auto push_matvec = [&](int in, const char* w, gguf::GGMLType type, int64_t k,
+                         const char* bias, bool residual, int res, int y) {
+    KernelLaunch l = launch("layer_matvec", dt);
+    Constants c;
+    c.type0 = type_id(type);
+    c.bias = bias && slot.weight(bias) >= 0;
+    c.residual = residual;
+    const uint64_t staged = round16(elt * group_rows * k);
+    c.staged = staged <= kThreadgroupBytes;  // its only threadgroup memory
+    l.constants = c.list();
+    l.threadgroup_memory = {c.staged ? staged : 16};
+    l.bind(0, in);
+    l.bind(1, slot.weight(w));
+    l.bind(2, bias ? weight_or_x(bias) : x);
+    l.bind(3, res);
+    l.bind(4, y);
+    l.set_args(5, matvec_args(k, s.hidden, {type}));
+    l.grid = {ceil_div(s.hidden, kMatvecThreads / 32), groups, 1};
+    l.threadgroup = {kMatvecThreads, 1, 1};
+    plan.push_back(l);
+  };
+
+  // 3. o projection: h = x + o (gemma: o, normed and added by the next kernel)
+  push_matvec(slot.attn, "o_proj", s.types[3], q_width, "o_bias", !s.sandwich, x,
+              s.sandwich ? slot.o : slot.h);
+
+  // 4. [gemma: h = x + attn_out_norm(o)] -> norm -> act(gate) * up
+  {
+    KernelLaunch l = launch("layer_gate_up", dt);
+    Constants c;
+    c.type0 = type_id(s.types[4]);
+    c.type1 = type_id(s.types[5]);
+    c.sandwich = s.sandwich;
+    c.gelu = s.gelu;
+    const uint64_t staged = round16(elt * group_rows * s.hidden);
+    c.staged = kStaticBytes + staged <= kThreadgroupBytes;
+    l.constants = c.list();
+    l.threadgroup_memory = {c.staged ? staged : 16};
+    l.bind(0, s.sandwich ? slot.o : slot.h);
+    l.bind(1, x);
+    l.bind(2, weight_or_x("attn_out_norm"));
+    l.bind(3, slot.weight("post_norm"));
+    l.bind(4, slot.weight("gate_proj"));
+    l.bind(5, slot.weight("up_proj"));
+    l.bind(6, slot.act);
+    l.bind(7, slot.h);  // written by gemma's variant only
+    l.set_args(8, matvec_args(s.hidden, s.intermediate, {s.types[4], s.types[5]}));
+    const uint32_t threads = kLayerThreads;
+    l.grid = {ceil_div(s.intermediate, threads / 32), groups, 1};
+    l.threadgroup = {threads, 1, 1};
+    plan.push_back(l);
+  }
+
+  // 5. down projection: out = h + down (gemma: down, then 6.)
+  push_matvec(slot.act, "down_proj", s.types[6], s.intermediate, nullptr, !s.sandwich, slot.h,
+              s.sandwich ? slot.d : slot.out);
+
+  // 6. gemma: out = h + mlp_out_norm(down)
+  if (s.sandwich) push_add_norm(slot.d, slot.h, "mlp_out_norm", true, slot.out);
+  return plan;
+}
+
+}  // namespace vllm_metal

@@ -1,0 +1,131 @@
+// plan_decoder_layer: the fused kernels around paged attention, tested with no device.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <set>
+
+#include "decoder_layer_args.h"
+#include "ops/decoder_layer_plan.h"
+
+namespace vm = vllm_metal;
+namespace mx = mlx::core;
+using vllm_metal::gguf::GGMLType;
+
+namespace {
+
+vm::DecoderLayerProblem smollm2_decode(int64_t rows, bool gemma) {
+  vm::DecoderLayerProblem p;
+  auto& s = p.spec;
+  s.hidden = 576;
+  s.num_heads = 9;
+  s.num_kv_heads = 3;
+  s.head_dim = 64;
+  s.intermediate = 1536;
+  s.rotary_dim = 64;
+  s.sandwich = s.gelu = s.qk_norm = gemma;
+  s.types = {GGMLType::kQ4_1, GGMLType::kQ4_1, GGMLType::kQ8_0, GGMLType::kQ4_1,
+             GGMLType::kQ4_K, GGMLType::kQ4_1, GGMLType::kQ6_K};
+  p.dtype = mx::float16;
+  p.tokens = rows;
+  p.num_slots = 64 * 16;
+  auto& a = p.attention;
+  a.dtype = mx::float16;
+  a.num_tokens = a.num_seqs = a.num_decode_seqs = rows;
+  a.num_q_heads = 9;
+  a.num_kv_heads = 3;
+  a.head_size = 64;
+  a.block_size = 16;
+  a.num_blocks = 64;
+  a.max_blocks = 8;
+  a.max_seq_len = 100;
+  a.max_query_len = 1;
+  return p;
+}
+
+}  // namespace
+
+TEST(DecoderLayerPlanner, FiveDispatchesForLlamaSixForGemma) {
+  for (bool gemma : {false, true}) {
+    auto p = smollm2_decode(8, gemma);
+    auto plan = vm::plan_decoder_layer(p);
+    std::vector<std::string> want = {"layer_qkv_float16", "paged_attention_decode_float16_d64",
+                                     "layer_matvec_float16", "layer_gate_up_float16",
+                                     "layer_matvec_float16"};
+    if (gemma) want.push_back("layer_add_norm_float16");
+    ASSERT_EQ(plan.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(plan[i].kernel, want[i]);
+  }
+}
+
+TEST(DecoderLayerPlanner, SlotsTypesAndGeometry) {
+  auto p = smollm2_decode(11, false);  // two 8-row groups (fused: batch-invariant mode)
+  p.attention.batch_invariant = true;
+  p.attention.partition_size = vm::kInvariantPartitionSize;
+  auto plan = vm::plan_decoder_layer(p);
+  const vm::DecoderLayerSlots slots(p.spec);
+  const int num_slots = slots.out + vm::DecoderLayerSlots::kNumOutputs;
+  for (const auto& l : plan) {
+    for (const auto& b : l.buffers) {
+      EXPECT_GE(b.array_slot, 0) << l.kernel;
+      EXPECT_LT(b.array_slot, num_slots) << l.kernel;
+    }
+  }
+  const auto& qkv = plan[0];
+  EXPECT_EQ(qkv.grid[0], 9u + 2 * 3);
+  EXPECT_EQ(qkv.grid[1], 2u);
+  // types as GGML ids, in q, k, v order; the caches bound as written
+  EXPECT_EQ(qkv.constants[0].bits, 3u);
+  EXPECT_EQ(qkv.constants[2].bits, 8u);
+  int written = 0;
+  for (const auto& b : qkv.buffers) {
+    if (b.array_slot == vm::DecoderLayerSlots::kKeyCache ||
+        b.array_slot == vm::DecoderLayerSlots::kValueCache) {
+      EXPECT_TRUE(b.read_before_in_place_write);
+      ++written;
+    }
+  }
+  EXPECT_EQ(written, 2);
+  DecoderLayerArgs args;
+  ASSERT_EQ(qkv.args.size(), sizeof(args));
+  std::memcpy(&args, qkv.args.data(), sizeof(args));
+  EXPECT_EQ(args.rows, 11u);
+  EXPECT_EQ(args.k, 576u);
+  EXPECT_EQ(args.chunks, 36u);
+  EXPECT_EQ(args.w0_row_bytes, 576u / 32 * 20);  // Q4_1: 20 bytes per 32 weights
+  EXPECT_EQ(args.w2_row_bytes, 576u / 32 * 34);  // Q8_0
+  EXPECT_EQ(args.norm_threads, 256u);            // rms_norm's count for 576
+  EXPECT_EQ(args.num_slots, 64 * 16);
+  // attention reads q and writes the attention scratch, mapped onto the layer's slots
+  const auto& attn = plan[1];
+  EXPECT_EQ(attn.buffers[0].array_slot, slots.q);
+  EXPECT_EQ(attn.buffers[7].array_slot, slots.attn);
+  // o: h = x + o; down: out = h + down
+  EXPECT_EQ(plan[2].buffers[4].array_slot, slots.h);
+  EXPECT_EQ(plan[4].buffers[3].array_slot, slots.h);
+  EXPECT_EQ(plan[4].buffers[4].array_slot, slots.out);
+  EXPECT_EQ(plan[3].grid[0], 1536u / 8);  // 8 simdgroups of 256 threads, a row each
+}
+
+TEST(DecoderLayerPlanner, RefusesHeadsTheKernelsDoNotHold) {
+  auto p = smollm2_decode(1, false);
+  p.spec.head_dim = 1024;
+  EXPECT_THROW(vm::plan_decoder_layer(p), std::invalid_argument);
+}
+
+TEST(DecoderLayerPlanner, LongBatchesRunThePerOpKernelsInOnePlan) {
+  auto p = smollm2_decode(9, false);
+  ASSERT_FALSE(vm::decoder_layer_fuses(p));
+  auto plan = vm::plan_decoder_layer(p);
+  std::vector<std::string> want = {
+      "rms_norm_float16", "gguf_matmul_q4_1_float16", "gguf_matmul_q4_1_float16",
+      "gguf_matmul_q8_0_float16", "layer_qkv_float16", "paged_attention_decode_float16_d64",
+      "gguf_matmul_q4_1_float16", "layer_add_norm_float16", "rms_norm_float16",
+      "gguf_matmul_q4_k_float16", "gguf_matmul_q4_1_float16", "layer_act_float16",
+      "gguf_matmul_q6_k_float16", "layer_add_norm_float16"};
+  ASSERT_EQ(plan.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(plan[i].kernel, want[i]) << i;
+  const vm::DecoderLayerSlots slots(p.spec);
+  EXPECT_EQ(plan[1].buffers[2].array_slot, slots.q_projected);  // q's mat-mul output
+  EXPECT_EQ(plan[4].constants[10].bits, 1u);                   // layer_qkv reads it
+  EXPECT_EQ(plan.back().buffers[3].array_slot, slots.out);
+}
