@@ -7,6 +7,11 @@ weights, Q6_K output matrix as llama.cpp's Q4_0 files have it, float16 activatio
 batch 1). Our ops run at those shapes in the emulator's counting builds (the real k;
 matrices of more than SAMPLE_ROWS rows on SAMPLE_ROWS of them, bytes scaled by the floor
 as metal_roofline.py does for the lm head); MLX's kernels scale with their elements.
+The fused decoder layer maps kernel by kernel: each fused kernel moves what its per-op
+counterparts move (layer_qkv: the q, k and v mat-vecs and the cache writes, rope working in
+registers; layer_matvec: the o or down mat-vec and the residual it adds; layer_gate_up: the
+gate and up mat-vecs and the norm's weights), a slight overcount (x read once per fused
+kernel, not once per mat-vec) at 5 dispatches a layer.
 Time = Σ max(bytes / bandwidth, flops / fp16 rate) + dispatches × the per-dispatch cost.
 """
 
@@ -67,7 +72,7 @@ def _matvec(qtype: str, n: int, k: int):
 
 def _our_op(op: str, shapes: str, in_layer: bool, context: int):
     """[(kernel, bytes)], flops of one of our ops at 7B shapes."""
-    ins, outs = _shapes(shapes)
+    ins, outs = _shapes(shapes) if shapes else ([], [])
     if op == "GgufMatmul":
         n, k = _DIMS[outs[0][-1]], _DIMS[ins[0][-1]]
         return _matvec("Q4_0" if in_layer else "Q6_K", n, k)
@@ -86,7 +91,32 @@ def _our_op(op: str, shapes: str, in_layer: bool, context: int):
     if op == "GgufDequantize":
         launches, case = _measure(kt.gguf_dequantize, "Q4_0", DT, 1, HIDDEN)
         return launches, HIDDEN
+    if op == "DecoderLayer":
+        return _decoder_layer(context)
     raise KeyError(f"no LLaMA-7B counterpart for our op {op}")
+
+
+def _decoder_layer(context: int):
+    """[(kernel, bytes)], [flops per launch] of the fused layer's Metal plan at 7B shapes
+    (one decode row)."""
+    def merged(kernel, *parts):
+        return kernel, sum(b for launches, _ in parts for _, b in launches)
+
+    def flops(*parts):
+        return sum(f for _, f in parts)
+
+    qkv = [_matvec("Q4_0", HIDDEN, HIDDEN) for _ in range(3)]
+    cache = _our_op("CacheWrite", "", True, context)
+    o, down = _matvec("Q4_0", HIDDEN, HIDDEN), _matvec("Q4_0", HIDDEN, FFN)
+    gate_up = [_matvec("Q4_0", FFN, HIDDEN) for _ in range(2)]
+    attention, attention_flops = _our_op("PagedAttention", "", True, context)
+    residual = [([("", 2 * HIDDEN)], 0)]  # x (or h) read for the residual add; the norm's weights
+    launches = [merged("layer_qkv", *qkv, cache, cache), *attention,
+                merged("layer_matvec", o, *residual), merged("layer_gate_up", *gate_up, *residual),
+                merged("layer_matvec", down, *residual)]
+    per_launch = ([flops(*qkv), attention_flops] + [0] * (len(attention) - 1)
+                  + [flops(o), flops(*gate_up), flops(down)])
+    return launches, per_launch
 
 
 def project(layer, outside, context: int = CONTEXT) -> list:
@@ -100,8 +130,10 @@ def project(layer, outside, context: int = CONTEXT) -> list:
             d = group[0]
             if d.source == sr.OURS:
                 launches, flops = _our_op(d.op, d.shapes, in_layer, context)
-                mapped = [sr.Dispatch(sr.OURS, d.op, kernel, int(b), flops if i == 0 else 0, d.shapes)
-                          for i, (kernel, b) in enumerate(launches)]
+                if not isinstance(flops, list):  # the op's flops, counted on its first launch
+                    flops = [flops] + [0] * (len(launches) - 1)
+                mapped = [sr.Dispatch(sr.OURS, d.op, kernel, int(b), f, d.shapes)
+                          for (kernel, b), f in zip(launches, flops)]
             else:
                 ins, outs = _shapes(d.shapes)
                 ratio = (sum(_elems(s, True) for s in ins + outs)
@@ -112,9 +144,14 @@ def project(layer, outside, context: int = CONTEXT) -> list:
     return out
 
 
-def table(dispatches, context: int) -> str:
+def table(projected: dict, context: int) -> str:
+    """projected: layer path ("fused", "per-op") -> its 7B dispatches; the fused path (what
+    serving runs) is the prediction, the per-op one a column next to it."""
     from metal_step_model import step_time_us
 
+    path = "fused" if "fused" in projected else next(iter(projected))
+    dispatches = projected[path]
+    per_op = projected.get("per-op") if path == "fused" else None
     n = len(dispatches)
     total = sum(d.bytes for d in dispatches)
     rows = []
@@ -125,12 +162,15 @@ def table(dispatches, context: int) -> str:
         achieved = measured * LLAMA_CPP_FILE_GIB * 2**30 / 1e9
         frac = achieved / gbs
         at_theirs = 1e6 / (roof / frac + over)
+        extra = ""
+        if per_op:
+            extra = f" {1e6 / sum(step_time_us(per_op, gbs, tflops, pub.DISPATCH_US)):.1f} |"
         rows.append(f"| {name} | {gbs} | {measured:.1f} | {achieved:.0f} ({100 * frac:.0f}%) | "
-                    f"{1e6 / roof:.1f} | **{ours:.1f}** | {at_theirs:.1f} | {ours / measured:.2f} |")
+                    f"{1e6 / roof:.1f} | **{ours:.1f}** | {at_theirs:.1f} | {ours / measured:.2f} |" + extra)
     head = [
         f"LLaMA-2 7B Q4_0 decode (batch 1, context {context}): llama.cpp's measured Metal rate "
         f"([discussion #4167]({pub.LLAMA_CPP_SOURCE}), llama-bench tg128) next to ours predicted "
-        f"by `benchmarks/llama7b_projection.py`: our recorded SmolLM2 step mapped op by op to "
+        f"by `benchmarks/llama7b_projection.py`: our recorded SmolLM2 step ({path} layers) mapped op by op to "
         f"LLaMA-2 7B's shapes, our kernels counted in the emulator at those shapes (the real k; "
         f"{SAMPLE_ROWS} rows of each matrix, bytes scaled to all rows), {n} dispatches per token "
         f"({total / 2**30:.2f} GiB unique bytes; llama.cpp's file: {LLAMA_CPP_FILE_GIB} GiB), each "
@@ -142,7 +182,8 @@ def table(dispatches, context: int) -> str:
         f"estimated from GPU cores and clock (apple_published.py).",
         "",
         "| chip | GB/s | llama.cpp tok/s (measured) | llama.cpp GB/s achieved | ours, bytes at peak | "
-        "ours predicted (peak + dispatches) | ours at llama.cpp's GB/s + dispatches | predicted ÷ llama.cpp |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "ours predicted (peak + dispatches) | ours at llama.cpp's GB/s + dispatches | predicted ÷ llama.cpp |"
+        + (f" per-op layers predicted ({len(per_op)} dispatches) |" if per_op else ""),
+        "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if per_op else ""),
     ]
     return "\n".join(head + rows)

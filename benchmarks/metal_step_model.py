@@ -1,11 +1,13 @@
 """The Metal decode step of real models, dispatch by dispatch, and its predicted time on
 Apple GPUs.
 
-Each model loads as it runs on a Mac (the GPU path: dense layers on MLX, per-op layers,
-our ops on their Metal kernels, here in the emulator), then one decode step at batch B
-and context C (the sampler included) is recorded by step_recorder: our kernel launches
-with the bytes the emulator's counting builds measured, MLX's own kernels from their
-shapes, views free. Per layer = the step of a 2-layer truncation minus the 1-layer one.
+Each model loads as it runs on a Mac (the GPU path: dense layers on MLX, our ops on their
+Metal kernels, here in the emulator), then one decode step at batch B and context C (the
+sampler included) is recorded by step_recorder on both layer paths: the fused Metal
+decoder layer (what serving runs) and the per-op layers (VLLM_METAL_FUSED_LAYERS=0): our
+kernel launches with the bytes the emulator's counting builds measured, MLX's own kernels
+from their shapes, views free. Per layer = the step of a 2-layer truncation minus the
+1-layer one.
 
 Predicted step time per chip = sum over dispatches of max(bytes / bandwidth, flops / fp16
 rate) + dispatches x the published per-dispatch cost (apple_published.DISPATCH_US).
@@ -20,6 +22,7 @@ import argparse
 import collections
 import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -39,8 +42,8 @@ BLOCK = 16
 @contextlib.contextmanager
 def gpu_path():
     """Load models as on an Apple GPU: linear_choice sees a GPU (dense layers stay on MLX)
-    and ops run their Metal kernels (emulated), so fused CPU layers are off (the recorder
-    runs steps on the emulated backend too)."""
+    and ops run their Metal kernels (emulated; the recorder runs steps on the emulated
+    backend too, so fused layers run their Metal plan)."""
     from vllm_metal import ops
     from vllm_metal.models import linear_choice
 
@@ -65,14 +68,33 @@ def load(name_or_path: str):
     return loaded
 
 
+@contextlib.contextmanager
+def layer_path(model, fused: bool):
+    """Run `model` (a PagedCausalLM) on the fused layers or the per-op ones; the fused
+    plan is rebuilt from model.layers on entry and exit (it holds the layers it saw)."""
+    name = "VLLM_METAL_FUSED_LAYERS"
+    saved = os.environ.get(name)
+    os.environ[name] = "1" if fused else "0"
+    model.reset_fused_layers()
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = saved
+        model.reset_fused_layers()
+
+
 class DecodeStep:
     """`batch` sequences with `context` cached tokens each (cache contents do not change
-    what runs), decoding one token each; the KV pool is allocated and evaluated once."""
+    what runs), decoding one token each on the fused layers or the per-op ones; the KV
+    pool is allocated and evaluated once."""
 
-    def __init__(self, loaded, batch: int, context: int):
+    def __init__(self, loaded, batch: int, context: int, fused: bool = True):
         from vllm_metal.models.generate import KVPool
 
-        self.loaded, self.batch, self.context = loaded, batch, context
+        self.loaded, self.batch, self.context, self.fused = loaded, batch, context, fused
         per_seq = -(-(context + 1) // BLOCK)
         self.pool = KVPool(loaded.spec, per_seq * batch + 1, BLOCK)
         mx.eval(self.pool.kv_caches)
@@ -91,12 +113,13 @@ class DecodeStep:
         chunks = [SeqChunk([3 + i], self.context, t) for i, t in enumerate(self.tables)]
         step = build_step(chunks, self.pool.kv_caches, BLOCK)
         layers = model.lm.model.layers
-        if num_layers is not None:
-            model.lm.model.layers = layers[:num_layers]
-        try:
-            logits = model(step.input_ids, step.ctx)
-        finally:
-            model.lm.model.layers = layers
+        with layer_path(model, self.fused):
+            if num_layers is not None:
+                model.lm.model.layers = layers[:num_layers]
+            try:
+                logits = model(step.input_ids, step.ctx)
+            finally:
+                model.lm.model.layers = layers
         tokens = greedy_sampler()(logits, greedy_batch(self.batch, logits.shape[-1])).tokens
         return [tokens] + [c for kv in step.ctx.kv_caches for c in kv]
 
@@ -148,9 +171,9 @@ def step_time_us(dispatches, gbs: float, tflops: float, dispatch_us: float) -> t
     return roof, len(dispatches) * dispatch_us
 
 
-def analyse(key: str, loaded, batch: int, context: int) -> dict:
+def analyse(key: str, loaded, batch: int, context: int, fused: bool = True) -> dict:
     t0 = time.time()
-    step = DecodeStep(loaded, batch, context)
+    step = DecodeStep(loaded, batch, context, fused)
     full = step.record()
     one, two = step.record(1, reuse_counts=True), step.record(2, reuse_counts=True)
     layer, outside = layer_split(one, two)
@@ -167,6 +190,7 @@ def analyse(key: str, loaded, batch: int, context: int) -> dict:
     kinds = collections.Counter(d.kernel for d in layer)
     return {
         "model": MODELS.get(key, key), "batch": batch, "context": context,
+        "path": "fused" if fused else "per-op",
         "layers": num_layers, "dtype": loaded.spec.dtype,
         "dispatches": full.count(), "ours": full.count(sr.OURS), "mlx": full.count(sr.MLX),
         "views": sum(full.views.values()), "nodes": full.nodes,
@@ -195,9 +219,9 @@ def step_table(results) -> str:
         f"([per-dispatch cost]({pub.DISPATCH_SOURCE}): MLX maintainers' issue, M3 Ultra, a chain "
         f"of 3,200 tiny dependent kernels in 8.8 ms). A model, not a measurement: no Mac ran it.",
         "",
-        "| model | batch | dispatches (ours + MLX) | per layer (ours + MLX) | MB | per layer MB | "
+        "| model | layers | batch | dispatches (ours + MLX) | per layer (ours + MLX) | MB | per layer MB | "
         "GFLOP | per layer MFLOP | " + " | ".join(f"{n} µs (roofline + dispatch) → tok/s" for n in names) + " |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|" + "---|" * len(names),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|" + "---|" * len(names),
     ]
     for r in results:
         cells = []
@@ -205,7 +229,7 @@ def step_table(results) -> str:
             m = r["machines"][n]
             cells.append(f"{m['roofline_us']:.0f} + {m['dispatch_us']:.0f} → **{m['tok_s']:.0f}**")
         out.append(
-            f"| {r['model']} ({r['dtype']}) | {r['batch']} | {r['dispatches']} ({r['ours']} + {r['mlx']}) | "
+            f"| {r['model']} ({r['dtype']}) | {r['path']} | {r['batch']} | {r['dispatches']} ({r['ours']} + {r['mlx']}) | "
             f"{r['layer_dispatches']} ({r['layer_ours']} + {r['layer_mlx']}) | {r['bytes'] / 1e6:.1f} | "
             f"{r['layer_bytes'] / 1e6:.2f} | {r['flops'] / 1e9:.2f} | {r['layer_flops'] / 1e6:.1f} | "
             + " | ".join(cells) + " |")
@@ -218,7 +242,8 @@ def layer_table(r) -> str:
     for d in r["_layer"]:
         rows[(d.source, d.kernel)][0] += 1
         rows[(d.source, d.kernel)][1] += d.bytes
-    out = [f"Dispatches of one layer: {r['model']}, batch {r['batch']}, context {r['context']} "
+    out = [f"Dispatches of one layer: {r['model']}, {r['path']} layers, batch {r['batch']}, "
+           f"context {r['context']} "
            f"({r['layer_dispatches']} per layer; outside the layers: "
            + ", ".join(f"{k} × {v}" for k, v in sorted(r["outside_kinds"].items())) + ").",
            "", "| source | kernel | per layer | KB |", "|---|---|---:|---:|"]
@@ -227,15 +252,15 @@ def layer_table(r) -> str:
     return "\n".join(out)
 
 
-def run(models, batches, context: int) -> list:
+def run(models, batches, context: int, paths=(True, False)) -> list:
     results = []
     for key in models:
         t0 = time.time()
         loaded = load(key)
         print(f"{key}: loaded in {time.time() - t0:.0f} s", flush=True)
-        for batch in batches:
-            r = analyse(key, loaded, batch, context)
-            print(f"{key} batch {batch}: {r['dispatches']} dispatches ({r['ours']} ours + {r['mlx']} MLX), "
+        for fused, batch in ((f, b) for f in paths for b in batches):
+            r = analyse(key, loaded, batch, context, fused)
+            print(f"{key} {r['path']} batch {batch}: {r['dispatches']} dispatches ({r['ours']} ours + {r['mlx']} MLX), "
                   f"{r['layer_dispatches']} per layer, {r['bytes'] / 1e6:.1f} MB, {r['seconds']} s", flush=True)
             results.append(r)
     return results
@@ -246,19 +271,21 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=list(MODELS), help="offline model names or .gguf paths")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--paths", nargs="+", choices=["fused", "per-op"], default=["fused", "per-op"],
+                    help="layer paths to record (fused: what serving runs)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
-    results = run(args.models, args.batches, args.context)
+    results = run(args.models, args.batches, args.context, [p == "fused" for p in args.paths])
     text = step_table(results) + "\n\n" + "\n\n".join(layer_table(r) for r in results if r["batch"] == 1)
     print(json.dumps([{k: v for k, v in r.items() if not k.startswith("_")} for r in results], indent=1))
     print(text)
-    template = [r for r in results if r["model"] == MODELS["smollm2"] and r["batch"] == 1]
+    templates = {r["path"]: r for r in results if r["model"] == MODELS["smollm2"] and r["batch"] == 1}
     llama = None
-    if template:  # the llama-architecture path, mapped to LLaMA-2 7B
+    if templates:  # the llama-architecture paths, mapped to LLaMA-2 7B
         import llama7b_projection as lp
 
-        dispatches = lp.project(template[0]["_layer"], template[0]["_outside"], lp.CONTEXT)
-        llama = lp.table(dispatches, lp.CONTEXT)
+        projected = {path: lp.project(r["_layer"], r["_outside"], lp.CONTEXT) for path, r in templates.items()}
+        llama = lp.table(projected, lp.CONTEXT)
         print(llama)
     if not args.no_write:
         write_section(DOC, "metal_step_model", text)

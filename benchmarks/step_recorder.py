@@ -122,17 +122,30 @@ def _our_dispatches(node, launches) -> list:
     inputs, outputs = node["inputs"], node["outputs"]
     shapes = f"{_shape_text(inputs)}->{_shape_text(outputs)}"
     flops = _our_flops(node["name"], inputs, outputs)
-    out = []
-    for i, launch in enumerate(launches):
-        c = launch["counts"]
-        if c is None:
+    for launch in launches:
+        if launch["counts"] is None:
             raise RuntimeError(f"{launch['kernel']}: no counting build registered")
-        threads = max(1, c["threads"])
+    moved = [l["counts"]["read_unique"] + l["counts"]["written_unique"] for l in launches]
+    out = []
+    for launch, b in zip(launches, moved):
+        # an op's arithmetic spread over its launches by their bytes (a fused layer's
+        # mat-vec kernels hold nearly all of both)
+        c, threads = launch["counts"], max(1, launch["counts"]["threads"])
         out.append(Dispatch(
-            OURS, node["name"], launch["kernel"], c["read_unique"] + c["written_unique"],
-            flops if i == 0 else 0, shapes, c["threads"], c["simd_ops"] / threads,
+            OURS, node["name"], launch["kernel"], b, flops * b // max(1, sum(moved)),
+            shapes, c["threads"], c["simd_ops"] / threads,
             c["barriers"] / threads, launch["sampled_axis"] >= 0, node["id"]))
     return out
+
+
+def _attended(seq_lens, cu_seqlens_q) -> int:
+    """(query token, key) pairs of a causal paged-attention batch."""
+    seq_lens, cu = np.array(seq_lens), np.array(cu_seqlens_q)
+    total = 0
+    for i, ctx in enumerate(seq_lens.tolist()):
+        n = int(cu[i + 1] - cu[i])
+        total += sum(ctx - n + 1 + j for j in range(n))
+    return total
 
 
 def _our_flops(name: str, inputs, outputs) -> int:
@@ -146,13 +159,16 @@ def _our_flops(name: str, inputs, outputs) -> int:
     if name == "Rope":
         return 6 * inputs[0].size
     if name == "PagedAttention":
-        q, seq_lens, cu = inputs[0], np.array(inputs[4]), np.array(inputs[5])
-        heads, d = q.shape[1], q.shape[2]
-        total = 0
-        for i, ctx in enumerate(seq_lens.tolist()):
-            n = int(cu[i + 1] - cu[i])
-            total += sum(ctx - n + 1 + j for j in range(n))
-        return 4 * heads * d * total
+        q = inputs[0]
+        return 4 * q.shape[1] * q.shape[2] * _attended(inputs[4], inputs[5])
+    if name == "DecoderLayer":
+        # inputs: x, 8 metadata and cache arrays, then the weights: 1-D norms (and biases)
+        # and the 7 projections in q, k, v, o, gate, up, down order, as block rows
+        x, rows = inputs[0], [w.shape[0] for w in inputs[9:] if w.ndim == 2]
+        tokens, hidden = x.shape
+        q, k, v, o, gate, up, down = rows
+        weights = (q + k + v + gate + up) * hidden + o * q + down * gate
+        return 2 * tokens * weights + 4 * q * _attended(inputs[4], inputs[5])
     if name == "GgufDequantize":
         return outputs[0].size
     return 0

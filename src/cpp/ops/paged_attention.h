@@ -100,7 +100,7 @@ void resolve_paged_attention_hints(PagedAttentionProblem& p, const PagedAttentio
                                    const mx::array& cu_seqlens_q);
 
 // Slots: 0 q, 1 key_cache, 2 value_cache, 3 block_tables, 4 seq_lens,
-// 5 cu_seqlens_q, 6 sinks (a 1-element dummy when absent), 7 out,
+// 5 cu_seqlens_q, 6 sinks (when absent any buffer: has_sinks off, never read), 7 out,
 // 8 partial_out [rows, Hq, P, D] f32, 9 partial_max [rows, Hq, P], 10 partial_sum.
 KernelPlan plan_paged_attention(const PagedAttentionProblem& p);
 
