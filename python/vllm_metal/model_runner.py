@@ -14,6 +14,11 @@ graph building, output processing) overlaps the forward of the previous one.
 sample_tokens then returns at once (an AsyncModelRunnerOutput); the packer
 holds a placeholder for each sampled token until the engine reads the step,
 and step N+1's inputs take N's tokens from the lazy MLX array (input_sources).
+
+Structured outputs: vLLM compiles each request's grammar and, after execute_model,
+hands sample_tokens the step's bitmask (grammar_output). A step with such a request
+keeps its logits unsampled until then; ops.apply_token_bitmask sets the forbidden
+tokens to -inf and the sampler runs as for any step.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 from vllm.v1.outputs import AsyncModelRunnerOutput
 
-from vllm_metal import _core, envs
+from vllm_metal import _core, envs, ops
 from vllm_metal.models import AttentionContext, load_model
 from vllm_metal.models.linear_choice import model_runs_on_gpu
 from vllm_metal.sampling import Sampler, SamplingTable, gather_batch
@@ -47,6 +52,33 @@ class _SubmittedStep:
     tokens: np.ndarray | None = None  # int32 [num_seqs] once waited for
 
 
+@dataclass
+class _UnsampledStep:
+    """A step whose forward is submitted and whose sampling waits: for the grammar's
+    bitmask when a row has structured output (vLLM computes it after execute_model)."""
+    req_ids: list[str]
+    discard: np.ndarray
+    logits: mx.array  # [num_seqs, vocab], lazy
+    batch: object  # sampling.SamplingBatch
+    prompt_scores: list
+
+
+def apply_grammar_bitmask(logits: mx.array, req_ids: list[str], grammar_output) -> mx.array:
+    """logits with the tokens the grammars forbid at -inf. grammar_output's bitmask has
+    one row per structured-output request, in its own order: each goes to its request's
+    row of this step (requests not in the step, if any, are skipped)."""
+    index = {r: i for i, r in enumerate(req_ids)}
+    mask_rows, logit_rows = [], []
+    for i, req_id in enumerate(grammar_output.structured_output_request_ids):
+        if req_id in index:
+            mask_rows.append(i)
+            logit_rows.append(index[req_id])
+    if not logit_rows:
+        return logits
+    bitmask = np.asarray(grammar_output.grammar_bitmask, np.int32)[mask_rows]
+    return ops.apply_token_bitmask(logits, mx.array(bitmask), mx.array(np.array(logit_rows, np.int32)))
+
+
 class MetalModelRunner:
     def __init__(self, vllm_config) -> None:
         self.vllm_config = vllm_config
@@ -59,7 +91,8 @@ class MetalModelRunner:
         self.kv_caches: list[tuple[mx.array, mx.array]] = []
         self.packer = None
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
-        self._pending: _SubmittedStep | None = None  # submitted, not yet handed to sample_tokens
+        # submitted, not yet handed to sample_tokens (unsampled: waits for a grammar bitmask)
+        self._pending: _SubmittedStep | _UnsampledStep | None = None
         # async: submitted steps whose tokens are placeholders in the packer, oldest first
         self._deferred: collections.deque[_SubmittedStep] = collections.deque()
         self.sampling_table: SamplingTable | None = None
@@ -233,23 +266,43 @@ class MetalModelRunner:
         extra = self.prompt_logprobs.plan(rows, np.array(p.cu_seqlens_q), p.positions[:p.num_tokens])
         logits = self._forward(extra, self._input_ids(source_step))
         n = p.num_seqs
-        result = self.sampler(logits[:n] if len(extra) else logits, batch)
+        sampled_logits = logits[:n] if len(extra) else logits
         prompt_scores = self.prompt_logprobs.score(logits[n:] if len(extra) else None,
                                                    self.logprobs_mode)
+        step = _UnsampledStep(list(p.req_ids), np.array(p.discard_sampled), sampled_logits,
+                              batch, prompt_scores)
+        if table.structured[rows].any():
+            # the grammars' bitmask for this step comes with sample_tokens: start the
+            # forward now, sample then
+            mx.async_eval(sampled_logits, self.kv_caches)
+            self._pending = step
+        else:
+            self._submit(step)
+        return None
+
+    def _submit(self, u: _UnsampledStep, grammar_output=None) -> None:
+        """Samples the step (lazily; the grammar's bitmask applied first) and submits it."""
+        p = self.packer
+        logits = u.logits
+        if grammar_output is not None:
+            logits = apply_grammar_bitmask(logits, u.req_ids, grammar_output)
+        result = self.sampler(logits, u.batch)
+        prompt_scores = u.prompt_scores
         # the caches too: fused layers hand them on as lazy arrays that depend on the step
         # (models/fused_layers.py); evaluated now, they hold their buffers alone next step
         mx.async_eval(result.tokens, *(result.logprobs or ()),
                       *[a for _, _, part in prompt_scores if part for a in part], self.kv_caches)
-        step = _SubmittedStep(list(p.req_ids), np.array(p.discard_sampled), result, prompt_scores)
+        step = _SubmittedStep(u.req_ids, u.discard, result, prompt_scores)
         if self.async_scheduling:
             p.defer_sampled()
             self._deferred.append(step)
         self._pending = step
-        return None
 
     def sample_tokens(self, grammar_output):
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
+        if isinstance(self._pending, _UnsampledStep):
+            self._submit(self._pending, grammar_output)
         step, self._pending = self._pending, None
         if step is None:
             return EMPTY_MODEL_RUNNER_OUTPUT

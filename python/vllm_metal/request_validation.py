@@ -3,8 +3,9 @@
 An unsupported parameter is a 400 naming it, never silently ignored. The
 native sampler (sampling/) honours temperature, top-k/p, min-p, penalties,
 logit_bias, min_tokens, allowed_token_ids, bad_words, seeds, logprobs and
-prompt logprobs; n > 1 is fanned out into separate requests by vLLM's front
-end. What is left is refused.
+prompt logprobs, and the grammars of structured outputs (model_runner.py);
+n > 1 is fanned out into separate requests by vLLM's front end. What is left
+is refused.
 """
 
 from __future__ import annotations
@@ -13,9 +14,6 @@ from __future__ import annotations
 def unsupported_sampling_parameters(params) -> list[tuple[str, str]]:
     """(parameter, why) for every setting the runner cannot honour."""
     problems = []
-    if getattr(params, "structured_outputs", None) is not None:
-        problems.append(("response_format", "structured outputs (response_format, guided "
-                                            "decoding) are not supported"))
     if getattr(params, "logits_processors", None):
         problems.append(("logits_processors", "custom logits processors are not supported"))
     if getattr(params, "prompt_logprob_token_ids", None):

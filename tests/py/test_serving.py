@@ -129,11 +129,12 @@ def test_prefix_cache_hits_give_the_same_tokens(server):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logprobs": True, "logprob_token_ids": [1, 2]}, "logprob_token_ids"),
 ])
 def test_unsupported_parameters_get_a_400_naming_them(server, body, param):
-    r = server.client.post("/v1/completions", json={
-        "model": server.name, "prompt": "Hi", "max_tokens": 4, "temperature": 0, **body})
+    r = server.client.post("/v1/chat/completions", json={
+        "model": server.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+        "temperature": 0, **body})
     assert r.status_code == 400, r.text
     assert param in r.json()["error"]["message"]
     assert server.complete("Hi", max_tokens=2)["status"] == 200  # still serving

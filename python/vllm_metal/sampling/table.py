@@ -35,7 +35,8 @@ class SamplingTable:
     _FLOAT = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
               "presence_penalty")
     _INT = ("top_k", "prompt_len", "min_tokens", "num_logprobs", "num_prompt_logprobs")
-    _FLAG = ("has_bias", "has_allowed", "has_bad_words", "needs_history")
+    # structured: the request's output follows a grammar (its bitmask comes per step)
+    _FLAG = ("has_bias", "has_allowed", "has_bad_words", "needs_history", "structured")
 
     def __init__(self, vocab_size: int, rows: int = 64, seed: int | None = None) -> None:
         self.vocab_size = vocab_size
@@ -113,6 +114,7 @@ class SamplingTable:
         self.has_bias[row] = x.bias_ids is not None
         self.has_allowed[row] = x.allowed_ids is not None
         self.has_bad_words[row] = x.bad_words is not None
+        self.structured[row] = getattr(params, "structured_outputs", None) is not None
         self.needs_history[row] = (x.bad_words is not None
                                    or self.repetition_penalty[row] != 1.0
                                    or self.frequency_penalty[row] != 0.0
@@ -126,6 +128,7 @@ class SamplingTable:
                 self.extras[row] = None
                 self.has_bias[row] = self.has_allowed[row] = False
                 self.has_bad_words[row] = self.needs_history[row] = False
+                self.structured[row] = False
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self.row_of
