@@ -195,6 +195,10 @@ MODEL_LAYERS = {
     # Gemma-3-270M's Q4_K_M file: q, k, gate, up Q5_0; v Q8_0 (half the layers); o Q4_K;
     # down Q6_K (half the layers)
     "gemma3": (("Q5_0", "Q5_0", "Q8_0", "Q4_K", "Q5_0", "Q5_0", "Q6_K"), GEMMA3),
+    # awkward widths: k = 352 and 224 (2 lanes a row, 16 rows a simdgroup, a partial last
+    # threadgroup), k = 192 (8-weight pieces)
+    "odd-k": (("Q8_0", "Q4_0", "Q4_1", "Q8_0", "Q4_1", "Q8_0", "Q4_0"),
+              dict(hidden=352, heads=3, kv_heads=1, head_dim=64, intermediate=224)),
 }
 
 
