@@ -31,6 +31,8 @@ class Case:
     minimum: int      # bytes the op must read + write at least
     flops: int = 0    # arithmetic, for the roofline's compute bound
     scratch: int = 0  # bytes of intermediate results the plan must write and read back
+    spec: object = None  # decoder_layer: the DecoderLayerSpec
+    dtype: str = ""      # decoder_layer: the activation dtype
 
 
 @dataclasses.dataclass
@@ -220,14 +222,17 @@ def paged_attention(dtype: str, q_lens, seq_lens, num_q_heads: int, num_kv_heads
     return Case(name, plan, arrays, minimum, flops=flops, scratch=scratch)
 
 
-_TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}  # GGML ids
+_TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12,
+             "Q6_K": 14}  # GGML ids
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def decoder_layer(qtype: str, dtype: str, m: int, hidden: int, heads: int, kv_heads: int,
+def decoder_layer(qtype, dtype: str, m: int, hidden: int, heads: int, kv_heads: int,
                   head_dim: int, intermediate: int, ctx: int = 100, sandwich: bool = False,
                   block_size: int = 16) -> Case:
     """The fused Metal decoder layer (plan_decoder_layer) over m decode rows of context
-    `ctx` each, every projection of type qtype. The floor counts the layer's inputs and
+    `ctx` each, every projection of type qtype (or qtype[i] for the i-th of q, k, v, o,
+    gate, up, down: a tuple of 7 names). The floor counts the layer's inputs and
     output, the weights, the K/V context and the new tokens' cache rows; `scratch` is what
     crosses between its dispatches (q, attention, residual stream, MLP activation; the
     layer input read again for the residual; gemma's pre-norm o and down outputs)."""
@@ -237,7 +242,8 @@ def decoder_layer(qtype: str, dtype: str, m: int, hidden: int, heads: int, kv_he
     spec.hidden, spec.num_heads, spec.num_kv_heads = hidden, heads, kv_heads
     spec.head_dim, spec.intermediate = head_dim, intermediate
     spec.sandwich, spec.gelu, spec.qk_norm = sandwich, sandwich, sandwich
-    spec.types = [_TYPE_IDS[qtype]] * 7
+    types = (qtype,) * 7 if isinstance(qtype, str) else tuple(qtype)
+    spec.types = [_TYPE_IDS[t] for t in types]
     spec.rotary_dim = head_dim
     spec.scale = head_dim ** -0.5
     table, mscale = _core.rope_turn_table(head_dim)
@@ -246,7 +252,8 @@ def decoder_layer(qtype: str, dtype: str, m: int, hidden: int, heads: int, kv_he
     dims = dict(q_proj=(q_w, hidden), k_proj=(kv_w, hidden), v_proj=(kv_w, hidden),
                 o_proj=(hidden, q_w), gate_proj=(intermediate, hidden),
                 up_proj=(intermediate, hidden), down_proj=(hidden, intermediate))
-    weights = {n: _random_blocks(qtype, r, _row_bytes(qtype, c), rng) for n, (r, c) in dims.items()}
+    weights = {n: _random_blocks(t, dims[n][0], _row_bytes(t, dims[n][1]), rng)
+               for n, t in zip(_PROJECTIONS, types)}
     blocks_per_seq = -(-ctx // block_size)
     num_blocks = m * blocks_per_seq + 2
     tables = rng.permutation(num_blocks)[:m * blocks_per_seq].astype(np.int32).reshape(m, -1)
@@ -271,7 +278,37 @@ def decoder_layer(qtype: str, dtype: str, m: int, hidden: int, heads: int, kv_he
     # again; llama: h written by o, read by gate/up and down; gemma: o, h, down twice each
     crossing = 2 * q_w + 2 * q_w + 2 * intermediate + hidden + (6 * hidden if sandwich else 3 * hidden)
     flops = 2 * m * sum(r * c for r, c in dims.values()) + 4 * heads * head_dim * m * ctx
-    name = (f"decoder_layer({qtype},{dtype},m={m},hidden={hidden},heads={heads}/{kv_heads},"
+    tname = qtype if isinstance(qtype, str) else "/".join(types)
+    name = (f"decoder_layer({tname},{dtype},m={m},hidden={hidden},heads={heads}/{kv_heads},"
             f"d={head_dim},I={intermediate},ctx={ctx}{',gemma' if sandwich else ''})")
-    return Case(name, plan, inputs + outputs, minimum, flops=flops, scratch=m * crossing * s)
+    return Case(name, plan, inputs + outputs, minimum, flops=flops, scratch=m * crossing * s,
+                spec=spec, dtype=dtype)
 
+
+_MATVEC_KERNELS = ("layer_qkv", "layer_matvec", "layer_gate_up")
+
+
+def decoder_layer_lanes(case: Case, traffic: Traffic | None = None) -> list[dict]:
+    """Lane use of each mat-vec launch of a fused decoder_layer case (layer_qkv, layer_matvec
+    for o, layer_gate_up, layer_matvec for down, in plan order) next to the per-op
+    gguf_matvec kernel's at the same (type, m, n, k): dicts of kernel, k, lane_use and
+    gguf_matvec."""
+    traffic = traffic or measure(case)
+    spec, dtype = case.spec, case.dtype
+    m = case.arrays[0].shape[0]
+    hid, q_w, inter = spec.hidden, spec.num_heads * spec.head_dim, spec.intermediate
+    names = {v: n for n, v in _TYPE_IDS.items()}
+    t = [names[int(i)] for i in spec.types]
+    # (k, type, n) of each launch, in plan order
+    todo = {"layer_qkv": [(hid, t[0], q_w)],
+            "layer_matvec": [(q_w, t[3], hid), (inter, t[6], hid)],
+            "layer_gate_up": [(hid, t[4], inter)]}
+    rows = []
+    for launch in traffic.launches:
+        kind = launch.kernel.rsplit("_", 1)[0]
+        if kind not in _MATVEC_KERNELS:
+            continue
+        k, qtype, n = todo[kind].pop(0)
+        ref = measure(gguf_matvec(qtype, dtype, m, n, k)).lane_use
+        rows.append({"kernel": kind, "k": k, "lane_use": launch.lane_use, "gguf_matvec": ref})
+    return rows

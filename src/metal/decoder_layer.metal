@@ -15,7 +15,8 @@
 // outputs, the bias and residual sums, each norm's output, rope's output), every
 // row's RMS is summed in rms_norm.metal's order (the first `norm_threads` threads
 // stride over the row, simd_sum, then the simdgroups' sums in order) and every
-// mat-vec row in gguf_matvec's order (layer_matvec_core.h). So the fused layer
+// mat-vec row by gguf_matvec's own loop (gguf_matvec_core.h, with the host's shape
+// for k: lanes per row, rows per lane, piece), in its order. So the fused layer
 // gives the per-op Metal path's bits, except the MLP activation, which is
 // computed in float32 and rounded once, as the CPU's fused layer does. Each
 // threadgroup recomputes its rows' RMS (a few KB at decode sizes) instead of
@@ -46,20 +47,25 @@ inline void layer_project_head(device const T* x, device const T* input_norm,
   if (fc_staged) {
     layer_stage(xn, xs, args.k, rows, tid, ntg);
   }
-  for (uint r = sg; r < d; r += nsg) {
-    float acc[kLayerMaxRows];
-    for (uint i = 0; i < kLayerMaxRows; ++i) {
-      acc[i] = 0.0f;
-    }
-    layer_matvec_staged(type, w + ulong(h * d + r) * row_bytes, args.k, args.chunks, xn, xs, rows,
-                        lane, acc);
-    for (uint i = 0; i < rows; ++i) {
-      T y = T(simd_sum(acc[i]));
-      if (fc_bias) {
-        y = T(float(y) + float(bias[h * d + r]));
-      }
-      if (lane == 0) {
-        tile[i * d + r] = float(y);
+  // each simdgroup takes blocks of sg_rows of the head's d weight rows in turn
+  const uint sg_rows = (32 / args.lanes_per_row) * args.rows_per_lane;
+  for (uint b = sg * sg_rows; b < d; b += nsg * sg_rows) {  // uniform over the simdgroup
+    GgufMvLane l = gguf_mv_lane(b, d, args.lanes_per_row, args.rows_per_lane, lane);
+    GgufMvRowsTyped wr = layer_rows(type, w, row_bytes, h * d + l.row0, args.k);
+    float acc[kGgufMvMaxRowsPerLane][kGgufMvMaxX];
+    gguf_mv_clear(acc);
+    layer_mv_partial(wr, l.rows, xn, xs, rows, args, l.piece, acc);
+    gguf_mv_reduce(acc, args.rows_per_lane, rows, args.lanes_per_row);
+    for (uint r = 0; r < l.rows; ++r) {
+      const uint row = l.row0 + r;
+      for (uint i = 0; i < rows; ++i) {
+        T y = T(acc[r][i]);
+        if (fc_bias) {
+          y = T(float(y) + float(bias[h * d + row]));
+        }
+        if (l.piece == 0) {  // one lane of each group
+          tile[i * d + row] = float(y);
+        }
       }
     }
   }
@@ -204,7 +210,8 @@ kernel void layer_qkv(
                       key_cache, value_cache, args, tile, red, tid, ntg, nsg, sg, lane);
 }
 
-// One simdgroup per intermediate row, 8 rows of x at a time: act(gate) * up.
+// act(gate) * up: each simdgroup a block of intermediate rows (gguf_matvec's rows per
+// simdgroup for k, rows_per_lane halved: gate and up each), 8 rows of x at a time.
 template <typename T>
 kernel void layer_gate_up(
     device const T* x [[buffer(0)]],
@@ -259,29 +266,33 @@ kernel void layer_gate_up(
     layer_stage(xn, xs, args.k, rows, tid, ntg);
   }
 
-  const uint r = tgp.x * nsg + sg;
-  if (r >= args.n) {
+  // a lane decodes rows_per_lane rows of gate and as many of up, interleaved
+  const uint sg_rows = (32 / args.lanes_per_row) * args.rows_per_lane;
+  const uint sg_row0 = (tgp.x * nsg + sg) * sg_rows;
+  if (sg_row0 >= args.n) {
     return;  // whole simdgroup; no barrier follows
   }
-  float g_acc[kLayerMaxRows];
-  float u_acc[kLayerMaxRows];
-  for (uint i = 0; i < kLayerMaxRows; ++i) {
-    g_acc[i] = 0.0f;
-    u_acc[i] = 0.0f;
-  }
-  layer_matvec2_staged(fc_type0, w_gate + ulong(r) * args.w0_row_bytes, fc_type1,
-                       w_up + ulong(r) * args.w1_row_bytes, args.k, args.chunks, xn, xs, rows,
-                       lane, g_acc, u_acc);
-  for (uint i = 0; i < rows; ++i) {
-    float g = float(T(simd_sum(g_acc[i])));
-    float u = float(T(simd_sum(u_acc[i])));
-    if (lane == 0) {
-      out[(ulong(x0) + i) * args.n + r] = T(layer_gated(g, u));
+  GgufMvLane l = gguf_mv_lane(sg_row0, args.n, args.lanes_per_row, args.rows_per_lane, lane);
+  GgufMvRowsPair<GgufMvRowsTyped, GgufMvRowsTyped> wr;
+  wr.a = layer_rows(fc_type0, w_gate, args.w0_row_bytes, l.row0, args.k);
+  wr.b = layer_rows(fc_type1, w_up, args.w1_row_bytes, l.row0, args.k);
+  float acc[kGgufMvMaxRowsPerLane][kGgufMvMaxX];
+  gguf_mv_clear(acc);
+  layer_mv_partial(wr, 2 * l.rows, xn, xs, rows, args, l.piece, acc);
+  gguf_mv_reduce(acc, 2 * args.rows_per_lane, rows, args.lanes_per_row);
+  for (uint r = 0; r < l.rows; ++r) {
+    for (uint i = 0; i < rows; ++i) {
+      float g = float(T(acc[2 * r][i]));
+      float u = float(T(acc[2 * r + 1][i]));
+      if (l.piece == 0) {
+        out[(ulong(x0) + i) * args.n + l.row0 + r] = T(layer_gated(g, u));
+      }
     }
   }
 }
 
-// y = [residual +] T(W x [+ bias]): one simdgroup per weight row, 8 rows of x at a time.
+// y = [residual +] T(W x [+ bias]): each simdgroup gguf_matvec's block of weight rows for
+// k, 8 rows of x at a time.
 template <typename T>
 kernel void layer_matvec(
     device const T* x [[buffer(0)]],
@@ -297,7 +308,8 @@ kernel void layer_matvec(
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
   const uint nsg = (ntg + 31) / 32;
-  const uint r = tgp.x * nsg + sg;
+  const uint sg_rows = (32 / args.lanes_per_row) * args.rows_per_lane;
+  const uint sg_row0 = (tgp.x * nsg + sg) * sg_rows;
   const uint x0 = tgp.y * kLayerMaxRows;
   const uint rows = min(kLayerMaxRows, args.rows - x0);
   LayerRows<T> xs;
@@ -306,26 +318,28 @@ kernel void layer_matvec(
   if (fc_staged) {
     layer_stage(xs, staged, args.k, rows, tid, ntg);
   }
-  if (r >= args.n) {
+  if (sg_row0 >= args.n) {
     return;  // whole simdgroup; no barrier follows
   }
-  float acc[kLayerMaxRows];
-  for (uint i = 0; i < kLayerMaxRows; ++i) {
-    acc[i] = 0.0f;
-  }
-  layer_matvec_staged(fc_type0, w + ulong(r) * args.w0_row_bytes, args.k, args.chunks, xs, staged,
-                      rows, lane, acc);
-  for (uint i = 0; i < rows; ++i) {
-    const ulong at = (ulong(x0) + i) * args.n + r;
-    T v = T(simd_sum(acc[i]));
-    if (fc_bias) {
-      v = T(float(v) + float(bias[r]));
-    }
-    if (fc_residual) {
-      v = T(float(residual[at]) + float(v));
-    }
-    if (lane == 0) {
-      y[at] = v;
+  GgufMvLane l = gguf_mv_lane(sg_row0, args.n, args.lanes_per_row, args.rows_per_lane, lane);
+  GgufMvRowsTyped wr = layer_rows(fc_type0, w, args.w0_row_bytes, l.row0, args.k);
+  float acc[kGgufMvMaxRowsPerLane][kGgufMvMaxX];
+  gguf_mv_clear(acc);
+  layer_mv_partial(wr, l.rows, xs, staged, rows, args, l.piece, acc);
+  gguf_mv_reduce(acc, args.rows_per_lane, rows, args.lanes_per_row);
+  for (uint r = 0; r < l.rows; ++r) {
+    for (uint i = 0; i < rows; ++i) {
+      const ulong at = (ulong(x0) + i) * args.n + l.row0 + r;
+      T v = T(acc[r][i]);
+      if (fc_bias) {
+        v = T(float(v) + float(bias[l.row0 + r]));
+      }
+      if (fc_residual) {
+        v = T(float(residual[at]) + float(v));
+      }
+      if (l.piece == 0) {  // one lane of each group
+        y[at] = v;
+      }
     }
   }
 }

@@ -28,13 +28,17 @@ struct DecoderLayerArgs {
   float eps;                   // the layer norms' eps
   float qk_eps;                // q_norm / k_norm eps
   float mscale;                // rope: multiplies cos and sin
-  uint32_t pad_;
+  // the mat-vec core's shape (gguf_matvec_core.h; the host's gguf_matvec_shape(k)):
+  uint32_t lanes_per_row;      // lanes sharing a weight row (a power of two dividing 32)
+  uint32_t rows_per_lane;      // weight rows each lane decodes (layer_gate_up: of gate and of up)
+  uint32_t piece;              // weights per piece: 16 or 8
 };
 
 #ifndef __METAL_VERSION__
-static_assert(sizeof(DecoderLayerArgs) == 88, "DecoderLayerArgs layout must match the shader");
+static_assert(sizeof(DecoderLayerArgs) == 96, "DecoderLayerArgs layout must match the shader");
 static_assert(offsetof(DecoderLayerArgs, rows) == 32, "DecoderLayerArgs layout must match the shader");
 static_assert(offsetof(DecoderLayerArgs, norm_threads) == 64,
               "DecoderLayerArgs layout must match the shader");
 static_assert(offsetof(DecoderLayerArgs, mscale) == 80, "DecoderLayerArgs layout must match the shader");
+static_assert(offsetof(DecoderLayerArgs, piece) == 92, "DecoderLayerArgs layout must match the shader");
 #endif

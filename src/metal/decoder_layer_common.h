@@ -1,11 +1,12 @@
 // Shared pieces of the fused decoder-layer kernels (decoder_layer.metal only): the
-// function constants, the row sources the mat-vec core reads activations through, and
-// the RMS reductions in rms_norm.metal's order. MSL only.
+// function constants, the row sources the mat-vec core (gguf_matvec_core.h, the loop of
+// gguf_matvec) reads activations through, and the RMS reductions in rms_norm.metal's
+// order. MSL only.
 #pragma once
 
 #include <metal_stdlib>
 #include "decoder_layer_args.h"
-#include "layer_matvec_core.h"
+#include "gguf_matvec_core.h"
 
 using namespace metal;
 
@@ -22,6 +23,7 @@ constant bool fc_staged [[function_constant(9)]];  // normalised rows in threadg
 constant bool fc_projected [[function_constant(10)]];  // layer_qkv: q, k, v come projected
 
 constant constexpr uint kLayerMaxSimdgroups = 32;
+constant constexpr uint kLayerMaxRows = kGgufMvMaxX;  // x rows per threadgroup
 
 // Rows of a dense [rows, stride] activation.
 template <typename T>
@@ -77,19 +79,32 @@ inline void layer_stage(thread const X& src, threadgroup T* xs, uint width, uint
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
-// One weight row for the rows of x: from the staged copy, or normalised on the fly.
-template <typename T, typename X>
-inline void layer_matvec_staged(uint type, device const uchar* wr, uint k, uint chunks,
-                                thread const X& x, threadgroup const T* xs, uint rows, uint lane,
-                                thread float* acc) {
+// The lane's share of its weight rows (w: `wrows` lane rows) . the rows of x, into acc:
+// x from the staged copy, or normalised on the fly; gguf_matvec's loop and order.
+template <typename T, typename W, typename X>
+inline void layer_mv_partial(thread const W& w, uint wrows, thread const X& x,
+                             threadgroup const T* xs, uint xrows,
+                             constant DecoderLayerArgs& args, uint first,
+                             thread float (&acc)[kGgufMvMaxRowsPerLane][kGgufMvMaxX]) {
   if (fc_staged) {
     LayerStaged<T> st;
     st.x = xs;
-    st.stride = k;
-    layer_matvec_row(type, wr, k, chunks, st, rows, lane, acc);
+    st.stride = args.k;
+    gguf_mv_partial_any(args.piece, w, wrows, st, xrows, args.k, first, args.lanes_per_row, acc);
   } else {
-    layer_matvec_row(type, wr, k, chunks, x, rows, lane, acc);
+    gguf_mv_partial_any(args.piece, w, wrows, x, xrows, args.k, first, args.lanes_per_row, acc);
   }
+}
+
+// The weight rows [row0, row0 + ...) of a matrix of GGML type `type`.
+inline GgufMvRowsTyped layer_rows(uint type, device const uchar* w, ulong row_bytes, uint row0,
+                                  uint k) {
+  GgufMvRowsTyped r;
+  r.type = type;
+  r.w = w + ulong(row0) * row_bytes;
+  r.row_bytes = row_bytes;
+  r.k = k;
+  return r;
 }
 
 // act(g) * u in float32: silu(g) = g / (1 + e^-g), or (fc_gelu) tanh GELU
@@ -97,22 +112,6 @@ inline void layer_matvec_staged(uint type, device const uchar* wr, uint k, uint 
 inline float layer_gated(float g, float u) {
   float z = fc_gelu ? -1.5957691216057308f * (g + 0.044715f * g * g * g) : -g;
   return g / (1.0f + exp(z)) * u;
-}
-
-// Gate and up rows in one pass over x (see layer_matvec_row2).
-template <typename T, typename X>
-inline void layer_matvec2_staged(uint type0, device const uchar* w0, uint type1,
-                                 device const uchar* w1, uint k, uint chunks, thread const X& x,
-                                 threadgroup const T* xs, uint rows, uint lane,
-                                 thread float* acc0, thread float* acc1) {
-  if (fc_staged) {
-    LayerStaged<T> st;
-    st.x = xs;
-    st.stride = k;
-    layer_matvec_row2(type0, w0, type1, w1, k, chunks, st, rows, lane, acc0, acc1);
-  } else {
-    layer_matvec_row2(type0, w0, type1, w1, k, chunks, x, rows, lane, acc0, acc1);
-  }
 }
 
 // Sums part[i], i < rows, over the threadgroup in rms_norm.metal's order: each

@@ -42,11 +42,7 @@ kernel void gguf_matvec(
   y += ulong(x0) * args.y_row_stride;
   GgufMvLane l = gguf_mv_lane(sg_row0, args.n, lanes_per_row, rows_per_lane, lane);
   float acc[kGgufMvMaxRowsPerLane][kGgufMvMaxX];
-  for (uint r = 0; r < kGgufMvMaxRowsPerLane; ++r) {
-    for (uint i = 0; i < kGgufMvMaxX; ++i) {
-      acc[r][i] = 0.0f;
-    }
-  }
+  gguf_mv_clear(acc);
   if (args.piece == 8) {
     gguf_mv_partial<Q, T, 8>(w, args.w_row_bytes, x, args.x_row_stride, xrows, args.k,
                              (args.k + 7) / 8, lanes_per_row, l, acc);

@@ -1,11 +1,13 @@
 // plan_decoder_layer: the fused kernels around paged attention, tested with no device.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <set>
 
 #include "decoder_layer_args.h"
 #include "ops/decoder_layer_plan.h"
+#include "ops/gguf_ops.h"
 
 namespace vm = vllm_metal;
 namespace mx = mlx::core;
@@ -103,7 +105,45 @@ TEST(DecoderLayerPlanner, SlotsTypesAndGeometry) {
   EXPECT_EQ(plan[2].buffers[4].array_slot, slots.h);
   EXPECT_EQ(plan[4].buffers[3].array_slot, slots.h);
   EXPECT_EQ(plan[4].buffers[4].array_slot, slots.out);
-  EXPECT_EQ(plan[3].grid[0], 1536u / 8);  // 8 simdgroups of 256 threads, a row each
+}
+
+namespace {
+
+DecoderLayerArgs args_of(const vm::KernelLaunch& l) {
+  DecoderLayerArgs a;
+  EXPECT_EQ(l.args.size(), sizeof(a));
+  std::memcpy(&a, l.args.data(), sizeof(a));
+  return a;
+}
+
+}  // namespace
+
+// Each mat-vec runs gguf_matvec's shape for its k (the same sums, bit for bit); a
+// simdgroup owns 32 / lanes_per_row x rows_per_lane weight rows, 8 simdgroups a threadgroup.
+TEST(DecoderLayerPlanner, MatvecsTakeGgufMatvecsShape) {
+  auto plan = vm::plan_decoder_layer(smollm2_decode(8, false));
+  for (int i : {0, 2, 3, 4}) {
+    const DecoderLayerArgs a = args_of(plan[i]);
+    const vm::GgufMatvecShape want = vm::gguf_matvec_shape(a.k);
+    EXPECT_EQ(a.lanes_per_row, want.lanes_per_row) << plan[i].kernel;
+    EXPECT_EQ(a.piece, want.piece) << plan[i].kernel;
+    // gate_up: rows_per_lane rows of gate and as many of up, as many registers as gguf_matvec's
+    EXPECT_EQ(a.rows_per_lane, i == 3 ? std::max(1u, want.rows_per_lane / 2) : want.rows_per_lane)
+        << plan[i].kernel;
+    EXPECT_EQ(plan[i].threadgroup[0], 256u) << plan[i].kernel;
+  }
+  // k = 576: 72 pieces of 8 weights, 8 lanes a row (lane use 1); k = 1536: 96 of 16, 32 lanes
+  const DecoderLayerArgs qkv = args_of(plan[0]);
+  EXPECT_EQ(qkv.lanes_per_row, 8u);
+  EXPECT_EQ(qkv.rows_per_lane, 2u);
+  EXPECT_EQ(qkv.piece, 8u);
+  EXPECT_EQ(plan[0].grid[0], 9u + 2 * 3);  // a head per threadgroup, whatever the shape
+  EXPECT_EQ(plan[2].grid[0], 576u / (8 * 8));    // o: 4 groups x 2 rows per simdgroup
+  EXPECT_EQ(plan[3].grid[0], 1536u / (8 * 4));   // gate/up: 4 groups x 1 row of each
+  const DecoderLayerArgs down = args_of(plan[4]);
+  EXPECT_EQ(down.lanes_per_row, 32u);
+  EXPECT_EQ(down.piece, 16u);
+  EXPECT_EQ(plan[4].grid[0], 576u / (8 * 4));    // down: 1 group x 4 rows per simdgroup
 }
 
 TEST(DecoderLayerPlanner, RefusesHeadsTheKernelsDoNotHold) {

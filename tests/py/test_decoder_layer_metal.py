@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from decoder_layer_case import from_f64, make_case, reference, to_f64
 from vllm_metal import _core, emulation, ops
+from vllm_metal import kernel_traffic as kt
 
 TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "F16"]
 # max |got - ref| / max(1, max |ref|) per dtype: a few ulps of the output type after a
@@ -157,14 +158,17 @@ def per_op(case) -> dict:
     plan = _core.plan_paged_attention(dt, rows, rows, hq, hkv, d, kc.shape[1], kc.shape[0],
                                       a[3].shape[1], rows, max(case.ctx), 1, scale=s.scale)
     _run(plan, [out["q"], kc, vc, a[3], a[4], a[5], sinks, attn] + scratch)
+    def norm(y, name):  # gemma's output norms
+        return _run(_core.plan_rms_norm(dt, rows, hid, eps=s.norm_eps), [y, w[name], empty((rows, hid))])[2]
+
     o = matmul(attn.reshape(rows, -1), "o_proj", hid, hq * d, 3)
     if s.o_bias:
         o = add(o, w["o_bias"])
-    h = add(a[0], o)
+    h = add(a[0], norm(o, "attn_out_norm") if s.sandwich else o)
 
     def finish():  # after the fused plan ran: its activation through the per-op down
         down = matmul(a[case.slots["act"]], "down_proj", hid, s.intermediate, 6)
-        return add(h, down)
+        return add(h, norm(down, "mlp_out_norm") if s.sandwich else down)
 
     return dict(q=out["q"].reshape(rows, -1), key_cache=kc, value_cache=vc,
                 attn=attn.reshape(rows, -1), h=h), finish
@@ -177,6 +181,56 @@ def per_op(case) -> dict:
 def test_same_bits_as_the_per_op_kernels(dtype, layout, rows):
     case = make_case(("Q4_K", "Q4_1", "Q6_K", "Q8_0", "Q4_0", "Q4_K", "Q6_K"), dtype, rows=rows,
                      ctx=([3, 17, 16, 50, 1] * 3)[:rows], seed=11, **layout)
+    check_same_bits(case, layout)
+
+
+# model-sized layers: the mat-vec shapes gguf_matvec picks at k = 576 / 1536 (SmolLM2) and
+# 640 / 1024 / 2048 (Gemma-3-270M), each a row split no smaller case reaches
+SMOLLM2 = dict(hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536)
+GEMMA3 = dict(hidden=640, heads=4, kv_heads=1, head_dim=256, intermediate=2048, qk_norm=True,
+              sandwich=True, gelu=True)
+MODEL_LAYERS = {
+    "smollm2-q4_1": (("Q4_1",) * 7, SMOLLM2),
+    "smollm2-q8_0": (("Q8_0",) * 7, SMOLLM2),
+    # Gemma-3-270M's Q4_K_M file: q, k, gate, up Q5_0; v Q8_0 (half the layers); o Q4_K;
+    # down Q6_K (half the layers)
+    "gemma3": (("Q5_0", "Q5_0", "Q8_0", "Q4_K", "Q5_0", "Q5_0", "Q6_K"), GEMMA3),
+    # awkward widths: k = 352 and 224 (2 lanes a row, 16 rows a simdgroup, a partial last
+    # threadgroup), k = 192 (8-weight pieces)
+    "odd-k": (("Q8_0", "Q4_0", "Q4_1", "Q8_0", "Q4_1", "Q8_0", "Q4_0"),
+              dict(hidden=352, heads=3, kv_heads=1, head_dim=64, intermediate=224)),
+}
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("model", list(MODEL_LAYERS))
+def test_same_bits_as_the_per_op_kernels_at_model_shapes(model, dtype, rows):
+    types, layout = MODEL_LAYERS[model]
+    case = make_case(types, dtype, rows=rows, ctx=([3, 17, 16, 50, 1, 33, 7, 64])[:rows],
+                     seed=12, **layout)
+    check_same_bits(case, model)
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("model", ["smollm2-q4_1", "smollm2-q8_0", "gemma3"])
+def test_matvec_lane_use_at_model_shapes(model, rows):
+    """Each fused mat-vec kernel (whole launch: norms, staging and epilogues included) keeps
+    its lanes as busy as gguf_matvec at the same (type, k): 1.0, no lane idles (the old
+    core, 32 lanes striding over k = 576's 36 chunks, measured 0.58-0.87)."""
+    types, layout = MODEL_LAYERS[model]
+    case = kt.decoder_layer(types, "float16", rows, layout["hidden"], layout["heads"],
+                            layout["kv_heads"], layout["head_dim"], layout["intermediate"],
+                            ctx=40, sandwich=layout.get("sandwich", False))
+    lanes = kt.decoder_layer_lanes(case)
+    assert [r["kernel"] for r in lanes] == ["layer_qkv", "layer_matvec", "layer_gate_up",
+                                           "layer_matvec"]
+    for r in lanes:
+        assert r["gguf_matvec"] == 1.0, r  # the shapes picked so that none idles
+        assert r["lane_use"] >= r["gguf_matvec"], f"{case.name}: {r}"
+
+
+def check_same_bits(case, label):
     want, finish = per_op(case)  # before the fused plan writes the caches
     emulation.run_plan(case.plan, case.arrays)
     want["out"] = finish()
@@ -185,7 +239,7 @@ def test_same_bits_as_the_per_op_kernels(dtype, layout, rows):
                attn=a[s["attn"]].reshape(a[0].shape[0], -1), h=a[s["h"]], out=a[s["out"]])
     for name, value in want.items():
         differ = int((got[name].view(np.uint8) != value.view(np.uint8)).sum())
-        assert differ == 0, f"{case.name} {layout}: {name} differs from the per-op kernels"
+        assert differ == 0, f"{case.name} {label}: {name} differs from the per-op kernels"
 
 
 # ---- the plan --------------------------------------------------------------------------

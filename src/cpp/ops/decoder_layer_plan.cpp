@@ -17,12 +17,17 @@ namespace {
 constexpr const char* kSource = "decoder_layer";
 constexpr int64_t kMaxRows = 8;      // decoder_layer.metal kLayerMaxRows
 constexpr int64_t kMaxHead = 512;    // decoder_layer.metal kLayerMaxHead
-constexpr uint32_t kMatvecThreads = 256;  // layer_matvec: 8 weight rows per threadgroup
+constexpr uint32_t kMatvecThreads = 256;  // layer_matvec: 8 simdgroups of weight rows
 constexpr uint32_t kLayerThreads = 256;   // layer_qkv, layer_gate_up
 constexpr uint64_t kThreadgroupBytes = 32768;  // Metal's limit per threadgroup
 constexpr uint64_t kStaticBytes = 1024;        // `red` of layer_qkv / layer_gate_up (8 x 32 floats)
 
 uint64_t round16(uint64_t n) { return (n + 15) / 16 * 16; }
+
+// Weight rows (of each matrix) one simdgroup of a mat-vec kernel owns (gguf_matvec_core.h).
+uint32_t rows_per_simdgroup(const DecoderLayerArgs& a) {
+  return 32 / a.lanes_per_row * a.rows_per_lane;
+}
 
 // The kernels' function constants, all of them on every launch (Metal leaves an
 // unset constant undefined).
@@ -157,12 +162,17 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
   base.eps = s.norm_eps;
   base.qk_eps = s.qk_norm_eps;
   base.mscale = s.rope_mscale;
-  // a mat-vec over k inputs with n outputs, weights of `types`
+  // a mat-vec over k inputs with n outputs, weights of `types`, in gguf_matvec's shape
+  // for k (gguf_matvec_core.h: the same lanes per row and piece give its sums' order)
   auto matvec_args = [&](int64_t k, int64_t n, std::initializer_list<gguf::GGMLType> types) {
     DecoderLayerArgs a = base;
     a.k = static_cast<uint32_t>(k);
     a.n = static_cast<uint32_t>(n);
     a.chunks = ceil_div(k, 16);
+    const GgufMatvecShape shape = gguf_matvec_shape(k);
+    a.lanes_per_row = shape.lanes_per_row;
+    a.rows_per_lane = shape.rows_per_lane;
+    a.piece = shape.piece;
     uint64_t* bytes[3] = {&a.w0_row_bytes, &a.w1_row_bytes, &a.w2_row_bytes};
     int i = 0;
     for (auto t : types) *bytes[i++] = encoded_row_bytes(t, k);
@@ -315,8 +325,10 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
     l.bind(2, bias ? weight_or_x(bias) : x);
     l.bind(3, res);
     l.bind(4, y);
-    l.set_args(5, matvec_args(k, s.hidden, {type}));
-    l.grid = {ceil_div(s.hidden, kMatvecThreads / 32), groups, 1};
+    const DecoderLayerArgs a = matvec_args(k, s.hidden, {type});
+    l.set_args(5, a);
+    l.grid = {ceil_div(s.hidden, uint64_t{kMatvecThreads / 32} * rows_per_simdgroup(a)), groups,
+              1};
     l.threadgroup = {kMatvecThreads, 1, 1};
     plan.push_back(l);
   };
@@ -345,9 +357,13 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
     l.bind(5, slot.weight("up_proj"));
     l.bind(6, slot.act);
     l.bind(7, slot.h);  // written by gemma's variant only
-    l.set_args(8, matvec_args(s.hidden, s.intermediate, {s.types[4], s.types[5]}));
+    // rows_per_lane rows of gate and as many of up per lane: half gguf_matvec's count, so a
+    // lane decodes as many rows as there (its registers), at least one of each
+    DecoderLayerArgs a = matvec_args(s.hidden, s.intermediate, {s.types[4], s.types[5]});
+    a.rows_per_lane = std::max<uint32_t>(1, a.rows_per_lane / 2);
+    l.set_args(8, a);
     const uint32_t threads = kLayerThreads;
-    l.grid = {ceil_div(s.intermediate, threads / 32), groups, 1};
+    l.grid = {ceil_div(s.intermediate, uint64_t{threads / 32} * rows_per_simdgroup(a)), groups, 1};
     l.threadgroup = {threads, 1, 1};
     plan.push_back(l);
   }
