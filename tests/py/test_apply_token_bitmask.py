@@ -161,6 +161,36 @@ def test_agrees_with_xgrammar():
     assert np.array_equal(np.array(ours), theirs.numpy())
 
 
+def test_a_real_grammar_mask_allows_exactly_the_grammar_tokens(backend):
+    # xgrammar fills the masks (regex ab(c|a)*, a 10-token vocab padded to 70 ids): a token
+    # stays finite iff the matcher accepts it. xgrammar leaves the bits past vocab_size set
+    # (word 2's high bits) and the padding ids' bits 0, so this also pins both conventions.
+    pytest.importorskip("torch")
+    xgr = pytest.importorskip("xgrammar")
+    vocab = ["a", "b", "c", "ab", "ba", "abc", "x", "</s>", "cc", "aab"]
+    info = xgr.TokenizerInfo(vocab, vocab_size=70, stop_token_ids=[7])
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_regex(r"ab(c|a)*"))
+    mask = xgr.allocate_token_bitmask(2, info.vocab_size)  # torch int32 [2, 3]
+    accepted = []
+    for i, prefix in enumerate([[], [3]]):  # at the start; after "ab"
+        for t in prefix:
+            assert matcher.accept_token(t)
+        matcher.fill_next_token_bitmask(mask, i)
+        ok = []
+        for t in range(len(vocab)):
+            if matcher.accept_token(t):
+                matcher.rollback(1)
+                ok.append(t)
+        accepted.append(ok)
+    mask = mask.numpy()
+    assert mask.view(np.uint32)[1, 2] >> 6 != 0, "xgrammar no longer sets the bits past vocab_size"
+    logits = random((3, 70), "float32", seed=9)
+    out = np.array(ops.apply_token_bitmask(logits, mx.array(mask), mx.array([2, 0], mx.int32)))
+    assert np.flatnonzero(np.isfinite(out[2])).tolist() == accepted[0] == [0, 3, 5]
+    assert np.flatnonzero(np.isfinite(out[0])).tolist() == accepted[1] == [0, 2, 7, 8]
+    assert np.array_equal(out[1], np.array(logits[1]))
+
+
 def test_kernel_names_are_instantiated():
     names = {l.kernel for d in DTYPES for ip in (False, True)
              for l in _core.plan_apply_token_bitmask(d, 3, 1000, 32, in_place=ip)}
