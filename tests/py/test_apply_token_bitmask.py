@@ -143,6 +143,26 @@ def test_lazy_inputs_and_strided_views(backend):
     assert np.array_equal(bits(out), reference_bits(bits(logits), mask, rows, "float32"))
 
 
+def test_a_donated_logits_buffer_is_masked_in_place(backend):
+    # logits that nothing else holds (a lazy product here, the lm head's output when
+    # serving) lend their buffer to the output: the kernels then write only the -infs.
+    # Peak memory shows it: one [rows, vocab] buffer, not two.
+    if backend == "metal":
+        pytest.skip("peak memory of the CPU allocator")
+    x = random((8, 65536), "float32", seed=10)
+    mask = make_mask("random", 2, 2048, seed=11)
+    rows = [5, 2]
+    mx.eval(x)
+    mx.synchronize()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    out = ops.apply_token_bitmask(x * 2.0, mx.array(mask), mx.array(np.array(rows, np.int32)))
+    mx.eval(out)
+    assert mx.get_peak_memory() - base < 1.5 * x.nbytes, "the output did not take the logits' buffer"
+    assert np.array_equal(bits(out), reference_bits(bits(x * 2.0), mask, rows, "float32"))
+
+
 def test_agrees_with_xgrammar():
     # xgrammar's own CPU kernel: logits rows selected by `indices`, each with the bitmask row
     # of the same index (vLLM V1 scatters its compact masks into that layout first)
