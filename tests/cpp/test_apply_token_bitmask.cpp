@@ -94,5 +94,7 @@ TEST(TokenBitmaskCpu, MatchesThePerTokenRuleOutOfPlaceAndInPlace) {
     check_cpu<uint16_t>(c::Elt::kF16, 0xfc00u, 3, 33, 0, {1, 2, 0}, in_place);
     check_cpu<uint16_t>(c::Elt::kBF16, 0xff80u, 2, 1, 0, {1}, in_place);
     check_cpu<uint16_t>(c::Elt::kBF16, 0xff80u, 300, 257, 0, {7, 299, 150}, in_place);
+    // rows in pieces of 16384 tokens, the last one partial and not a multiple of 32
+    check_cpu<uint32_t>(c::Elt::kF32, 0xff800000u, 3, 40001, 1, {2, 0}, in_place);
   }
 }

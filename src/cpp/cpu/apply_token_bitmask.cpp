@@ -11,10 +11,10 @@ namespace {
 
 // B: the dtype's bits; kNegInf: -inf in them.
 template <typename B, B kNegInf>
-void row(const B* x, B* y, const uint32_t* mask, int64_t vocab) {
+void row(const B* x, B* y, const uint32_t* mask, int64_t len) {  // one piece of a row
   const bool in_place = x == y;
-  for (int64_t t0 = 0; t0 < vocab; t0 += 32) {
-    const int64_t n = std::min<int64_t>(32, vocab - t0);
+  for (int64_t t0 = 0; t0 < len; t0 += 32) {
+    const int64_t n = std::min<int64_t>(32, len - t0);
     const uint32_t w = mask[t0 / 32];
     if (w == 0xffffffffu) {
       if (!in_place) std::memcpy(y + t0, x + t0, n * sizeof(B));
@@ -31,20 +31,30 @@ void row(const B* x, B* y, const uint32_t* mask, int64_t vocab) {
   }
 }
 
+// Tasks are pieces of kPiece tokens of a row, so one masked row of a large vocab
+// (a decode step with one structured-output request) still spreads over the cores.
+constexpr int64_t kPiece = 16384;  // a multiple of 32: pieces start at a mask word
+
 template <typename B, B kNegInf>
 void run(const TokenBitmaskRows& a) {
   auto* x = static_cast<const B*>(a.logits);
   auto* y = static_cast<B*>(a.out);
   const int64_t n = a.vocab;
-  // A fan-out costs ~6 us; below ~128 KB of a row chunk one thread is faster.
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, n));
-  parallel_for(a.num_rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
+  const int64_t pieces = (n + kPiece - 1) / kPiece;
+  // A fan-out costs ~6 us; a task gets at least ~32 K tokens.
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::min(n, kPiece));
+  parallel_for(a.num_rows * pieces, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / pieces;
+      const int64_t t0 = (task % pieces) * kPiece;
+      const int64_t len = std::min(kPiece, n - t0);
+      const B* xr = x + r * n + t0;
+      B* yr = y + r * n + t0;
       const int32_t m = a.mask_of_row[r];
       if (m >= 0) {
-        row<B, kNegInf>(x + r * n, y + r * n, a.bitmask + m * a.mask_words, n);
+        row<B, kNegInf>(xr, yr, a.bitmask + m * a.mask_words + t0 / 32, len);
       } else if (x != y) {
-        std::memcpy(y + r * n, x + r * n, n * sizeof(B));
+        std::memcpy(yr, xr, len * sizeof(B));
       }
     }
   });

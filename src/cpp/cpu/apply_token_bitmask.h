@@ -20,7 +20,7 @@ struct TokenBitmaskRows {
   int64_t mask_words = 0;  // >= ceil(vocab / 32)
 };
 
-// Threaded across rows. Per mask word: all ones copies 32 values (nothing in
+// Threaded across pieces of rows (16384 tokens). Per mask word: all ones copies 32 values (nothing in
 // place), zero writes 32 -infs, anything else selects per bit.
 void apply_token_bitmask_rows(const TokenBitmaskRows& a);
 
