@@ -152,6 +152,21 @@ def _check_gguf(kind: str, m: int):
     return check
 
 
+def check_apply_token_bitmask(ops) -> float:
+    """0 when every value is exact (-inf where the mask's bit is 0, else copied), else inf."""
+    r = _rng(8)
+    logits, vocab, rows = r.standard_normal((4, 70)), 70, [3, 1]
+    mask = r.integers(0, 2**32, size=(2, 3), dtype=np.uint64).astype(np.uint32)
+    mask[1, 0] = 0  # a word of 32 disallowed tokens
+    got = np.array(ops.apply_token_bitmask(_f32(logits), mx.array(mask.view(np.int32)),
+                                           mx.array(np.array(rows, np.int32))), dtype=np.float64)
+    ref = logits.astype(np.float32).astype(np.float64)
+    t = np.arange(vocab)
+    for i, row in enumerate(rows):
+        ref[row, ((mask[i, t // 32] >> (t % 32).astype(np.uint32)) & 1) == 0] = -np.inf
+    return 0.0 if np.array_equal(got, ref) else float("inf")
+
+
 CASES: dict[str, Callable] = {
     "rms_norm(t=5,d=67)": check_rms_norm,
     "add_rms_norm(t=3,d=130)": check_add_rms_norm,
@@ -161,6 +176,7 @@ CASES: dict[str, Callable] = {
     "gguf_matmul(Q8_0,m=3,n=6,k=96)": _check_gguf("Q8_0", 3),
     "gguf_matmul(Q4_0,m=3,n=6,k=96)": _check_gguf("Q4_0", 3),
     "gguf_matmul(Q4_0,m=9,n=6,k=96)": _check_gguf("Q4_0", 9),
+    "apply_token_bitmask(rows=4,vocab=70,masked=[3,1])": check_apply_token_bitmask,
 }
 
 

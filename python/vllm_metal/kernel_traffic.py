@@ -141,6 +141,35 @@ def rope(dtype: str, tokens: int, heads: int, head_size: int, is_neox: bool = Tr
                 minimum, flops=6 * x.size)
 
 
+def apply_token_bitmask(dtype: str, num_rows: int, vocab: int, rows, in_place: bool = False) -> Case:
+    """A grammar mask on some rows of the logits: words of 32 tokens all allowed, none
+    allowed or mixed (a third each). A disallowed token's logit is not needed, in place
+    nothing of the logits is: there only the -infs are written."""
+    rng = np.random.default_rng(num_rows * vocab)
+    s = _SIZE[dtype]
+    words = (vocab + 31) // 32
+    mask = rng.integers(0, 2**32, size=(len(rows), words), dtype=np.uint64).astype(np.uint32)
+    kind = rng.integers(0, 3, size=mask.shape)
+    mask[kind == 0] = 0xFFFFFFFF
+    mask[kind == 1] = 0
+    mask_of_row = np.full(num_rows, -1, np.int32)
+    mask_of_row[list(rows)] = np.arange(len(rows), dtype=np.int32)
+    t = np.arange(vocab)
+    allowed = int(((mask[:, t // 32] >> (t % 32).astype(np.uint32)) & 1).sum())
+    disallowed = len(rows) * vocab - allowed
+    logits = _rand((num_rows, vocab), dtype, rng)
+    out = logits if in_place else _empty((num_rows, vocab), dtype)
+    plan = _core.plan_apply_token_bitmask(dtype, num_rows, vocab, words, in_place=in_place)
+    minimum = mask.nbytes + mask_of_row.nbytes
+    if in_place:
+        minimum += disallowed * s
+    else:  # unmasked rows and allowed tokens read; every value written
+        minimum += ((num_rows - len(rows)) * vocab + allowed) * s + num_rows * vocab * s
+    name = (f"apply_token_bitmask(rows={num_rows},vocab={vocab},masked={len(rows)},{dtype}"
+            f"{',in_place' if in_place else ''})")
+    return Case(name, plan, [logits, mask.view(np.int32), mask_of_row, out], minimum)
+
+
 def gguf_dequantize(qtype: str, dtype: str, rows: int, cols: int) -> Case:
     rng = np.random.default_rng(rows * cols)
     row_bytes = _row_bytes(qtype, cols)

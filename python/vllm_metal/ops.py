@@ -61,3 +61,8 @@ gated_delta_rule = _core.gated_delta_rule  # (q, k, v, a, b, A_log, dt_bias, *, 
 mrope = _core.mrope  # mrope(x, positions [3, T], *, sections, interleaved, rotary_dim, base)
 
 __all__ += ["causal_conv1d", "gated_delta_rule", "mrope"]
+
+# Structured outputs (issue 21): a grammar's token bitmask on logits, xgrammar's layout.
+apply_token_bitmask = _core.apply_token_bitmask  # (logits, bitmask, rows) -> logits, -inf where disallowed
+
+__all__ += ["apply_token_bitmask"]

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.skipif(not emulation.emulator_available(), reason="need
 
 UNIQUE_BUDGET = 1.15
 MATVEC_BUDGET = 1.05  # the GGUF mat-vec kernel: weights, x and y read or written once
+TOKEN_BITMASK_BUDGET = 1.05  # apply_token_bitmask: mask words, needed logits, outputs once
 
 # (case, unique budget, re-read budget (simd bytes / minimum), why bytes are re-read)
 CASES = [
@@ -58,6 +59,13 @@ CASES = [
      "split-KV: partials written then read by the reduce (the scratch term of the budget)"),
     (lambda: kt.paged_attention("float16", [1, 5], [20, 30], 9, 3, 64), UNIQUE_BUDGET, 4.3,
      "prefill: each 8-row query tile of each q head reads its context's K/V again"),
+    # a grammar's token mask (structured outputs): the mask's words are loaded once per
+    # simdgroup span and passed lane to lane by simd_shuffle; a disallowed logit is not read
+    (lambda: kt.apply_token_bitmask("float16", 5, 1100, [1, 2, 4]), TOKEN_BITMASK_BUDGET, 1.05,
+     "each threadgroup re-reads its row's mask index"),
+    (lambda: kt.apply_token_bitmask("float32", 3, 49152, [2, 0]), TOKEN_BITMASK_BUDGET, 1.05, "as above"),
+    (lambda: kt.apply_token_bitmask("bfloat16", 4, 9000, [0, 3], in_place=True), TOKEN_BITMASK_BUDGET,
+     1.05, "as above; in place only the -infs are written"),
     # the fused decoder layer: unique bytes are the floor + what crosses between its
     # dispatches (kt.decoder_layer's scratch). Re-reads: each threadgroup reads its x rows
     # (and the norm weight) once into threadgroup memory, then its weight rows use that copy

@@ -18,6 +18,7 @@ import functools
 import numpy as np
 import pytest
 
+import test_apply_token_bitmask as bitmask
 import test_decoder_layer_metal as layer
 import test_hybrid_launches as hybrid
 import test_metal_sources as sources
@@ -197,6 +198,10 @@ CASES = {
     "rope": ({"rope"}, lambda: rope.test_launches_on_numpy_stay_inside_the_output(
         5, 3, 80, 20, False, "float16", "int64")),
     "mrope": ({"mrope"}, lambda: hybrid.test_mrope_launches(True)),
+    "apply_token_bitmask": ({"apply_token_bitmask"}, lambda: bitmask.test_launches_on_numpy(
+        4, 1100, 0, [1, 2, 3], False)),
+    "apply_token_bitmask_in_place": ({"apply_token_bitmask"}, lambda: bitmask.test_launches_on_numpy(
+        3, 45, 1, [2, 0], True)),
     "gated_delta": ({"gated_delta"}, lambda: hybrid.test_gated_delta_launches(True)),
     "causal_conv1d": ({"causal_conv1d"}, hybrid.test_causal_conv1d_launches),
     "paged_decode_split_kv": ({"paged_attention"}, attention.test_split_kv_launches_on_numpy_with_many_partitions),

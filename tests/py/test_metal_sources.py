@@ -38,6 +38,8 @@ def planned_kernel_names():
             names |= {l.kernel for l in _core.plan_gguf_matmul(t, dtype, m, 64, 256)}
     for dtype, pos_dtype, neox in itertools.product(DTYPES, ("int32", "int64"), (True, False)):
         names |= {l.kernel for l in _core.plan_rope(dtype, pos_dtype, 3, 2, 64, is_neox=neox)}
+    for dtype, in_place in itertools.product(DTYPES, (False, True)):
+        names |= {l.kernel for l in _core.plan_apply_token_bitmask(dtype, 3, 1000, 32, in_place=in_place)}
     return names
 
 

@@ -13,5 +13,6 @@ void bind_gguf(nanobind::module_& m);
 void bind_hybrid(nanobind::module_& m);
 void bind_decoder_layer(nanobind::module_& m);
 void bind_step_recording(nanobind::module_& m);
+void bind_structured_outputs(nanobind::module_& m);
 
 }  // namespace vllm_metal::bindings
