@@ -63,10 +63,12 @@ class _UnsampledStep:
     prompt_scores: list
 
 
-def apply_grammar_bitmask(logits: mx.array, req_ids: list[str], grammar_output) -> mx.array:
+def apply_grammar_bitmask(logits: mx.array, req_ids: list[str], grammar_output,
+                          vocab_size: int) -> mx.array:
     """logits with the tokens the grammars forbid at -inf. grammar_output's bitmask has
     one row per structured-output request, in its own order: each goes to its request's
-    row of this step (requests not in the step, if any, are skipped)."""
+    row of this step (requests not in the step, if any, are skipped). vocab_size: what
+    vLLM sized the masks for; logits past it (a padded lm head) are never allowed."""
     index = {r: i for i, r in enumerate(req_ids)}
     mask_rows, logit_rows = [], []
     for i, req_id in enumerate(grammar_output.structured_output_request_ids):
@@ -76,7 +78,22 @@ def apply_grammar_bitmask(logits: mx.array, req_ids: list[str], grammar_output) 
     if not logit_rows:
         return logits
     bitmask = np.asarray(grammar_output.grammar_bitmask, np.int32)[mask_rows]
+    if logits.shape[-1] > vocab_size:
+        bitmask = _disallow_past(bitmask, vocab_size, logits.shape[-1])
     return ops.apply_token_bitmask(logits, mx.array(bitmask), mx.array(np.array(logit_rows, np.int32)))
+
+
+def _disallow_past(bitmask: np.ndarray, vocab_size: int, width: int) -> np.ndarray:
+    """The masks widened to `width` tokens, every id from vocab_size on disallowed (the
+    backends leave the bits past their vocabulary set)."""
+    words = -(-width // 32)
+    out = np.zeros((bitmask.shape[0], words), np.uint32)
+    out[:, :bitmask.shape[1]] = bitmask[:, :words].view(np.uint32)
+    first = np.arange(words, dtype=np.int64) * 32  # each word's first token id
+    keep = np.clip(vocab_size - first, 0, 32)
+    out &= np.where(keep >= 32, np.uint32(0xFFFFFFFF),
+                    ((np.uint64(1) << keep.astype(np.uint64)) - np.uint64(1)).astype(np.uint32))
+    return out.view(np.int32)
 
 
 class MetalModelRunner:
@@ -285,7 +302,8 @@ class MetalModelRunner:
         p = self.packer
         logits = u.logits
         if grammar_output is not None:
-            logits = apply_grammar_bitmask(logits, u.req_ids, grammar_output)
+            logits = apply_grammar_bitmask(logits, u.req_ids, grammar_output,
+                                           self.sampling_table.vocab_size)
         result = self.sampler(logits, u.batch)
         prompt_scores = u.prompt_scores
         # the caches too: fused layers hand them on as lazy arrays that depend on the step
