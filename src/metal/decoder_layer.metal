@@ -309,7 +309,8 @@ inline void layer_stage_combined(device const T* x, device const float* partial_
   constant PagedAttentionArgs& pa = args.attention;
   const uint hq = args.num_heads;
   const uint d = args.head_dim;
-  threadgroup float* row_parts = stats + 2 * rows * hq;  // [rows] parts as bits; 0: direct
+  // [rows] partitions of each row; 0: attention wrote it directly
+  threadgroup uint* row_parts = (threadgroup uint*)(stats + 2 * rows * hq);
   for (uint c = tid; c < rows * hq; c += ntg) {
     const uint i = c / hq;
     const uint head = c % hq;
@@ -321,14 +322,14 @@ inline void layer_stage_combined(device const T* x, device const float* partial_
     stats[2 * c] = scale.x;
     stats[2 * c + 1] = scale.y;
     if (head == 0) {
-      row_parts[i] = as_type<float>(parts);
+      row_parts[i] = parts;
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint j = tid; j < args.k; j += ntg) {
     const uint head = j / d;
     for (uint i = 0; i < rows; ++i) {
-      const uint parts = as_type<uint>(row_parts[i]);
+      const uint parts = row_parts[i];
       T v;
       if (parts == 0) {
         v = x[(ulong(x0) + i) * args.k + j];

@@ -338,7 +338,8 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
     c.combine = combine;
     const uint64_t stats = combine ? o_stats : 0;
     const uint64_t staged = round16(elt * group_rows * k);
-    c.staged = stats + staged <= kThreadgroupBytes;  // its only threadgroup memory
+    // its only threadgroup memory (fc_combine: the statistics, then the rows)
+    c.staged = stats + staged <= kThreadgroupBytes;
     l.constants = c.list();
     l.threadgroup_memory = {c.staged ? stats + staged : 16};
     l.bind(0, in);
