@@ -303,15 +303,25 @@ def decoder_layer(qtype, dtype: str, m: int, hidden: int, heads: int, kv_heads: 
     minimum = (sum(w.nbytes for w in weights.values()) + 2 * m * hidden * s + norms
                + positions.nbytes + slots.nbytes + np.array(table).nbytes + tables.nbytes
                + 4 * (2 * m + 1) + 2 * m * ctx * kv_w * s + 2 * m * kv_w * s)
-    # per row: q and attention (write + read), the MLP activation (write + read), x read
-    # again; llama: h written by o, read by gate/up and down; gemma: o, h, down twice each
-    crossing = 2 * q_w + 2 * q_w + 2 * intermediate + hidden + (6 * hidden if sandwich else 3 * hidden)
+    # split-KV attention (long contexts, few rows): per (row, q head, partition) a float32
+    # partial output, max and sum written by the decode kernel and read back once (unique
+    # bytes count the o projection's threadgroups' reads once), as kt.paged_attention's
+    parts = outs[-3][0][2] if len(outs[-3][0]) == 4 else 1
+    partials = 2 * 4 * m * heads * parts * (head_dim + 2) if parts > 1 else 0
+    # the o projection folds the reduce in (combines the partitions while staging its
+    # input): the attention output then never crosses
+    folded = parts > 1 and not any("reduce" in l.kernel for l in plan)
+    # per row: q and attention (write + read; not when folded), the MLP activation (write
+    # + read), x read again; llama: h written by o, read by gate/up and down; gemma: o, h,
+    # down twice each
+    crossing = (2 * q_w + (0 if folded else 2 * q_w) + 2 * intermediate + hidden
+                + (6 * hidden if sandwich else 3 * hidden))
     flops = 2 * m * sum(r * c for r, c in dims.values()) + 4 * heads * head_dim * m * ctx
     tname = qtype if isinstance(qtype, str) else "/".join(types)
     name = (f"decoder_layer({tname},{dtype},m={m},hidden={hidden},heads={heads}/{kv_heads},"
             f"d={head_dim},I={intermediate},ctx={ctx}{',gemma' if sandwich else ''})")
-    return Case(name, plan, inputs + outputs, minimum, flops=flops, scratch=m * crossing * s,
-                spec=spec, dtype=dtype)
+    return Case(name, plan, inputs + outputs, minimum, flops=flops,
+                scratch=m * crossing * s + partials, spec=spec, dtype=dtype)
 
 
 _MATVEC_KERNELS = ("layer_qkv", "layer_matvec", "layer_gate_up")

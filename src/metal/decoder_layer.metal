@@ -4,8 +4,10 @@
 //
 //   layer_qkv       x -> input RMSNorm -> q, k, v (+ bias) -> q/k norm -> rope;
 //                   q to q_out, k and v into the caches at slot_mapping
-//   paged_attention (its own plan)
-//   layer_matvec    o projection: h = x + o (gemma: o alone)
+//   paged_attention (its own plan; split-KV without its reduce when the o
+//                   projection can fold it in)
+//   layer_matvec    o projection: h = x + o (gemma: o alone); split-KV: combines
+//                   the partitions as paged_attention_reduce does while staging x
 //   layer_gate_up   [gemma: h = x + attn_out_norm(o)] -> RMSNorm -> gate, up ->
 //                   act(gate) * up (SiLU, or gemma's tanh GELU)
 //   layer_matvec    down projection: out = h + down (gemma: down alone)
@@ -25,6 +27,7 @@
 // normalises x again on the fly. Weight types are function constants (GGML ids).
 #include <metal_stdlib>
 #include "decoder_layer_common.h"
+#include "paged_attention_split.h"
 #include "rope_turns.h"
 
 using namespace metal;
@@ -291,8 +294,61 @@ kernel void layer_gate_up(
   }
 }
 
+// Stages attention's output rows [rows][Hq * D] in xs, combining split-KV partitions
+// (fc_combine) in paged_attention_reduce's order and rounding (paged_attention_split.h):
+// per (row, head) the partitions' max and 1 / sum into `stats` first, then each value
+// T(sum_p partial_out * rescale * (1 / sum)); rows the decode kernel wrote directly (one
+// partition, prefill tokens) are copied from x. All threads, then a barrier.
+template <typename T>
+inline void layer_stage_combined(device const T* x, device const float* partial_out,
+                                 device const float* partial_max,
+                                 device const float* partial_sum, device const int* seq_lens,
+                                 device const int* cu_seqlens_q, constant DecoderLayerArgs& args,
+                                 uint x0, uint rows, threadgroup float* stats,
+                                 threadgroup T* xs, uint tid, uint ntg) {
+  constant PagedAttentionArgs& pa = args.attention;
+  const uint hq = args.num_heads;
+  const uint d = args.head_dim;
+  // [rows] partitions of each row; 0: attention wrote it directly
+  threadgroup uint* row_parts = (threadgroup uint*)(stats + 2 * rows * hq);
+  for (uint c = tid; c < rows * hq; c += ntg) {
+    const uint i = c / hq;
+    const uint head = c % hq;
+    const uint parts = paged_split_parts(seq_lens, cu_seqlens_q, pa, x0 + i);
+    float2 scale = float2(0.0f, 0.0f);
+    if (parts != 0) {
+      scale = paged_split_scale(partial_max, partial_sum, paged_split_cell(x0 + i, head, pa), parts);
+    }
+    stats[2 * c] = scale.x;
+    stats[2 * c + 1] = scale.y;
+    if (head == 0) {
+      row_parts[i] = parts;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint j = tid; j < args.k; j += ntg) {
+    const uint head = j / d;
+    for (uint i = 0; i < rows; ++i) {
+      const uint parts = row_parts[i];
+      T v;
+      if (parts == 0) {
+        v = x[(ulong(x0) + i) * args.k + j];
+      } else {
+        const uint c = i * hq + head;
+        const float o = paged_split_value(partial_out, partial_max,
+                                          paged_split_cell(x0 + i, head, pa), parts, d, j - head * d,
+                                          stats[2 * c]);
+        v = T(o * stats[2 * c + 1]);
+      }
+      xs[i * args.k + j] = v;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
 // y = [residual +] T(W x [+ bias]): each simdgroup gguf_matvec's block of weight rows for
-// k, 8 rows of x at a time.
+// k, 8 rows of x at a time. fc_combine (o after split-KV attention): x is staged from the
+// partitions (layer_stage_combined), the reduce's dispatch folded in.
 template <typename T>
 kernel void layer_matvec(
     device const T* x [[buffer(0)]],
@@ -301,7 +357,14 @@ kernel void layer_matvec(
     device const T* residual [[buffer(3)]],
     device T* y [[buffer(4)]],
     constant DecoderLayerArgs& args [[buffer(5)]],
-    threadgroup T* staged [[threadgroup(0)]],  // fc_staged: [rows][k] copy of x
+    device const float* partial_out [[buffer(6)]],  // fc_combine: paged attention's scratch
+    device const float* partial_max [[buffer(7)]],
+    device const float* partial_sum [[buffer(8)]],
+    device const int* seq_lens [[buffer(9)]],
+    device const int* cu_seqlens_q [[buffer(10)]],
+    // fc_staged: [rows][k] copy of x; fc_combine: after args.staged_offset elements of
+    // float (max, 1 / sum) per (row, head) and the rows' partition counts
+    threadgroup T* staged_mem [[threadgroup(0)]],
     uint2 tgp [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint ntg [[threads_per_threadgroup]],
@@ -315,7 +378,12 @@ kernel void layer_matvec(
   LayerRows<T> xs;
   xs.x = x + ulong(x0) * args.k;
   xs.stride = args.k;
-  if (fc_staged) {
+  threadgroup T* staged = staged_mem;
+  if (fc_combine) {
+    staged = staged_mem + args.staged_offset;
+    layer_stage_combined(x, partial_out, partial_max, partial_sum, seq_lens, cu_seqlens_q, args,
+                         x0, rows, (threadgroup float*)staged_mem, staged, tid, ntg);
+  } else if (fc_staged) {
     layer_stage(xs, staged, args.k, rows, tid, ntg);
   }
   if (sg_row0 >= args.n) {

@@ -1,5 +1,5 @@
 // Arguments of the fused decoder-layer kernels (decoder_layer.metal), shared by
-// the host (C++) and the shader. One struct for all four kernels; each reads the
+// the host (C++) and the shader. One struct for all five kernels; each reads the
 // fields it needs.
 #pragma once
 
@@ -9,6 +9,8 @@
 #include <cstddef>
 #include <cstdint>
 #endif
+
+#include "paged_attention_args.h"
 
 struct DecoderLayerArgs {
   uint64_t w0_row_bytes;       // bytes of one encoded row: q / gate / the mat-vec's weight
@@ -32,13 +34,20 @@ struct DecoderLayerArgs {
   uint32_t lanes_per_row;      // lanes sharing a weight row (a power of two dividing 32)
   uint32_t rows_per_lane;      // weight rows each lane decodes (layer_gate_up: of gate and of up)
   uint32_t piece;              // weights per piece: 16 or 8
+  // layer_matvec with fc_combine (the o projection folds split-KV attention's reduce):
+  uint32_t staged_offset;      // T elements of threadgroup(0) before the staged rows: the
+                               // partitions' (max, 1 / sum) per (row, head), parts per row
+  uint32_t pad0;
+  PagedAttentionArgs attention;  // the split decode launch's arguments
 };
 
 #ifndef __METAL_VERSION__
-static_assert(sizeof(DecoderLayerArgs) == 96, "DecoderLayerArgs layout must match the shader");
+static_assert(sizeof(DecoderLayerArgs) == 184, "DecoderLayerArgs layout must match the shader");
 static_assert(offsetof(DecoderLayerArgs, rows) == 32, "DecoderLayerArgs layout must match the shader");
 static_assert(offsetof(DecoderLayerArgs, norm_threads) == 64,
               "DecoderLayerArgs layout must match the shader");
 static_assert(offsetof(DecoderLayerArgs, mscale) == 80, "DecoderLayerArgs layout must match the shader");
 static_assert(offsetof(DecoderLayerArgs, piece) == 92, "DecoderLayerArgs layout must match the shader");
+static_assert(offsetof(DecoderLayerArgs, attention) == 104,
+              "DecoderLayerArgs layout must match the shader");
 #endif

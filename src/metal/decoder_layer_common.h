@@ -21,6 +21,9 @@ constant bool fc_sandwich [[function_constant(7)]];
 constant bool fc_gelu [[function_constant(8)]];
 constant bool fc_staged [[function_constant(9)]];  // normalised rows in threadgroup memory
 constant bool fc_projected [[function_constant(10)]];  // layer_qkv: q, k, v come projected
+// layer_matvec (o): x is split-KV attention; stage it by combining the partitions (the
+// reduce folded in). Implies fc_staged.
+constant bool fc_combine [[function_constant(11)]];
 
 constant constexpr uint kLayerMaxSimdgroups = 32;
 constant constexpr uint kLayerMaxRows = kGgufMvMaxX;  // x rows per threadgroup

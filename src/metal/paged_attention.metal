@@ -5,6 +5,7 @@
 // bad metadata never reads outside the buffers.
 #include <metal_stdlib>
 #include "paged_attention_args.h"
+#include "paged_attention_split.h"
 
 using namespace metal;
 
@@ -25,59 +26,6 @@ inline int64_t cache_row(device const int* table, int j, constant PagedAttention
 
 inline float soft_cap(float s, float cap) {
   return cap > 0.0f ? cap * precise::tanh(s / cap) : s;
-}
-
-// exp(a - b) with both possibly -inf (nothing accumulated yet): 0 then.
-inline float rescale_factor(float a, float b) {
-  return b == -INFINITY ? 0.0f : exp(a - b);
-}
-
-// The sequence holding query token t: the last s with cu_seqlens_q[s] <= t
-// (empty chunks skipped), for 0 <= t < cu_seqlens_q[num_seqs].
-inline uint sequence_of_token(device const int* cu_seqlens_q, uint num_seqs, int t) {
-  uint lo = 0;
-  uint hi = num_seqs;
-  while (hi - lo > 1) {
-    const uint mid = (lo + hi) / 2;
-    if (cu_seqlens_q[mid] <= t) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo;
-}
-
-// The query token of grid row y, its sequence and its context (the query
-// sits at ctx - 1): a sequence's one new token, or with token_rows any token
-// of the batch. False for a padding token past the last sequence.
-inline bool locate_query(device const int* seq_lens, device const int* cu_seqlens_q,
-                         constant PagedAttentionArgs& args, uint y, thread int& row,
-                         thread uint& seq, thread int& ctx) {
-  if (args.token_rows != 0) {
-    row = int(y);
-    if (row >= cu_seqlens_q[args.num_seqs]) {
-      return false;
-    }
-    seq = sequence_of_token(cu_seqlens_q, args.num_seqs, row);
-  } else {
-    seq = args.seq_offset + y;
-    row = cu_seqlens_q[seq];
-  }
-  ctx = seq_lens[seq] - (cu_seqlens_q[seq + 1] - row) + 1;
-  return true;
-}
-
-// The first key a query at ctx - 1 sees.
-inline int first_key(int ctx, constant PagedAttentionArgs& args) {
-  return args.sliding_window > 0 ? max(0, ctx - args.sliding_window) : 0;
-}
-
-// With token_rows, a row's split-KV partitions are fixed by its own keys
-// [first_key, ctx): partition_size blocks aligned to absolute positions, first..last.
-inline int2 row_partitions(int ctx, constant PagedAttentionArgs& args) {
-  const int lo = first_key(ctx, args);
-  return int2(lo / int(args.partition_size), max(ctx - 1, lo) / int(args.partition_size));
 }
 
 template <typename T, uint D>
@@ -272,32 +220,16 @@ kernel void paged_attention_reduce(
   if (!locate_query(seq_lens, cu_seqlens_q, args, tg_pos.y, row, seq, ctx)) {
     return;
   }
-  uint parts = args.num_partitions;
-  if (args.token_rows != 0) {
-    // this row's own partitions; a row with one wrote its output directly
-    const int2 own = row_partitions(ctx, args);  // first, last
-    if (own.x == own.y) {
-      return;
-    }
-    parts = uint(own.y - own.x + 1);
+  // a row with one partition (token_rows: its own) wrote its output directly
+  const uint parts = paged_row_parts(ctx, args);
+  if (parts <= 1) {
+    return;
   }
-  const int64_t cell0 = (int64_t(tg_pos.y) * args.num_q_heads + head) * args.num_partitions;
-  float m = -INFINITY;
-  for (uint p = 0; p < parts; ++p) {
-    m = max(m, partial_max[cell0 + p]);
-  }
-  float total = 0.0f;
-  for (uint p = 0; p < parts; ++p) {
-    total += partial_sum[cell0 + p] * rescale_factor(partial_max[cell0 + p], m);
-  }
-  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  const int64_t cell0 = paged_split_cell(tg_pos.y, head, args);
+  const float2 scale = paged_split_scale(partial_max, partial_sum, cell0, parts);  // m, 1 / sum
   device T* dst = out + (int64_t(row) * args.num_q_heads + head) * D;
   for (uint d = lane; d < D; d += kSimdWidth) {
-    float o = 0.0f;
-    for (uint p = 0; p < parts; ++p) {
-      o += partial_out[(cell0 + p) * D + d] * rescale_factor(partial_max[cell0 + p], m);
-    }
-    dst[d] = T(o * inv);
+    dst[d] = T(paged_split_value(partial_out, partial_max, cell0, parts, D, d, scale.x) * scale.y);
   }
 }
 

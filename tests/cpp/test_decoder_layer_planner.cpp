@@ -169,3 +169,57 @@ TEST(DecoderLayerPlanner, LongBatchesRunThePerOpKernelsInOnePlan) {
   EXPECT_EQ(plan[4].constants[10].bits, 1u);                   // layer_qkv reads it
   EXPECT_EQ(plan.back().buffers[3].array_slot, slots.out);
 }
+
+// Split-KV attention (a long context, few rows): the o projection combines the partitions
+// while it stages its input, so the reduce is not dispatched (issue 28: at most 6 a layer).
+TEST(DecoderLayerPlanner, SplitContextsFoldTheReduceIntoTheOProjection) {
+  for (bool gemma : {false, true}) {
+    auto p = smollm2_decode(2, gemma);
+    p.attention.max_seq_len = 1025;  // past 2 partitions of 512: 3 partitions
+    p.attention.max_blocks = 65;
+    ASSERT_GT(vm::choose_decode_partitions(p.attention), 1);
+    auto plan = vm::plan_decoder_layer(p);
+    ASSERT_EQ(plan.size(), gemma ? 6u : 5u);
+    for (const auto& l : plan) EXPECT_EQ(l.kernel.find("reduce"), std::string::npos) << l.kernel;
+    const vm::DecoderLayerSlots slots(p.spec);
+    const auto& o = plan[2];
+    EXPECT_EQ(o.kernel, "layer_matvec_float16");
+    EXPECT_EQ(o.constants[11].bits, 1u);  // fc_combine
+    EXPECT_EQ(o.constants[9].bits, 1u);   // staged
+    auto bound = [&](int index) {
+      for (const auto& b : o.buffers) {
+        if (b.index == index) return b.array_slot;
+      }
+      return -1;
+    };
+    EXPECT_EQ(bound(0), slots.attn);  // rows attention wrote directly (none here)
+    EXPECT_EQ(bound(6), slots.partials);
+    EXPECT_EQ(bound(8), slots.partials + 2);
+    EXPECT_EQ(bound(9), vm::DecoderLayerSlots::kSeqLens);
+    EXPECT_EQ(bound(10), vm::DecoderLayerSlots::kCuSeqlensQ);
+    const DecoderLayerArgs a = args_of(o);
+    EXPECT_EQ(a.attention.num_partitions, 3u);
+    EXPECT_EQ(a.attention.num_seqs, 2u);
+    // (max, 1 / sum) per (row, head) and a count per row: 2 x (2 x 9 + 1) floats, 16-byte
+    // rounded, then the staged rows
+    EXPECT_EQ(a.staged_offset * 2u, 160u);
+    EXPECT_EQ(o.threadgroup_memory[0], 160u + 2 * 576 * 2);
+    EXPECT_EQ(plan[4].constants[11].bits, 0u);  // down never combines
+  }
+}
+
+// When the staged rows and the partitions' statistics do not fit in 32 KB (8 float32 rows
+// of q width 1024 fill it alone), the reduce stays a dispatch of its own.
+TEST(DecoderLayerPlanner, SplitContextsKeepTheReduceWhenTheCombineDoesNotFit) {
+  auto p = smollm2_decode(8, false);
+  p.dtype = p.attention.dtype = mx::float32;
+  p.spec.num_heads = p.attention.num_q_heads = 16;
+  p.attention.max_seq_len = 1100;
+  p.attention.max_blocks = 69;
+  p.attention.num_kv_heads = p.spec.num_kv_heads = 1;  // 8 decode threadgroups: splits
+  auto plan = vm::plan_decoder_layer(p);
+  ASSERT_EQ(plan.size(), 6u);
+  EXPECT_EQ(plan[2].kernel, "paged_attention_reduce_float32_d64");
+  EXPECT_EQ(plan[3].constants[11].bits, 0u);
+  EXPECT_EQ(plan[3].buffers[0].array_slot, vm::DecoderLayerSlots(p.spec).attn);
+}

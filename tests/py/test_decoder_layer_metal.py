@@ -29,6 +29,13 @@ def strict(monkeypatch):
     monkeypatch.setenv("MSLEMU_STRICT", "1")
 
 
+def folds_reduce(case) -> bool:
+    """Split-KV attention whose reduce the o projection folds in (layer_matvec's
+    fc_combine): the attention output is then never written as such, only staged."""
+    return any(l.kernel.startswith("layer_matvec") and l.constants[11].bits == 1
+               for l in case.plan)
+
+
 def outputs(case) -> dict:
     a, s, dt = case.arrays, case.slots, case.dtype
     rows = a[0].shape[0]
@@ -44,6 +51,8 @@ def check_against_reference(case):
     before_k, before_v = case.arrays[6].copy(), case.arrays[7].copy()
     emulation.run_plan(case.plan, case.arrays)
     ref, got = reference(case), outputs(case)
+    if folds_reduce(case):  # attn is not written: h and out carry it
+        del ref["attn"]
     for name in ref:
         assert np.isfinite(got[name]).all(), f"{case.name}: {name} not finite"
         err = np.abs(got[name] - ref[name]).max() / max(1.0, np.abs(ref[name]).max())
@@ -154,9 +163,14 @@ def per_op(case) -> dict:
              [out[name], cache, a[2], cache])
     attn = empty((rows, hq, d))
     sinks = np.zeros(1, np.float32)
-    scratch = [np.zeros(1, np.float32)] * 3
+    # paged attention's own plan, its split-KV reduce included (batch-invariant mode:
+    # partitions of kInvariantPartitionSize, as the layer's plan)
     plan = _core.plan_paged_attention(dt, rows, rows, hq, hkv, d, kc.shape[1], kc.shape[0],
-                                      a[3].shape[1], rows, max(case.ctx), 1, scale=s.scale)
+                                      a[3].shape[1], rows, max(case.ctx), 1, scale=s.scale,
+                                      partition_size=1024 if _core.batch_invariant() else 512)
+    parts = plan[0].grid[2]
+    scratch = ([np.zeros((rows, hq, parts, d), np.float32), np.zeros((rows, hq, parts), np.float32),
+                np.zeros((rows, hq, parts), np.float32)] if parts > 1 else [np.zeros(1, np.float32)] * 3)
     _run(plan, [out["q"], kc, vc, a[3], a[4], a[5], sinks, attn] + scratch)
     def norm(y, name):  # gemma's output norms
         return _run(_core.plan_rms_norm(dt, rows, hid, eps=s.norm_eps), [y, w[name], empty((rows, hid))])[2]
@@ -212,6 +226,56 @@ def test_same_bits_as_the_per_op_kernels_at_model_shapes(model, dtype, rows):
     check_same_bits(case, model)
 
 
+# split-KV contexts: past 1024 keys the decode kernel splits into 512-key partitions (3 at
+# 1025: a partial last one of 1 key; 4 at 1537, 1600); every decode row of the launch then
+# leaves partials, shorter ones empty partitions (-inf max). Batch-invariant mode: 1024-key
+# partitions by each row's own keys, rows within one partition written directly.
+SPLIT_CTX = [1025, 1600, 40, 1537, 700]
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("model", ["smollm2-q4_1", "gemma3"])
+def test_same_bits_at_split_contexts(model, dtype, rows, invariant):
+    """The o projection combines split-KV attention's partitions as paged_attention_reduce
+    does (its order, rounded to T): h and out are the per-op kernels' bits (attention with
+    its reduce, then gguf_matvec). The attention output itself is not written then, so
+    it is checked through h and out."""
+    types, layout = MODEL_LAYERS[model]
+    ctx = [2100, 40, 1100, 1025, 3][:rows] if invariant else SPLIT_CTX[:rows]
+    ops.set_batch_invariant(invariant)
+    try:
+        case = make_case(types, dtype, rows=rows, ctx=ctx, seed=13, **layout)
+        assert folds_reduce(case)
+        assert not any("reduce" in l.kernel for l in case.plan)
+        check_same_bits(case, model)
+    finally:
+        ops.set_batch_invariant(False)
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(sandwich=True, gelu=True, qk_norm=True)])
+def test_split_contexts_against_the_reference(layout):
+    case = make_case(("Q4_K", "Q4_1", "Q6_K", "Q8_0", "Q4_0", "Q4_K", "Q6_K"), "float16", rows=4,
+                     ctx=[1025, 30, 1200, 513], seed=14, **layout)
+    assert folds_reduce(case)
+    check_against_reference(case)
+
+
+def test_split_reduce_stays_when_the_combine_does_not_fit():
+    """8 float32 rows of q width 1024 fill the o projection's 32 KB with the staged rows
+    alone: the partitions' statistics do not fit next to them, so attention keeps its
+    reduce dispatch and o reads its output (same bits either way)."""
+    case = make_case(("Q8_0", "Q4_0", "Q4_1", "Q8_0", "Q4_1", "Q8_0", "Q4_0"), "float32", rows=8,
+                     hidden=128, heads=16, kv_heads=1, head_dim=64, intermediate=128,
+                     ctx=[1030, 5, 17, 1200, 2, 9, 600, 1025], seed=15)
+    kernels = [l.kernel for l in case.plan]
+    assert "paged_attention_reduce_float32_d64" in kernels and not folds_reduce(case)
+    o = case.plan[kernels.index("paged_attention_reduce_float32_d64") + 1]
+    assert o.kernel == "layer_matvec_float32" and o.constants[9].bits == 1  # staged
+    check_same_bits(case, "fallback")
+
+
 @pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("model", ["smollm2-q4_1", "smollm2-q8_0", "gemma3"])
 def test_matvec_lane_use_at_model_shapes(model, rows):
@@ -237,6 +301,8 @@ def check_same_bits(case, label):
     a, s = case.arrays, case.slots
     got = dict(q=a[s["q"]], key_cache=a[6], value_cache=a[7],
                attn=a[s["attn"]].reshape(a[0].shape[0], -1), h=a[s["h"]], out=a[s["out"]])
+    if folds_reduce(case):  # attn is not written (o stages the combined partitions): h, out
+        del want["attn"]
     for name, value in want.items():
         differ = int((got[name].view(np.uint8) != value.view(np.uint8)).sum())
         assert differ == 0, f"{case.name} {label}: {name} differs from the per-op kernels"
@@ -261,6 +327,12 @@ def test_dispatches_per_layer():
     gemma = make_case(("Q4_K",) * 7, "float32", rows=2, ctx=[3, 9], sandwich=True, gelu=True,
                       qk_norm=True)
     assert len(gemma.plan) == 6 and gemma.plan[-1].kernel == "layer_add_norm_float32"
+    # split-KV contexts (a context of 1024 with the new token: 3 partitions): the o
+    # projection folds the reduce in, so still 5 and 6
+    for case, n in ((make_case(("Q4_1",) * 7, "float16", rows=1, ctx=[1025], **SMOLLM2), 5),
+                    (make_case(MODEL_LAYERS["gemma3"][0], "bfloat16", rows=1, ctx=[1025],
+                               **GEMMA3), 6)):
+        assert case.plan[1].grid[2] == 3 and len(case.plan) == n and folds_reduce(case)
 
 
 def test_every_planned_kernel_is_instantiated():

@@ -18,6 +18,8 @@ from vllm_metal import kernel_traffic as kt
 pytestmark = pytest.mark.skipif(not emulation.emulator_available(), reason="needs clang >= 19 (mslemu)")
 
 UNIQUE_BUDGET = 1.15
+# Gemma-3-270M's Q4_K_M file: q, k, gate, up Q5_0; v Q8_0; o Q4_K; down Q6_K
+GEMMA3_TYPES = ("Q5_0", "Q5_0", "Q8_0", "Q4_K", "Q5_0", "Q5_0", "Q6_K")
 MATVEC_BUDGET = 1.05  # the GGUF mat-vec kernel: weights, x and y read or written once
 TOKEN_BITMASK_BUDGET = 1.05  # apply_token_bitmask: mask words, needed logits, outputs once
 
@@ -77,6 +79,13 @@ CASES = [
      "as above, 8 rows: 8 x rows per threadgroup"),
     (lambda: kt.decoder_layer("Q4_K", "float32", 3, 256, 4, 1, 256, 512, ctx=40, sandwich=True),
      UNIQUE_BUDGET, 2.9, "gemma layout, float32, small hidden: x copies weigh more"),
+    # split-KV contexts (1024 + the new token: 3 partitions of 512): the o projection folds
+    # the reduce in, so the partials cross (scratch) and the attention output does not;
+    # every o threadgroup re-reads the partials (measured 2.01 and 2.28)
+    (lambda: kt.decoder_layer("Q4_1", "float16", 1, 576, 9, 3, 64, 1536, ctx=1025), UNIQUE_BUDGET,
+     2.1, "SmolLM2 layer at ctx 1025: as at ctx 100, plus the partials once per o threadgroup"),
+    (lambda: kt.decoder_layer(GEMMA3_TYPES, "bfloat16", 1, 640, 4, 1, 256, 2048, ctx=1025,
+                              sandwich=True), UNIQUE_BUDGET, 2.4, "Gemma-3-270M layer, as above"),
 ]
 
 
@@ -99,6 +108,16 @@ def test_rereads_within_budget(measured):
     assert m.simd <= budget * m.case.minimum, (
         f"{m.case.name}: {m.simd} bytes through loads/stores (simdgroup broadcasts once) = "
         f"{m.simd_ratio:.3f} x minimum, budget {budget} ({why}); per launch: {_per_buffer(m)}")
+
+
+def test_decoder_layer_moves_its_floor_and_crossings_exactly(measured):
+    """The fused layer's unique bytes are its floor plus what crosses between its
+    dispatches (kt.decoder_layer's scratch: q, attention unless the o projection folds a
+    split-KV reduce in, h, the MLP activation, x again, split-KV partials), to the byte."""
+    m = measured[0]
+    if not m.case.name.startswith("decoder_layer"):
+        pytest.skip("not a decoder layer")
+    assert m.unique == m.case.minimum + m.case.scratch, (m.case.name, _per_buffer(m))
 
 
 def test_counts_are_plausible(measured):

@@ -235,6 +235,15 @@ CASES = {
                                lambda: layer.test_rows_too_wide_to_stage_are_normalised_on_the_fly("float32")),
     "decoder_layer_row_groups_invariant": ({"decoder_layer", "paged_attention"}, batch_invariant(
         lambda: layer.check_against_reference(make_case(("Q8_0",) * 7, "float32", rows=9)))),
+    # split-KV attention folded into the o projection (it combines the partitions while
+    # staging): 3 partitions of 512 (a partial last one), a short row with empty ones;
+    # batch-invariant mode: a row of 2 aligned 1024-key partitions next to a direct one
+    "decoder_layer_split_kv": ({"decoder_layer", "paged_attention"}, lambda: layer.check_against_reference(
+        make_case(("Q4_K", "Q8_0", "Q6_K", "Q4_1", "Q4_K", "Q8_0", "Q6_K"), "float16", rows=2,
+                  ctx=[1025, 30], qk_norm=True, sandwich=True, gelu=True))),
+    "decoder_layer_split_kv_invariant": ({"decoder_layer", "paged_attention"}, batch_invariant(
+        lambda: layer.check_against_reference(make_case(("Q8_0",) * 7, "bfloat16", rows=2,
+                                                        ctx=[20, 1030])))),
 }
 for _t in SUPPORTED:  # mat-vec (up to 8 rows) and mat-mat, every type
     _k = 2 * block_size(_t) if block_size(_t) > 1 else 13

@@ -1,6 +1,8 @@
 #include "ops/decoder_layer_plan.h"
 
 #include <algorithm>
+#include <cstring>
+#include <optional>
 #include <stdexcept>
 
 #include "cpu/batch_invariant.h"
@@ -34,14 +36,14 @@ uint32_t rows_per_simdgroup(const DecoderLayerArgs& a) {
 struct Constants {
   uint32_t type0 = 0, type1 = 0, type2 = 0;
   bool bias = false, qk_norm = false, neox = true, residual = false, sandwich = false,
-       gelu = false, staged = false, projected = false;
+       gelu = false, staged = false, projected = false, combine = false;
   std::vector<FunctionConstant> list() const {
     return {FunctionConstant::uint32(0, type0),   FunctionConstant::uint32(1, type1),
             FunctionConstant::uint32(2, type2),   FunctionConstant::boolean(3, bias),
             FunctionConstant::boolean(4, qk_norm), FunctionConstant::boolean(5, neox),
             FunctionConstant::boolean(6, residual), FunctionConstant::boolean(7, sandwich),
             FunctionConstant::boolean(8, gelu), FunctionConstant::boolean(9, staged),
-            FunctionConstant::boolean(10, projected)};
+            FunctionConstant::boolean(10, projected), FunctionConstant::boolean(11, combine)};
   }
 };
 
@@ -224,18 +226,31 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
     plan.push_back(l);
   };
 
-  // attention: paged_attention's own plan with its slots mapped onto ours
-  auto push_attention = [&]() {
+  // attention: paged_attention's own plan with its slots mapped onto ours. With
+  // `fold_reduce`, a split-KV reduce is left out and its decode launch's arguments
+  // returned (the o projection combines the partitions); nullopt when nothing splits.
+  auto push_attention = [&](bool fold_reduce) -> std::optional<PagedAttentionArgs> {
     PagedAttentionProblem a = p.attention;
     a.q_token_stride = q_width;
     a.q_head_stride = s.head_dim;
-    append_mapped(plan, plan_paged_attention(a),
+    KernelPlan part = plan_paged_attention(a);
+    std::optional<PagedAttentionArgs> split;
+    for (size_t i = 0; i < part.size(); ++i) {
+      if (part[i].kernel.rfind("paged_attention_reduce_", 0) != 0) continue;
+      PagedAttentionArgs args;  // the reduce's arguments are its decode launch's
+      std::memcpy(&args, part[i].args.data(), sizeof(args));
+      split = args;
+      if (fold_reduce) part.erase(part.begin() + static_cast<std::ptrdiff_t>(i));
+      break;
+    }
+    append_mapped(plan, std::move(part),
                   {slot.q, DecoderLayerSlots::kKeyCache, DecoderLayerSlots::kValueCache,
                    DecoderLayerSlots::kBlockTables, DecoderLayerSlots::kSeqLens,
                    DecoderLayerSlots::kCuSeqlensQ,
                    x,  // sinks: none (has_sinks is off, the buffer is never read)
                    slot.attn, slot.partials,
                    slot.partials + 1, slot.partials + 2});
+    return split;
   };
 
   // out = residual + [mlp_out_norm | attn_out_norm](y) (gemma), or residual + y (+ bias)
@@ -279,7 +294,7 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
     push_matmul(slot.xn, 1, kv_width, s.hidden, slot.k_projected);
     push_matmul(slot.xn, 2, kv_width, s.hidden, slot.v_projected);
     push_qkv();
-    push_attention();
+    push_attention(false);
     push_matmul(slot.attn, 3, s.hidden, q_width, slot.o);
     push_add_norm(slot.o, x, s.sandwich ? "attn_out_norm" : "o_bias", s.sandwich, slot.h);
     push_norm(slot.h, "post_norm", slot.xn);
@@ -305,27 +320,44 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
 
   // 1. norm -> q, k, v -> q/k norm -> rope -> q out, k and v into the caches
   push_qkv();
-  // 2. attention
-  push_attention();
+  // 2. attention; its split-KV reduce folds into 3. when the o projection's threadgroup
+  // memory holds the staged rows and the partitions' (max, 1 / sum) per (row, head)
+  const uint64_t o_staged = round16(elt * group_rows * q_width);
+  const uint64_t o_stats = round16(4 * group_rows * (2 * s.num_heads + 1));
+  const bool fold_fits = o_staged + o_stats <= kThreadgroupBytes;
+  const std::optional<PagedAttentionArgs> split = push_attention(fold_fits);
 
   // the mat-vec with a residual (or bias) epilogue: o and down
   auto push_matvec = [&](int in, const char* w, gguf::GGMLType type, int64_t k,
-                         const char* bias, bool residual, int res, int y) {
+                         const char* bias, bool residual, int res, int y, bool combine) {
     KernelLaunch l = launch("layer_matvec", dt);
     Constants c;
     c.type0 = type_id(type);
     c.bias = bias && slot.weight(bias) >= 0;
     c.residual = residual;
+    c.combine = combine;
+    const uint64_t stats = combine ? o_stats : 0;
     const uint64_t staged = round16(elt * group_rows * k);
-    c.staged = staged <= kThreadgroupBytes;  // its only threadgroup memory
+    // its only threadgroup memory (fc_combine: the statistics, then the rows)
+    c.staged = stats + staged <= kThreadgroupBytes;
     l.constants = c.list();
-    l.threadgroup_memory = {c.staged ? staged : 16};
+    l.threadgroup_memory = {c.staged ? stats + staged : 16};
     l.bind(0, in);
     l.bind(1, slot.weight(w));
     l.bind(2, bias ? weight_or_x(bias) : x);
     l.bind(3, res);
     l.bind(4, y);
-    const DecoderLayerArgs a = matvec_args(k, s.hidden, {type});
+    // the split decode launch's scratch and metadata (any buffer when not combining)
+    l.bind(6, combine ? slot.partials : x);
+    l.bind(7, combine ? slot.partials + 1 : x);
+    l.bind(8, combine ? slot.partials + 2 : x);
+    l.bind(9, combine ? DecoderLayerSlots::kSeqLens : x);
+    l.bind(10, combine ? DecoderLayerSlots::kCuSeqlensQ : x);
+    DecoderLayerArgs a = matvec_args(k, s.hidden, {type});
+    if (combine) {
+      a.staged_offset = static_cast<uint32_t>(stats / elt);
+      a.attention = *split;
+    }
     l.set_args(5, a);
     l.grid = {ceil_div(s.hidden, uint64_t{kMatvecThreads / 32} * rows_per_simdgroup(a)), groups,
               1};
@@ -335,7 +367,7 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
 
   // 3. o projection: h = x + o (gemma: o, normed and added by the next kernel)
   push_matvec(slot.attn, "o_proj", s.types[3], q_width, "o_bias", !s.sandwich, x,
-              s.sandwich ? slot.o : slot.h);
+              s.sandwich ? slot.o : slot.h, split.has_value() && fold_fits);
 
   // 4. [gemma: h = x + attn_out_norm(o)] -> norm -> act(gate) * up
   {
@@ -370,7 +402,7 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
 
   // 5. down projection: out = h + down (gemma: down, then 6.)
   push_matvec(slot.act, "down_proj", s.types[6], s.intermediate, nullptr, !s.sandwich, slot.h,
-              s.sandwich ? slot.d : slot.out);
+              s.sandwich ? slot.d : slot.out, false);
 
   // 6. gemma: out = h + mlp_out_norm(down)
   if (s.sandwich) push_add_norm(slot.d, slot.h, "mlp_out_norm", true, slot.out);
