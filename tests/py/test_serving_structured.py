@@ -3,8 +3,12 @@
 vLLM compiles each request's grammar (xgrammar by default; guidance and outlines on
 request) and hands the runner a per-step bitmask, which ops.apply_token_bitmask applies
 before sampling. Every output is checked against its constraint independently (json +
-jsonschema, re.fullmatch, the choice list); unconstrained requests in the same batch must
-give the tokens they give alone. Async scheduling (the default) and sync both run.
+jsonschema with formats, re.fullmatch, the choice list, a recursive-descent parser of the
+arithmetic grammar); requests in a batch of 16 must give the tokens they give alone. The
+newer tests go through the `openai` client. A request of each kind, the batch and the
+length stop run with async scheduling (the default) and sync; the schema set (structured_cases.py),
+structural tags and bad input on the async server only (front end and grammars), so that
+the file stays within a few minutes.
 """
 
 from __future__ import annotations
