@@ -35,6 +35,7 @@ from vllm_metal.models import AttentionContext, load_model
 from vllm_metal.models.linear_choice import model_runs_on_gpu
 from vllm_metal.sampling import Sampler, SamplingTable, gather_batch
 from vllm_metal.sampling.prompt_logprobs import PromptLogprobs
+from vllm_metal.sampling.thinking_budget import ThinkingBudget
 from vllm_metal.log import get_logger
 
 logger = get_logger(__name__)
@@ -135,6 +136,8 @@ class MetalModelRunner:
         self.sampling_table = SamplingTable(self.model_config.get_vocab_size(),
                                             rows=self.scheduler_config.max_num_seqs)
         self.prompt_logprobs = PromptLogprobs(self.sampling_table)
+        self.thinking_budget = ThinkingBudget.from_config(self.vllm_config,
+                                                          self.scheduler_config.max_num_seqs)
         self.native_sampling = envs.VLLM_METAL_NATIVE_SAMPLING
         if self.native_sampling:
             self.sampler = Sampler(mode)
@@ -274,11 +277,14 @@ class MetalModelRunner:
         source_step = self._deferred[-1] if p.num_input_sources else None
         table = self.sampling_table
         rows = np.array(p.req_rows)  # [num_seqs] batch index -> request row
-        if self._deferred and table.needs_history[rows].any():
-            self._wait(self._deferred[-1])  # penalties and bad words read the real tokens
+        budgeted = self.thinking_budget is not None and self.thinking_budget.used(rows)
+        if self._deferred and (table.needs_history[rows].any() or budgeted):
+            self._wait(self._deferred[-1])  # penalties, bad words, budgets read the real tokens
         num_generated = np.array(p.seq_lens) - table.prompt_len[rows]
         batch = gather_batch(table, rows, num_generated, p.token_ids,
                              for_reference=not self.native_sampling)
+        if budgeted:  # thinking_token_budget: end tokens forced (sampling/thinking_budget.py)
+            batch.forced = self.thinking_budget.forced(rows, p.req_ids, p.token_ids)
         # prompt-logprob positions are scored after the sampled rows
         extra = self.prompt_logprobs.plan(rows, np.array(p.cu_seqlens_q), p.positions[:p.num_tokens])
         logits = self._forward(extra, self._input_ids(source_step))
@@ -445,6 +451,8 @@ class MetalModelRunner:
             self.sampling_table.add(row, new.req_id, new.sampling_params,
                                     new.prompt_token_ids or tokens, prompt_len,
                                     resumed=len(tokens) > prompt_len)
+            if self.thinking_budget is not None:
+                self.thinking_budget.add(row, new.sampling_params)
         cached = so.scheduled_cached_reqs
         if cached.req_ids:
             p.update_requests(

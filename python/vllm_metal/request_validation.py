@@ -3,7 +3,8 @@
 An unsupported parameter is a 400 naming it, never silently ignored. The
 native sampler (sampling/) honours temperature, top-k/p, min-p, penalties,
 logit_bias, min_tokens, allowed_token_ids, bad_words, seeds, logprobs and
-prompt logprobs, and the grammars of structured outputs (model_runner.py);
+prompt logprobs, the grammars of structured outputs (model_runner.py) and
+thinking_token_budget (sampling/thinking_budget.py);
 n > 1 is fanned out into separate requests by vLLM's front end. What is left
 is refused.
 """
@@ -20,8 +21,6 @@ def unsupported_sampling_parameters(params) -> list[tuple[str, str]]:
         problems.append(("prompt_logprob_token_ids", "prompt_logprob_token_ids is not supported"))
     if getattr(params, "logprob_token_ids", None):
         problems.append(("logprob_token_ids", "logprob_token_ids is not supported"))
-    if getattr(params, "thinking_token_budget", None) is not None:
-        problems.append(("thinking_token_budget", "thinking_token_budget is not supported"))
     return problems
 
 

@@ -36,6 +36,8 @@ class SamplingBatch:
     # (batch index, token) pairs allowed; rows without allowed_token_ids are all allowed
     allowed: tuple[np.ndarray, np.ndarray] | None = None
     allowed_rows: np.ndarray | None = None  # bool [B]: rows restricted to their allowed ids
+    # (batch index, token): the only token allowed (thinking_budget.py), after processing
+    forced: tuple[np.ndarray, np.ndarray] | None = None
     # penalties: tokens padded with vocab_size, [B, Lp] and [B, Lo]
     prompt_tokens: np.ndarray | None = None
     output_tokens: np.ndarray | None = None

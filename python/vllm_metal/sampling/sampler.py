@@ -19,6 +19,7 @@ from vllm_metal.sampling.draw import draw
 from vllm_metal.sampling.filters import apply_filters
 from vllm_metal.sampling.logprobs import gather_logprobs, log_softmax
 from vllm_metal.sampling.processors import process
+from vllm_metal.sampling.thinking_budget import force_tokens
 
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
@@ -45,7 +46,7 @@ class Sampler:
             scores = log_softmax(rows.take(logits, lp_idx))
         elif want_lp and self.logprobs_mode == "raw_logits":
             scores = rows.take(logits, lp_idx).astype(mx.float32)
-        x = process(logits.astype(mx.float32), b)
+        x = force_tokens(process(logits.astype(mx.float32), b), b.forced)
         greedy = b.greedy
         if greedy.all():
             tokens = mx.argmax(x, axis=-1).astype(mx.int32)

@@ -15,6 +15,7 @@ import numpy as np
 from vllm_metal.sampling.batch import SamplingBatch
 from vllm_metal.sampling.rng import splitmix64
 from vllm_metal.sampling.sampler import SampleResult
+from vllm_metal.sampling.thinking_budget import force_tokens
 
 
 class TorchSampler:
@@ -26,7 +27,9 @@ class TorchSampler:
     def __call__(self, logits: mx.array, b: SamplingBatch) -> SampleResult:
         import torch
 
-        x = torch.from_numpy(np.array(logits.astype(mx.float32)))
+        # thinking budget: forced rows masked before vLLM's sampler (which has no such
+        # stage), so here even raw logprobs score the forced row
+        x = torch.from_numpy(np.array(force_tokens(logits.astype(mx.float32), b.forced)))
         meta = self.metadata(x, b)
         out = self.sampler(x, meta)
         tokens = mx.array(out.sampled_token_ids[:, 0].numpy().astype(np.int32))
