@@ -144,7 +144,8 @@ class MetalModelRunner:
 
             self.sampler = TorchSampler(mode)
         self.logprobs_mode = mode
-        self.custom_processors = custom_processors.load(self.vllm_config, self.use_v2)
+        self.custom_processors = custom_processors.load(self.vllm_config, self.use_v2,
+                                                        self.scheduler_config.max_num_seqs)
 
     def layer_names(self) -> list[str]:
         return [f"model.layers.{i}.self_attn.attn" for i in range(self.loaded.spec.num_layers)]
@@ -286,7 +287,8 @@ class MetalModelRunner:
         logits = self._forward(extra, self._input_ids(source_step))
         n = p.num_seqs
         sampled_logits = logits[:n] if len(extra) else logits
-        if self.custom_processors is not None and self.custom_processors.step(list(p.req_ids)):
+        if self.custom_processors is not None and self.custom_processors.step(
+                list(p.req_ids), rows, np.array(p.seq_lens)):
             batch.custom = self.custom_processors  # runs on the host: sampled in sample_tokens
         prompt_scores = self.prompt_logprobs.score(logits[n:] if len(extra) else None,
                                                    self.logprobs_mode)
@@ -458,7 +460,7 @@ class MetalModelRunner:
                                     resumed=len(tokens) > prompt_len)
             if self.custom_processors is not None:
                 self.custom_processors.add(new.req_id, new.sampling_params, tokens[:prompt_len],
-                                           tokens[prompt_len:])
+                                           tokens[prompt_len:], row=row)
         cached = so.scheduled_cached_reqs
         if cached.req_ids:
             p.update_requests(

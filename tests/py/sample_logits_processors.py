@@ -76,3 +76,43 @@ class KeepTop(_ByRow):
             logits[index] = float("-inf")
             logits[index, best] = keep
         return logits
+
+
+# ---- vLLM's V2 interface (the V2 runner contract, the default) -------------------------
+from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor  # noqa: E402
+
+
+class ForceTokenV2(V2LogitsProcessor):
+    """{"force_token": id}: only that id; {"repeat_last": 1}: only the request's last
+    committed token (read from the request state vLLM V2 shares), so the output repeats
+    the prompt's last token."""
+
+    def __init__(self, vllm_config, req_states) -> None:
+        self.req_states = req_states
+        self.force: dict[int, int] = {}  # slot -> token (-1: its last committed token)
+
+    @classmethod
+    def validate_params(cls, params) -> None:
+        ForceToken.validate_params(params)
+
+    def add_request(self, req_idx: int, params) -> bool:
+        args = params.extra_args or {}
+        self.force.pop(req_idx, None)
+        if "force_token" in args:
+            self.force[req_idx] = int(args["force_token"])
+        elif args.get("repeat_last"):
+            self.force[req_idx] = -1
+        return req_idx in self.force
+
+    def apply(self, logits: torch.Tensor, ctx) -> torch.Tensor:
+        st = self.req_states
+        for row, slot in enumerate(ctx.expanded_idx_mapping.tolist()):
+            token = self.force.get(slot)
+            if token is None:
+                continue
+            if token == -1:
+                token = int(st.all_token_ids.gpu[slot, int(st.total_len.gpu[slot]) - 1])
+            keep = logits[row, token].clone()
+            logits[row] = float("-inf")
+            logits[row, token] = keep
+        return logits

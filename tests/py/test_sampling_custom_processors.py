@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from vllm import SamplingParams
 
-from sample_logits_processors import ForceToken, KeepTop
+from sample_logits_processors import ForceToken, ForceTokenV2, KeepTop
 from sampling_reference import log_softmax
 from test_sampling_processing import V, batch_of, rand_logits
 from vllm_metal.sampling import Sampler, custom_processors
@@ -120,11 +120,44 @@ def test_native_and_torch_samplers_agree_with_a_custom_processor():
         np.testing.assert_allclose(np.array(a), np.array(c), atol=1e-5)
 
 
+def _v2_config(names=()):
+    mc = SimpleNamespace(logits_processors=list(names), get_vocab_size=lambda: V,
+                         max_model_len=16)
+    return SimpleNamespace(model_config=mc)
+
+
 def test_loading_follows_the_runner_contract():
     name = "sample_logits_processors:ForceToken"
-    assert custom_processors.load(_config(), use_v2=True) is None
     assert custom_processors.load(_config(), use_v2=False) is None  # none configured
-    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
-        custom_processors.load(_config([name]), use_v2=True)
+    assert custom_processors.load(_v2_config(), use_v2=True, max_num_reqs=4) is None
     cp = custom_processors.load(_config([name]), use_v2=False)
     assert [type(p) for p in cp.procs] == [ForceToken] and cp.edits and not cp.argmax_invariant
+    with pytest.raises(ValueError, match="not a subclass"):  # vLLM V2's loader: V1 classes
+        custom_processors.load(_v2_config([name]), use_v2=True, max_num_reqs=4)
+    v2 = custom_processors.load(_v2_config(["sample_logits_processors:ForceTokenV2"]),
+                                use_v2=True, max_num_reqs=4)
+    assert [type(p) for p in v2.procs] == [ForceTokenV2]
+
+
+def test_v2_processors_get_slots_context_and_request_state():
+    v2 = custom_processors.load(_v2_config(["sample_logits_processors:ForceTokenV2"]),
+                                use_v2=True, max_num_reqs=4)
+    params = [_params(force=17, temperature=0), _params(temperature=0, logit_bias={40: 50.0}),
+              SamplingParams(temperature=0, extra_args={"repeat_last": 1})]
+    tokens = {"r0": [1, 2, 5], "r1": [3, 4], "r2": [6, 7, 8, 9]}
+    v2.add("gone", params[0], [1], [], row=0)
+    for (r, toks), p in zip(tokens.items(), params):
+        v2.add(r, p, toks[:2], toks[2:], row=0)
+        if r == "r0":
+            v2.remove(["gone"])  # its slot is free again
+    assert v2.slot_of == {"r0": 1, "r1": 0, "r2": 2}  # slots below max_num_reqs, reused
+    assert not v2.step(["r1"], None, np.array([2]))  # no active row: not run
+    assert v2.step(["r0", "r1", "r2"], None, np.array([3, 2, 4]))
+    tokens["r2"] += [11]  # a token sampled since it was added
+    v2.sync_outputs(tokens.__getitem__)
+    assert v2.state.total_len.np[2] == 5 and v2.state.all_token_ids.np[2, :5].tolist() == [6, 7, 8, 9, 11]
+    _, b = batch_of(params, [tokens[r] for r in ("r0", "r1", "r2")], [2, 2, 2])
+    b.custom = v2
+    logits = rand_logits(3, seed=9)
+    tokens_out = np.array(Sampler()(mx.array(logits), b).tokens)
+    assert tokens_out.tolist() == [17, 40, 11]  # forced; untouched (its bias); its last token

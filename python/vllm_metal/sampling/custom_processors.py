@@ -2,9 +2,9 @@
 "vllm.logits_processors" entry-point group) in vLLM's V1 interface,
 vllm.v1.sample.logits_processor.LogitsProcessor, on the native sampler's steps.
 
-vLLM loads such classes only with the V1 runner contract (VLLM_USE_V2_MODEL_RUNNER=0;
-with V2 its front end wants V2-interface classes, which this runner refuses at load,
-docs/serving.md). Each processor is built once as vLLM builds it,
+vLLM loads such classes only with the V1 runner contract (VLLM_USE_V2_MODEL_RUNNER=0);
+with V2 (the default) its front end wants V2-interface classes: custom_processors_v2.py.
+Each processor is built once as vLLM builds it,
 cls(vllm_config, torch.device("cpu"), is_pin_memory=False).
 
 Batch: a processor's batch index is the row of the step (the packer's order). Before
@@ -35,21 +35,16 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-REFUSE_V2 = ("[vllm-metal] --logits-processors: custom logits processors run in vLLM's V1 "
-             "interface (vllm.v1.sample.logits_processor.LogitsProcessor) with "
-             "VLLM_USE_V2_MODEL_RUNNER=0; the V2-interface processors the V2 contract loads "
-             "are not supported (docs/serving.md)")
-
-
-def load(vllm_config, use_v2: bool) -> CustomProcessors | None:
-    """The server's custom processors, or None when it has none. Raises for V2."""
-    from vllm.v1.sample.logits_processor import cached_load_custom_logitsprocs
-
+def load(vllm_config, use_v2: bool, max_num_reqs: int = 0):
+    """The server's custom processors (CustomProcessors, or V2Processors with the V2
+    contract), or None when it has none."""
     names = tuple(getattr(vllm_config.model_config, "logits_processors", None) or ())
     if use_v2:
-        if names:
-            raise ValueError(REFUSE_V2)
-        return None  # V2 plugins are vLLM's V2 interface: not ours to load
+        from vllm_metal.sampling.custom_processors_v2 import V2Processors
+
+        return V2Processors.load(vllm_config, names, max_num_reqs)
+    from vllm.v1.sample.logits_processor import cached_load_custom_logitsprocs
+
     classes = cached_load_custom_logitsprocs(names)
     return CustomProcessors(vllm_config, classes) if classes else None
 
@@ -68,7 +63,7 @@ class CustomProcessors:
         self.batch: list[str] = []  # this step's req_ids
 
     # ---- request lifetime -------------------------------------------------------
-    def add(self, req_id: str, params, prompt_ids, output_ids) -> None:
+    def add(self, req_id: str, params, prompt_ids, output_ids, row: int = 0) -> None:
         self.requests[req_id] = (params, list(prompt_ids), list(output_ids))
         self.fresh.add(req_id)
 
@@ -77,7 +72,7 @@ class CustomProcessors:
             self.requests.pop(r, None)
 
     # ---- one step -----------------------------------------------------------------
-    def step(self, req_ids: list[str]) -> bool:
+    def step(self, req_ids: list[str], rows=None, seq_lens=None) -> bool:
         """Sends the step's BatchUpdate (None when its rows are unchanged) to every
         processor; True when one of them has work on the step."""
         from vllm.v1.sample.logits_processor import BatchUpdate
@@ -115,6 +110,9 @@ class CustomProcessors:
 
     def apply_argmax_invariant(self, x: mx.array) -> mx.array:
         return _run(self.argmax_invariant, x)
+
+    def apply_after_penalties(self, x: mx.array) -> mx.array:
+        return x  # V2's place (custom_processors_v2.py)
 
 
 def _has_work(p) -> bool:

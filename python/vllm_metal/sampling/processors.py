@@ -82,4 +82,7 @@ def process(x: mx.array, b: SamplingBatch) -> mx.array:
     x = apply_bias(x, b)
     if b.custom is not None:  # --logits-processors, where vLLM's Sampler runs them
         x = b.custom.apply_edits(x)
-    return apply_penalties(x, b)
+    x = apply_penalties(x, b)
+    if b.custom is not None:  # V2-interface processors: after the penalties, as vLLM V2
+        x = b.custom.apply_after_penalties(x)
+    return x

@@ -54,7 +54,7 @@ class TorchSampler:
         if b.bias is not None or b.banned is not None:
             procs.append(_Edits(b))
         if b.custom is not None:  # --logits-processors, after vLLM's builtins as in vLLM
-            procs.extend(b.custom.procs)
+            procs.extend(b.custom.procs if hasattr(b.custom, "edits") else [b.custom])
         generators = {}
         steps = b.num_generated if b.num_generated is not None else np.zeros(size, np.int32)
         for i, seed in enumerate(b.seeds):
