@@ -33,7 +33,7 @@ from vllm.v1.outputs import AsyncModelRunnerOutput
 from vllm_metal import _core, envs, ops
 from vllm_metal.models import AttentionContext, load_model
 from vllm_metal.models.linear_choice import model_runs_on_gpu
-from vllm_metal.sampling import Sampler, SamplingTable, gather_batch
+from vllm_metal.sampling import Sampler, SamplingTable, custom_processors, gather_batch
 from vllm_metal.sampling.prompt_logprobs import PromptLogprobs
 from vllm_metal.sampling.thinking_budget import ThinkingBudget
 from vllm_metal.log import get_logger
@@ -116,6 +116,7 @@ class MetalModelRunner:
         self.sampling_table: SamplingTable | None = None
         self.prompt_logprobs: PromptLogprobs | None = None
         self.sampler = None
+        self.custom_processors = None  # sampling.custom_processors: --logits-processors
         self.hybrid = None  # hybrid.HybridState for models with linear-attention layers
         self.attention_group = 0  # the KV-cache group of the attention layers
         self.kv_cache_description = "not allocated"  # for the startup summary
@@ -146,6 +147,8 @@ class MetalModelRunner:
 
             self.sampler = TorchSampler(mode)
         self.logprobs_mode = mode
+        self.custom_processors = custom_processors.load(self.vllm_config, self.use_v2,
+                                                        self.scheduler_config.max_num_seqs)
 
     def layer_names(self) -> list[str]:
         return [f"model.layers.{i}.self_attn.attn" for i in range(self.loaded.spec.num_layers)]
@@ -290,11 +293,14 @@ class MetalModelRunner:
         logits = self._forward(extra, self._input_ids(source_step))
         n = p.num_seqs
         sampled_logits = logits[:n] if len(extra) else logits
+        if self.custom_processors is not None and self.custom_processors.step(
+                list(p.req_ids), rows, np.array(p.seq_lens)):
+            batch.custom = self.custom_processors  # runs on the host: sampled in sample_tokens
         prompt_scores = self.prompt_logprobs.score(logits[n:] if len(extra) else None,
                                                    self.logprobs_mode)
         step = _UnsampledStep(list(p.req_ids), np.array(p.discard_sampled), sampled_logits,
                               batch, prompt_scores)
-        if table.structured[rows].any():
+        if table.structured[rows].any() or batch.custom is not None:
             # the grammars' bitmask for this step comes with sample_tokens: start the
             # forward now, sample then
             mx.async_eval(sampled_logits, self.kv_caches)
@@ -307,6 +313,10 @@ class MetalModelRunner:
         """Samples the step (lazily; the grammar's bitmask applied first) and submits it."""
         p = self.packer
         logits = u.logits
+        if u.batch.custom is not None:
+            if self._deferred:
+                self._wait(self._deferred[-1])  # the processors read the real output tokens
+            u.batch.custom.sync_outputs(p.token_ids)
         if grammar_output is not None:
             logits = apply_grammar_bitmask(logits, u.req_ids, grammar_output,
                                            self.sampling_table.vocab_size)
@@ -315,7 +325,7 @@ class MetalModelRunner:
         # the caches too: fused layers hand them on as lazy arrays that depend on the step
         # (models/fused_layers.py); evaluated now, they hold their buffers alone next step
         mx.async_eval(result.tokens, *(result.logprobs or ()),
-                      *[a for _, _, part in prompt_scores if part for a in part], self.kv_caches)
+                      *self.prompt_logprobs.arrays(prompt_scores), self.kv_caches)
         step = _SubmittedStep(u.req_ids, u.discard, result, prompt_scores)
         if self.async_scheduling:
             p.defer_sampled()
@@ -349,6 +359,7 @@ class MetalModelRunner:
             sampled_token_ids=sampled,
             logprobs=logprobs,
             prompt_logprobs_dict=self.prompt_logprobs.collect(step.prompt_scores),
+            prompt_token_id_logprobs_dict=self.prompt_logprobs.collect_token_ids(step.prompt_scores),
         )
 
     def _wait(self, step: _SubmittedStep) -> np.ndarray:
@@ -439,6 +450,8 @@ class MetalModelRunner:
             p.remove_requests(sorted(gone))
             self.sampling_table.remove(gone)
             self.prompt_logprobs.drop(gone)
+            if self.custom_processors is not None:
+                self.custom_processors.remove(gone)
         for new in so.scheduled_new_reqs:
             tokens = new.prefill_token_ids if new.prefill_token_ids is not None else new.prompt_token_ids
             if tokens is None:
@@ -453,6 +466,9 @@ class MetalModelRunner:
                                     resumed=len(tokens) > prompt_len)
             if self.thinking_budget is not None:
                 self.thinking_budget.add(row, new.sampling_params)
+            if self.custom_processors is not None:
+                self.custom_processors.add(new.req_id, new.sampling_params, tokens[:prompt_len],
+                                           tokens[prompt_len:], row=row)
         cached = so.scheduled_cached_reqs
         if cached.req_ids:
             p.update_requests(

@@ -3,10 +3,12 @@
 An unsupported parameter is a 400 naming it, never silently ignored. The
 native sampler (sampling/) honours temperature, top-k/p, min-p, penalties,
 logit_bias, min_tokens, allowed_token_ids, bad_words, seeds, logprobs and
-prompt logprobs, the grammars of structured outputs (model_runner.py) and
-thinking_token_budget (sampling/thinking_budget.py);
-n > 1 is fanned out into separate requests by vLLM's front end. What is left
-is refused.
+prompt logprobs (top n or chosen token ids), the grammars of structured
+outputs (model_runner.py) and thinking_token_budget (sampling/thinking_budget.py);
+--logits-processors run in sampling/custom_processors.py (vLLM 0.33's SamplingParams
+has no per-request logits_processors: its HTTP front end drops such a field with a
+warning). n > 1 is fanned out into separate requests by vLLM's front end. What is
+left is refused.
 """
 
 from __future__ import annotations
@@ -15,12 +17,6 @@ from __future__ import annotations
 def unsupported_sampling_parameters(params) -> list[tuple[str, str]]:
     """(parameter, why) for every setting the runner cannot honour."""
     problems = []
-    if getattr(params, "logits_processors", None):
-        problems.append(("logits_processors", "custom logits processors are not supported"))
-    if getattr(params, "prompt_logprob_token_ids", None):
-        problems.append(("prompt_logprob_token_ids", "prompt_logprob_token_ids is not supported"))
-    if getattr(params, "logprob_token_ids", None):
-        problems.append(("logprob_token_ids", "logprob_token_ids is not supported"))
     return problems
 
 

@@ -173,9 +173,10 @@ def test_request_validation_passes_what_is_sampled_and_names_what_is_not():
         logit_bias={1: 2.0}, allowed_token_ids=[1, 2], min_tokens=2, bad_words=["x"]))
     validate_sampling_params(SamplingParams(
         structured_outputs=StructuredOutputsParams(json_object=True)))  # the runner masks
-    with pytest.raises(VLLMValidationError, match="logprob_token_ids") as e:
-        validate_sampling_params(SamplingParams(logprobs=1, logprob_token_ids=[1, 2]))
-    assert e.value.parameter == "logprob_token_ids"
+    validate_sampling_params(SamplingParams(logprob_token_ids=[1, 2]))  # sampling/token_logprobs.py
+    validate_sampling_params(SamplingParams(prompt_logprob_token_ids=np.array([[1, 2]], np.int32)))
+    with pytest.raises(VLLMValidationError):
+        validate_sampling_params("not sampling params")
 
 
 def test_a_resumed_request_does_not_send_its_prompt_logprobs_again():

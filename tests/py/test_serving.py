@@ -129,7 +129,9 @@ def test_prefix_cache_hits_give_the_same_tokens(server):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"logprobs": True, "logprob_token_ids": [1, 2]}, "logprob_token_ids"),
+    # honoured since issue 21 part 3 (test_serving_logprob_ids.py); out-of-vocabulary ids
+    # are vLLM's own 400
+    ({"logprobs": True, "logprob_token_ids": [10**7]}, "logprob_token_ids"),
 ])
 def test_unsupported_parameters_get_a_400_naming_them(server, body, param):
     r = server.client.post("/v1/chat/completions", json={

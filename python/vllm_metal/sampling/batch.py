@@ -14,6 +14,7 @@ import numpy as np
 
 from vllm_metal.sampling.rng import uniforms
 from vllm_metal.sampling.table import GREEDY_EPS, NO_LOGPROBS, SamplingTable
+from vllm_metal.sampling.token_logprobs import pad_token_ids
 
 
 @dataclass
@@ -29,6 +30,10 @@ class SamplingBatch:
     uniforms: np.ndarray  # float64 [B]: this step's draw of each request
     max_num_logprobs: int | None = None  # None: no row wants logprobs
     logprob_rows: np.ndarray | None = None  # bool [B]: rows that asked for logprobs
+    # logprob_token_ids: int32 [B, K], each row's ids then -1 (None: no row has ids)
+    logprob_ids: np.ndarray | None = None
+    num_top_logprobs: int = 0  # the top n of the logprob rows without ids
+    custom: object | None = None  # custom_processors.CustomProcessors active on the step
     # (batch index, token) pairs whose logits become -inf: bad words, min_tokens stops
     banned: tuple[np.ndarray, np.ndarray] | None = None
     # (batch index, token, bias)
@@ -83,6 +88,14 @@ def gather_batch(table: SamplingTable, rows: np.ndarray, num_generated: np.ndarr
         num_generated=num_generated, logprob_rows=nlp != NO_LOGPROBS,
     )
     size = len(rows)
+    id_rows = t.has_logprob_ids[rows]  # [B]
+    if id_rows.any():
+        b.logprob_ids = pad_token_ids([t.extras[r].logprob_ids if id_rows[i] else None
+                                       for i, r in enumerate(rows)])
+        top = nlp[(nlp != NO_LOGPROBS) & ~id_rows]
+        b.num_top_logprobs = int(top.max()) if len(top) else 0
+    else:
+        b.num_top_logprobs = b.max_num_logprobs or 0
     history: dict[int, list[int]] = {}  # batch index -> output tokens
     prompts: dict[int, list[int]] = {}
     for i in np.flatnonzero(t.needs_history[rows]):

@@ -151,6 +151,8 @@ def apply_filters(x: mx.array, b: SamplingBatch) -> tuple[mx.array, mx.array]:
     the draw: on MLX's CPU backend exp is the dominant cost (~15 ns/element)."""
     x = apply_temperature(x, b)
     x = apply_min_p(x, b)
+    if b.custom is not None:  # argmax-invariant --logits-processors (custom_processors.py)
+        x = b.custom.apply_argmax_invariant(x)
     m = mx.max(x, axis=-1, keepdims=True)
     e = mx.exp(x - m)  # [B, V]
     filtered = apply_top_k_top_p(x, b, mx.log(mx.sum(e, axis=-1, keepdims=True)) + m)

@@ -1,5 +1,6 @@
 """Logits edits that can change the greedy choice, in vLLM's order:
-allowed_token_ids, bad words, min_tokens and logit_bias, then penalties.
+allowed_token_ids, bad words, min_tokens and logit_bias, custom processors
+(custom_processors.py), then penalties.
 Each is a no-op (and builds no graph) when the batch does not use it."""
 
 from __future__ import annotations
@@ -79,4 +80,9 @@ def process(x: mx.array, b: SamplingBatch) -> mx.array:
     x = apply_allowed(x, b)
     x = apply_banned(x, b)
     x = apply_bias(x, b)
-    return apply_penalties(x, b)
+    if b.custom is not None:  # --logits-processors, where vLLM's Sampler runs them
+        x = b.custom.apply_edits(x)
+    x = apply_penalties(x, b)
+    if b.custom is not None:  # V2-interface processors: after the penalties, as vLLM V2
+        x = b.custom.apply_after_penalties(x)
+    return x

@@ -20,6 +20,7 @@ from vllm_metal.sampling.filters import apply_filters
 from vllm_metal.sampling.logprobs import gather_logprobs, log_softmax
 from vllm_metal.sampling.processors import process
 from vllm_metal.sampling.thinking_budget import force_tokens
+from vllm_metal.sampling.token_logprobs import gather_logprobs_with_ids
 
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
@@ -61,5 +62,10 @@ class Sampler:
         if scores is None:  # processed_*: what the tokens were drawn from
             final = rows.take(final, lp_idx)
             scores = log_softmax(final) if self.logprobs_mode == "processed_logprobs" else final
-        sub = gather_logprobs(scores, b.max_num_logprobs, rows.take(tokens, lp_idx))
+        lp_tokens = rows.take(tokens, lp_idx)
+        if b.logprob_ids is None:
+            sub = gather_logprobs(scores, b.max_num_logprobs, lp_tokens)
+        else:  # logprob_token_ids
+            ids = b.logprob_ids if lp_idx is None else b.logprob_ids[lp_idx]
+            sub = gather_logprobs_with_ids(scores, b.num_top_logprobs, lp_tokens, ids)
         return SampleResult(tokens, tuple(rows.put_new(a, lp_idx, b.size) for a in sub))

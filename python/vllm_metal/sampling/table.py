@@ -28,6 +28,11 @@ class RowExtras:
     bad_words: list[list[int]] | None = None
     stop_ids: np.ndarray | None = None  # int32 [n]: EOS + stop_token_ids (min_tokens)
     prompt_ids: np.ndarray | None = None  # int32 [prompt_len] (prompt logprobs)
+    logprob_ids: np.ndarray | None = None  # int32 [n]: logprob_token_ids
+    # prompt_logprob_token_ids: int32 [rows, n] (-1 pads), scoring prompt rows from
+    # prompt_score_start on (row i predicts prompt token prompt_score_start + i + 1)
+    prompt_score_ids: np.ndarray | None = None
+    prompt_score_start: int = 0
     seed: int | None = None  # the request's own seed (the torch sampler's generator)
 
 
@@ -36,7 +41,8 @@ class SamplingTable:
               "presence_penalty")
     _INT = ("top_k", "prompt_len", "min_tokens", "num_logprobs", "num_prompt_logprobs")
     # structured: the request's output follows a grammar (its bitmask comes per step)
-    _FLAG = ("has_bias", "has_allowed", "has_bad_words", "needs_history", "structured")
+    _FLAG = ("has_bias", "has_allowed", "has_bad_words", "needs_history", "structured",
+             "has_logprob_ids", "has_prompt_ids")
 
     def __init__(self, vocab_size: int, rows: int = 64, seed: int | None = None) -> None:
         self.vocab_size = vocab_size
@@ -91,6 +97,9 @@ class SamplingTable:
         self.prompt_len[row] = prompt_len
         self.min_tokens[row] = int(params.min_tokens or 0)
         n = params.logprobs
+        ids = getattr(params, "logprob_token_ids", None)
+        if n is None and ids:
+            n = len(ids)  # vLLM's SamplingParams.num_logprobs
         self.num_logprobs[row] = NO_LOGPROBS if n is None else (v if n == -1 else int(n))
         n = None if resumed else params.prompt_logprobs
         self.num_prompt_logprobs[row] = NO_LOGPROBS if n is None else (v if n == -1 else int(n))
@@ -108,6 +117,12 @@ class SamplingTable:
             x.bad_words = [list(w) for w in bad]
         if self.min_tokens[row] > 0:
             x.stop_ids = np.array(sorted(params.all_stop_token_ids), np.int32)
+        if ids:
+            x.logprob_ids = np.array(ids, np.int32)
+        prompt_ids = getattr(params, "prompt_logprob_token_ids", None)
+        if prompt_ids is not None and not resumed:  # resumed: its scores went out already
+            x.prompt_score_ids = np.asarray(prompt_ids, np.int32).reshape(len(prompt_ids), -1)
+            x.prompt_score_start = int(params.prompt_logprob_start or 0)
         if self.num_prompt_logprobs[row] != NO_LOGPROBS:
             x.prompt_ids = np.array(prompt_token_ids, np.int32)
         self.extras[row] = x
@@ -115,6 +130,8 @@ class SamplingTable:
         self.has_allowed[row] = x.allowed_ids is not None
         self.has_bad_words[row] = x.bad_words is not None
         self.structured[row] = getattr(params, "structured_outputs", None) is not None
+        self.has_logprob_ids[row] = x.logprob_ids is not None
+        self.has_prompt_ids[row] = x.prompt_score_ids is not None
         self.needs_history[row] = (x.bad_words is not None
                                    or self.repetition_penalty[row] != 1.0
                                    or self.frequency_penalty[row] != 0.0
@@ -128,7 +145,8 @@ class SamplingTable:
                 self.extras[row] = None
                 self.has_bias[row] = self.has_allowed[row] = False
                 self.has_bad_words[row] = self.needs_history[row] = False
-                self.structured[row] = False
+                self.structured[row] = self.has_logprob_ids[row] = False
+                self.has_prompt_ids[row] = False
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self.row_of

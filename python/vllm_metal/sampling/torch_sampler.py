@@ -56,6 +56,8 @@ class TorchSampler:
             procs.append(minp)
         if b.bias is not None or b.banned is not None:
             procs.append(_Edits(b))
+        if b.custom is not None:  # --logits-processors, after vLLM's builtins as in vLLM
+            procs.extend(b.custom.procs if hasattr(b.custom, "edits") else [b.custom])
         generators = {}
         steps = b.num_generated if b.num_generated is not None else np.zeros(size, np.int32)
         for i, seed in enumerate(b.seeds):
@@ -86,6 +88,9 @@ class TorchSampler:
             allowed_token_ids_mask=allowed,
             bad_words_token_ids=bad,
             logitsprocs=LogitsProcessors(procs),
+            logprob_token_ids=None if b.logprob_ids is None else {
+                i: [int(t) for t in row if t >= 0] for i, row in enumerate(b.logprob_ids)
+                if row[0] >= 0},
         )
 
 
