@@ -317,6 +317,41 @@ int32_t row_of(const rt::BatchPacker& p, nb::handle req_id) {
   return p.requests().row_of(str_view(req_id));
 }
 
+template <typename T>
+nb::ndarray<nb::numpy, T> owned_array(size_t n0, size_t n1, bool two_d, T** data) {
+  *data = new T[n0 * n1 > 0 ? n0 * n1 : 1];
+  nb::capsule owner(*data, [](void* q) noexcept { delete[] static_cast<T*>(q); });
+  const size_t shape[2] = {n0, n1};
+  return nb::ndarray<nb::numpy, T>(*data, two_d ? 2 : 1, shape, owner);
+}
+
+nb::tuple propose_ngram(rt::BatchPacker& p,
+                        nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> rows,
+                        int32_t min_n, int32_t max_n, int32_t k, int32_t max_model_len) {
+  rt::check_ngram_params({min_n, max_n, k, max_model_len});  // before sizing [n, k]
+  const size_t n = rows.shape(0);
+  int32_t* drafts = nullptr;
+  int32_t* num_drafts = nullptr;
+  auto drafts_array = owned_array<int32_t>(n, static_cast<size_t>(k), true, &drafts);
+  auto counts_array = owned_array<int32_t>(n, 1, false, &num_drafts);
+  p.propose_ngram(rows.data(), static_cast<int32_t>(n), min_n, max_n, k, max_model_len, drafts,
+                  num_drafts);
+  return nb::make_tuple(drafts_array, counts_array);
+}
+
+std::vector<int32_t> ngram_propose(nb::handle tokens, int32_t min_n, int32_t max_n, int32_t k,
+                                   int32_t max_model_len) {
+  const rt::NgramParams params{min_n, max_n, k, max_model_len};
+  rt::check_ngram_params(params);
+  static thread_local std::vector<int32_t> failure;
+  Scratch& s = scratch();
+  s.tokens.clear();
+  read_int32s(tokens, s.tokens);
+  std::vector<int32_t> out(static_cast<size_t>(k));
+  out.resize(static_cast<size_t>(rt::ngram_propose(rt::Int32Span(s.tokens), params, out.data(), failure)));
+  return out;
+}
+
 }  // namespace
 
 namespace vllm_metal::bindings {
@@ -362,6 +397,12 @@ void bind_runtime_packer(nb::module_& m) {
       "(num_decodes, num_decode_tokens, num_prefills, num_prefill_tokens): the leading\n"
       "num_decode_like rows go to the decode kernel once their seq_lens add up to\n"
       "min_total_context, else every row goes to the varlen kernel.");
+
+  m.def("ngram_propose", &ngram_propose, "tokens"_a, "min_n"_a, "max_n"_a, "k"_a,
+        "max_model_len"_a,
+        "N-gram (prompt lookup) drafts for one token sequence, as BatchPacker.propose_ngram:\n"
+        "the tokens after the earliest earlier occurrence of the longest tail n-gram\n"
+        "(min_n <= n <= max_n), at most k and never past max_model_len; [] if none.");
 
   nb::class_<rt::BatchPacker>(
       m, "BatchPacker",
@@ -424,6 +465,13 @@ void bind_runtime_packer(nb::module_& m) {
           "over its placeholders (rows that left, were replaced, rolled back or resynced since\n"
           "are skipped).")
       .def_prop_ro("num_deferred_steps", &rt::BatchPacker::num_deferred_steps)
+      .def("propose_ngram", &propose_ngram, "rows"_a, "min_n"_a, "max_n"_a, "k"_a,
+           "max_model_len"_a,
+           "N-gram (prompt lookup) drafts for table rows (int32 [n], live) from each row's\n"
+           "tokens: (drafts int32 [n, k], num_drafts int32 [n]); row i's drafts are\n"
+           "drafts[i, :num_drafts[i]], the rest -1. vLLM's NgramProposer rule: the longest\n"
+           "tail n-gram (min_n <= n <= max_n) seen before, its earliest occurrence, at most\n"
+           "k tokens and never past max_model_len.")
       .def("__contains__",
            [](const rt::BatchPacker& p, nb::handle id) {
              return PyUnicode_Check(id.ptr()) && p.requests().find(str_view(id)) >= 0;

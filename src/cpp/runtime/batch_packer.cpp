@@ -536,4 +536,33 @@ void BatchPacker::write_input_sources() {
   }
 }
 
+// ---- n-gram drafts ------------------------------------------------------------------
+
+void BatchPacker::propose_ngram(const int32_t* rows, int32_t n, int32_t min_n, int32_t max_n,
+                                int32_t k, int32_t max_model_len, int32_t* drafts,
+                                int32_t* num_drafts) {
+  NgramParams params;
+  params.min_n = min_n;
+  params.max_n = max_n;
+  params.k = k;
+  params.max_model_len = max_model_len;
+  check_ngram_params(params);
+  if (n < 0) fail("propose_ngram: expected n >= 0 rows, got " + std::to_string(n));
+  for (int32_t i = 0; i < n; ++i) {
+    if (!table_.is_live(rows[i])) {
+      fail("propose_ngram: row " + std::to_string(rows[i]) + " (entry " + std::to_string(i) +
+           ") is not a live request");
+    }
+  }
+  for (int32_t i = 0; i < n; ++i) {
+    const int32_t r = rows[i];
+    const Int32Span history(table_.row(r).token_ids.data(),
+                            static_cast<size_t>(table_.state(r).num_tokens));
+    int32_t* out = drafts + static_cast<size_t>(i) * static_cast<size_t>(k);
+    const int32_t c = ngram_propose(history, params, out, ngram_failure_);
+    std::fill(out + c, out + k, -1);
+    num_drafts[i] = c;
+  }
+}
+
 }  // namespace vllm_metal::runtime

@@ -31,6 +31,7 @@
 #include <string_view>
 #include <vector>
 
+#include "runtime/ngram_proposer.h"
 #include "runtime/request_table.h"
 
 namespace vllm_metal::runtime {
@@ -125,6 +126,15 @@ class BatchPacker {
   int32_t num_deferred_steps() const { return num_deferred_; }
   static constexpr int32_t kPlaceholderToken = 0;
   static constexpr int32_t kMaxDeferredSteps = 2;
+
+  // ---- speculative decoding: n-gram (prompt lookup) drafts -------------------------
+  // For table rows [n], drafts from each row's history token_ids[0:num_tokens] by
+  // ngram_propose() (runtime/ngram_proposer.h): drafts [n, k] row-major, row i's first
+  // num_drafts[i] entries its drafts and the rest -1. Rows must be live (a row may
+  // repeat). Validates everything before writing ("[BatchPacker] ..." for rows,
+  // "[ngram] ..." for parameters); allocates nothing once its scratch has grown to max_n.
+  void propose_ngram(const int32_t* rows, int32_t n, int32_t min_n, int32_t max_n, int32_t k,
+                     int32_t max_model_len, int32_t* drafts, int32_t* num_drafts);
 
   // ---- the last packed step --------------------------------------------------------
   const PackedBatch& batch() const { return batch_; }
@@ -237,6 +247,8 @@ class BatchPacker {
   int32_t num_deferred_ = 0;
   uint64_t deferred_serial_ = 0;
   std::vector<RowPlaceholder> row_placeholders_;  // [table rows]
+
+  std::vector<int32_t> ngram_failure_;  // [max_n] scratch of propose_ngram
 };
 
 }  // namespace vllm_metal::runtime
