@@ -69,19 +69,38 @@ def test_random_sequences_match_reference():
         assert _core.ngram_propose(*case) == reference(*case), case
 
 
-def test_vllm_function_agrees(monkeypatch):
-    """vLLM's own matcher, run as plain Python (numba is not installed: a stub whose
-    decorators return the function), agrees with the reference and with _core."""
+def load_vllm_matcher():
+    """vLLM's matcher function, its module imported with a stand-in for numba (not
+    installed: decorators that return the function, so it runs as plain Python).
+    sys.modules and the parent package are left as they were."""
+    name = "vllm.v1.spec_decode.ngram_proposer"
     stub = types.ModuleType("numba")
     stub.jit = stub.njit = lambda *a, **kw: a[0] if a and callable(a[0]) else (lambda f: f)
     stub.prange = range
     stub.get_num_threads = lambda: 1
     stub.set_num_threads = lambda n: None
-    monkeypatch.setitem(sys.modules, "numba", stub)
-    monkeypatch.delitem(sys.modules, "vllm.v1.spec_decode.ngram_proposer", raising=False)
-    vllm_ngram = importlib.import_module("vllm.v1.spec_decode.ngram_proposer")
-    monkeypatch.delitem(sys.modules, "vllm.v1.spec_decode.ngram_proposer")  # no stubbed module left behind
-    find = vllm_ngram._find_longest_matched_ngram_and_propose_tokens
+    saved = {key: sys.modules.get(key) for key in ("numba", name)}
+    parent = importlib.import_module("vllm.v1.spec_decode")
+    had_attr, old_attr = hasattr(parent, "ngram_proposer"), getattr(parent, "ngram_proposer", None)
+    sys.modules["numba"] = stub
+    sys.modules.pop(name, None)
+    try:
+        return importlib.import_module(name)._find_longest_matched_ngram_and_propose_tokens
+    finally:
+        for key, module in saved.items():
+            if module is None:
+                sys.modules.pop(key, None)
+            else:
+                sys.modules[key] = module
+        if had_attr:
+            parent.ngram_proposer = old_attr
+        elif hasattr(parent, "ngram_proposer"):
+            delattr(parent, "ngram_proposer")
+
+
+def test_vllm_function_agrees():
+    """vLLM's own matcher agrees with the reference and with _core."""
+    find = load_vllm_matcher()
     rng = np.random.default_rng(7)
     for _ in range(2000):
         tokens, min_n, max_n, k, max_model_len = random_case(rng)
