@@ -19,6 +19,11 @@ Structured outputs: vLLM compiles each request's grammar and, after execute_mode
 hands sample_tokens the step's bitmask (grammar_output). A step with such a request
 keeps its logits unsampled until then; ops.apply_token_bitmask sets the forbidden
 tokens to -inf and the sampler runs as for any step.
+
+Speculative decoding (speculative.py): a decoding request's step carries draft tokens,
+each scored by its own logits row; sampling/verify.py keeps the drafts the target
+agrees with. Such a step's tokens are appended as soon as they are read, not deferred:
+the next step's drafts come from them.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ from vllm_metal import _core, envs, ops
 from vllm_metal.models import AttentionContext, load_model
 from vllm_metal.models.linear_choice import model_runs_on_gpu
 from vllm_metal.sampling import Sampler, SamplingTable, custom_processors, gather_batch
+from vllm_metal.sampling.batch import gather_draft_batch
+from vllm_metal.sampling.verify import kept_tokens
+from vllm_metal.speculative import NgramSpeculation
 from vllm_metal.sampling.prompt_logprobs import PromptLogprobs
 from vllm_metal.sampling.thinking_budget import ThinkingBudget
 from vllm_metal.log import get_logger
@@ -51,6 +59,10 @@ class _SubmittedStep:
     result: object  # sampling.SampleResult: lazy tokens (and logprobs)
     prompt_scores: list
     tokens: np.ndarray | None = None  # int32 [num_seqs] once waited for
+    # speculative steps: cu_num_logits [num_seqs + 1] (rows per request), and each
+    # request's output once read
+    cu_num_logits: np.ndarray | None = None
+    outputs: list[list[int]] | None = None
 
 
 @dataclass
@@ -62,20 +74,28 @@ class _UnsampledStep:
     logits: mx.array  # [num_seqs, vocab], lazy
     batch: object  # sampling.SamplingBatch
     prompt_scores: list
+    cu_num_logits: np.ndarray | None = None  # speculative steps
 
 
 def apply_grammar_bitmask(logits: mx.array, req_ids: list[str], grammar_output,
-                          vocab_size: int) -> mx.array:
+                          vocab_size: int, cu_num_logits: np.ndarray | None = None,
+                          mask_stride: int = 1) -> mx.array:
     """logits with the tokens the grammars forbid at -inf. grammar_output's bitmask has
-    one row per structured-output request, in its own order: each goes to its request's
-    row of this step (requests not in the step, if any, are skipped). vocab_size: what
-    vLLM sized the masks for; logits past it (a padded lm head) are never allowed."""
+    one block of mask_stride rows per structured-output request, in its own order (row j:
+    the grammar after the request's first j drafts; vLLM's stride is 1 + the number of
+    speculative tokens): each goes to its request's rows of this step (cu_num_logits:
+    the step's rows per request, default one each; requests not in the step, if any, are
+    skipped). vocab_size: what vLLM sized the masks for; logits past it (a padded lm
+    head) are never allowed."""
     index = {r: i for i, r in enumerate(req_ids)}
     mask_rows, logit_rows = [], []
     for i, req_id in enumerate(grammar_output.structured_output_request_ids):
         if req_id in index:
-            mask_rows.append(i)
-            logit_rows.append(index[req_id])
+            s = index[req_id]
+            first, count = (s, 1) if cu_num_logits is None else (
+                int(cu_num_logits[s]), int(cu_num_logits[s + 1] - cu_num_logits[s]))
+            mask_rows += [i * mask_stride + j for j in range(count)]
+            logit_rows += [first + j for j in range(count)]
     if not logit_rows:
         return logits
     bitmask = np.asarray(grammar_output.grammar_bitmask, np.int32)[mask_rows]
@@ -117,6 +137,8 @@ class MetalModelRunner:
         self.prompt_logprobs: PromptLogprobs | None = None
         self.sampler = None
         self.custom_processors = None  # sampling.custom_processors: --logits-processors
+        self.speculation = NgramSpeculation.from_config(vllm_config)  # None: no drafts
+        self._unread_spec_step: _SubmittedStep | None = None  # its tokens not yet appended
         self.hybrid = None  # hybrid.HybridState for models with linear-attention layers
         self.attention_group = 0  # the KV-cache group of the attention layers
         self.kv_cache_description = "not allocated"  # for the startup summary
@@ -267,6 +289,8 @@ class MetalModelRunner:
     def execute_model(self, scheduler_output):
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
+        if self._unread_spec_step is not None:  # async: this step's drafts come from it
+            self._wait(self._unread_spec_step)
         self._apply_scheduler_output(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             self._pending = None
@@ -276,7 +300,12 @@ class MetalModelRunner:
         # before it schedules N + 2)
         while len(self._deferred) > 1:
             self._wait(self._deferred[0])
-        p.pack(dict(scheduler_output.num_scheduled_tokens))
+        drafts = {}
+        if self.speculation is not None:
+            scheduled, drafts = self.speculation.step_drafts(scheduler_output)
+            p.pack(scheduled, drafts or None)
+        else:
+            p.pack(dict(scheduler_output.num_scheduled_tokens))
         source_step = self._deferred[-1] if p.num_input_sources else None
         table = self.sampling_table
         rows = np.array(p.req_rows)  # [num_seqs] batch index -> request row
@@ -284,14 +313,23 @@ class MetalModelRunner:
         if self._deferred and (table.needs_history[rows].any() or budgeted):
             self._wait(self._deferred[-1])  # penalties, bad words, budgets read the real tokens
         num_generated = np.array(p.seq_lens) - table.prompt_len[rows]
-        batch = gather_batch(table, rows, num_generated, p.token_ids,
-                             for_reference=not self.native_sampling)
+        cu_num_logits = None
+        if drafts:
+            step_drafts = [drafts.get(r, []) for r in p.req_ids]
+            num_generated -= np.array([len(d) for d in step_drafts])
+            cu_num_logits = np.array(p.cu_num_logits)
+            batch = gather_draft_batch(table, rows, num_generated, step_drafts, p.token_ids)
+        else:
+            batch = gather_batch(table, rows, num_generated, p.token_ids,
+                                 for_reference=not self.native_sampling)
         if budgeted:  # thinking_token_budget: end tokens forced (sampling/thinking_budget.py)
             batch.forced = self.thinking_budget.forced(rows, p.req_ids, p.token_ids)
+            if batch.forced is not None and cu_num_logits is not None:  # budgeted rows have no drafts
+                batch.forced = (cu_num_logits[batch.forced[0]].astype(np.int32), batch.forced[1])
         # prompt-logprob positions are scored after the sampled rows
         extra = self.prompt_logprobs.plan(rows, np.array(p.cu_seqlens_q), p.positions[:p.num_tokens])
         logits = self._forward(extra, self._input_ids(source_step))
-        n = p.num_seqs
+        n = p.num_logits  # the sampled rows: one per request, plus one per draft
         sampled_logits = logits[:n] if len(extra) else logits
         if self.custom_processors is not None and self.custom_processors.step(
                 list(p.req_ids), rows, np.array(p.seq_lens)):
@@ -299,7 +337,7 @@ class MetalModelRunner:
         prompt_scores = self.prompt_logprobs.score(logits[n:] if len(extra) else None,
                                                    self.logprobs_mode)
         step = _UnsampledStep(list(p.req_ids), np.array(p.discard_sampled), sampled_logits,
-                              batch, prompt_scores)
+                              batch, prompt_scores, cu_num_logits)
         if table.structured[rows].any() or batch.custom is not None:
             # the grammars' bitmask for this step comes with sample_tokens: start the
             # forward now, sample then
@@ -318,16 +356,20 @@ class MetalModelRunner:
                 self._wait(self._deferred[-1])  # the processors read the real output tokens
             u.batch.custom.sync_outputs(p.token_ids)
         if grammar_output is not None:
+            stride = 1 + (self.speculation.num_speculative_tokens if self.speculation else 0)
             logits = apply_grammar_bitmask(logits, u.req_ids, grammar_output,
-                                           self.sampling_table.vocab_size)
+                                           self.sampling_table.vocab_size, u.cu_num_logits, stride)
         result = self.sampler(logits, u.batch)
         prompt_scores = u.prompt_scores
         # the caches too: fused layers hand them on as lazy arrays that depend on the step
         # (models/fused_layers.py); evaluated now, they hold their buffers alone next step
-        mx.async_eval(result.tokens, *(result.logprobs or ()),
+        mx.async_eval(result.tokens, *(result.logprobs or ()), *((result.kept,) if u.cu_num_logits is not None else ()),
                       *self.prompt_logprobs.arrays(prompt_scores), self.kv_caches)
-        step = _SubmittedStep(u.req_ids, u.discard, result, prompt_scores)
-        if self.async_scheduling:
+        step = _SubmittedStep(u.req_ids, u.discard, result, prompt_scores, cu_num_logits=u.cu_num_logits)
+        if self.speculation is not None:
+            # appended when read (next step's drafts come from them), never deferred
+            self._unread_spec_step = step if self.async_scheduling else None
+        elif self.async_scheduling:
             p.defer_sampled()
             self._deferred.append(step)
         self._pending = step
@@ -344,15 +386,26 @@ class MetalModelRunner:
             return _AsyncStepOutput(self, step)
         return self._step_output(step)
 
+    def take_draft_token_ids(self):
+        """The drafts proposed last (speculative decoding), for the engine; None without."""
+        return None if self.speculation is None else self.speculation.take()
+
     def _step_output(self, step: _SubmittedStep):
         from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 
         tokens = self._wait(step)
-        sampled = [[] if step.discard[i] else [int(tokens[i])] for i in range(len(step.req_ids))]
+        sampled = step.outputs if step.outputs is not None else [
+            [] if step.discard[i] else [int(tokens[i])] for i in range(len(step.req_ids))]
         logprobs = None
         if step.result.logprobs is not None:
             ids, lps, ranks = (np.array(a) for a in step.result.logprobs)
-            logprobs = LogprobsLists(ids, lps, ranks)
+            if step.cu_num_logits is None:
+                logprobs = LogprobsLists(ids, lps, ranks)
+            else:  # the rows of the kept tokens, request after request
+                keep = np.concatenate([np.arange(len(out)) + step.cu_num_logits[i]
+                                       for i, out in enumerate(sampled)]).astype(np.int64)
+                starts = np.concatenate([[0], np.cumsum([len(out) for out in sampled])])
+                logprobs = LogprobsLists(ids[keep], lps[keep], ranks[keep], starts.tolist())
         return ModelRunnerOutput(
             req_ids=step.req_ids,
             req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
@@ -367,6 +420,8 @@ class MetalModelRunner:
         appended (sync), or written over the placeholders of it and any older step (async)."""
         if step.tokens is not None:
             return step.tokens
+        if self.speculation is not None:
+            return self._read_speculative_step(step)
         if not self.async_scheduling:
             step.tokens = np.array(step.result.tokens, dtype=np.int32)
             self.packer.append_sampled(step.tokens)
@@ -376,6 +431,26 @@ class MetalModelRunner:
             oldest.tokens = np.array(oldest.result.tokens, dtype=np.int32)
             self.packer.resolve_deferred(oldest.tokens)
         return step.tokens
+
+    def _read_speculative_step(self, step: _SubmittedStep) -> np.ndarray:
+        """With speculative decoding: the step's tokens read, each request's output (its
+        kept drafts and one more) appended in the packer, and the next drafts proposed."""
+        tokens = np.array(step.result.tokens, dtype=np.int32)
+        if step.cu_num_logits is None:
+            outputs = [[int(t)] for t in tokens]
+        else:
+            outputs = kept_tokens(tokens, np.array(step.result.kept), step.cu_num_logits)
+        outputs = [[] if step.discard[i] else out for i, out in enumerate(outputs)]
+        width = max(len(out) for out in outputs) if outputs else 1
+        rows = np.full((len(outputs), max(width, 1)), -1, np.int32)
+        for i, out in enumerate(outputs):
+            rows[i, :len(out)] = out
+        self.packer.append_sampled(rows)
+        step.tokens, step.outputs = tokens, outputs
+        if self._unread_spec_step is step:
+            self._unread_spec_step = None
+        self.speculation.propose(self.packer, step.req_ids, outputs)
+        return tokens
 
     def _input_ids(self, source_step: _SubmittedStep | None) -> mx.array:
         """This step's token ids; where a row's input is the previous step's sample
@@ -452,6 +527,8 @@ class MetalModelRunner:
             self.prompt_logprobs.drop(gone)
             if self.custom_processors is not None:
                 self.custom_processors.remove(gone)
+            if self.speculation is not None:
+                self.speculation.drop(gone)
         for new in so.scheduled_new_reqs:
             tokens = new.prefill_token_ids if new.prefill_token_ids is not None else new.prompt_token_ids
             if tokens is None:
@@ -466,13 +543,20 @@ class MetalModelRunner:
                                     resumed=len(tokens) > prompt_len)
             if self.thinking_budget is not None:
                 self.thinking_budget.add(row, new.sampling_params)
+            if self.speculation is not None:
+                budgeted = self.thinking_budget is not None and self.thinking_budget.used(np.array([row]))
+                self.speculation.add(new.req_id, new.sampling_params, drafts=not budgeted)
             if self.custom_processors is not None:
                 self.custom_processors.add(new.req_id, new.sampling_params, tokens[:prompt_len],
                                            tokens[prompt_len:], row=row)
         cached = so.scheduled_cached_reqs
         if cached.req_ids:
+            computed = list(cached.num_computed_tokens)
+            if self.speculation is not None:
+                computed = self.speculation.computed_tokens(
+                    cached.req_ids, computed, lambda r: len(p.token_ids(r)) if r in p else 1 << 30)
             p.update_requests(
-                list(cached.req_ids), list(cached.num_computed_tokens),
+                list(cached.req_ids), computed,
                 [None if b is None else [list(g) for g in b] for b in cached.new_block_ids],
                 resumed_req_ids=list(cached.resumed_req_ids) if cached.resumed_req_ids else None,
                 all_token_ids={k: list(v) for k, v in cached.all_token_ids.items()} or None,

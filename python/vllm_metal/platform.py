@@ -200,11 +200,16 @@ def _refuse_unsupported(vllm_config: VllmConfig) -> None:
         _refuse("data parallelism", "run one server per device")
     if vllm_config.lora_config is not None:
         _refuse("LoRA")
-    if vllm_config.speculative_config is not None:
-        _refuse("speculative decoding")
     model = vllm_config.model_config
     if model is None:
         return
+    if vllm_config.speculative_config is not None:
+        from vllm_metal.hybrid import is_hybrid_config
+        from vllm_metal.speculative import unsupported_reason
+
+        reason = unsupported_reason(vllm_config, is_hybrid_config(model.hf_text_config))
+        if reason:
+            raise UnsupportedConfiguration(f"[vllm-metal] {reason}")
     if getattr(model, "enable_prompt_embeds", False):
         # the runner feeds token ids only: embeddings would be replaced by placeholder ids
         _refuse("--enable-prompt-embeds (prompt embeddings as input)",

@@ -162,7 +162,7 @@ class MetalWorker(WorkerBase):
         return self.model_runner.sample_tokens(grammar_output)
 
     def take_draft_token_ids(self):
-        return None
+        return self.model_runner.take_draft_token_ids()
 
     def get_cache_block_size_bytes(self) -> int:
         return self.model_runner.cache_block_size_bytes()

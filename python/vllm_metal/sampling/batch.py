@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_metal.sampling.rng import uniforms
+from vllm_metal.sampling.rng import accept_uniforms, uniforms
 from vllm_metal.sampling.table import GREEDY_EPS, NO_LOGPROBS, SamplingTable
 from vllm_metal.sampling.token_logprobs import pad_token_ids
 
@@ -51,6 +51,10 @@ class SamplingBatch:
     extras: list = field(default_factory=list)
     output_lists: list[list[int]] = field(default_factory=list)
     num_generated: np.ndarray | None = None  # int32 [B]
+    # speculative decoding (verify.py): the draft each row scores, -1 none; and the rows'
+    # acceptance-test numbers
+    draft_tokens: np.ndarray | None = None  # int32 [B]
+    accept_uniforms: np.ndarray | None = None  # float64 [B]
 
     @property
     def size(self) -> int:
@@ -70,11 +74,13 @@ class SamplingBatch:
 
 
 def gather_batch(table: SamplingTable, rows: np.ndarray, num_generated: np.ndarray,
-                 token_ids_of=None, *, for_reference: bool = False) -> SamplingBatch:
+                 token_ids_of=None, *, for_reference: bool = False,
+                 drafts_before: list[list[int]] | None = None) -> SamplingBatch:
     """rows: int32 [B] table rows in batch order; num_generated: int32 [B]
     output tokens each request has so far (the index of the token drawn now);
     token_ids_of(req_id) -> prompt + output ids, read only for rows that need
-    their history (penalties, bad words)."""
+    their history (penalties, bad words); drafts_before: per row, draft tokens that
+    precede it and count as output (speculative decoding, gather_draft_batch)."""
     t = table
     num_generated = np.maximum(num_generated, 0).astype(np.int32)
     nlp = t.num_logprobs[rows]
@@ -98,11 +104,16 @@ def gather_batch(table: SamplingTable, rows: np.ndarray, num_generated: np.ndarr
         b.num_top_logprobs = b.max_num_logprobs or 0
     history: dict[int, list[int]] = {}  # batch index -> output tokens
     prompts: dict[int, list[int]] = {}
+    known: dict[int, list[int]] = {}  # table row -> its ids (rows repeat with drafts)
     for i in np.flatnonzero(t.needs_history[rows]):
-        row = rows[i]
-        ids = list(token_ids_of(t.req_ids[row])) if token_ids_of is not None else []
+        row = int(rows[i])
+        if row not in known:
+            known[row] = list(token_ids_of(t.req_ids[row])) if token_ids_of is not None else []
+        ids = known[row]
         plen = int(t.prompt_len[row])
         prompts[i], history[i] = ids[:plen], ids[plen:]
+        if drafts_before is not None:
+            history[i] = history[i] + drafts_before[i]
 
     banned_b, banned_t = [], []
     for i in np.flatnonzero(t.has_bad_words[rows]):
@@ -150,3 +161,21 @@ def _pad(lists: list[list[int]], pad: int) -> np.ndarray:
     for i, x in enumerate(lists):
         out[i, :len(x)] = x
     return out
+
+
+def gather_draft_batch(table: SamplingTable, rows: np.ndarray, num_generated: np.ndarray,
+                       drafts: list[list[int]], token_ids_of=None) -> SamplingBatch:
+    """A step with draft tokens: request s (table row rows[s], drafts[s]) has
+    len(drafts[s]) + 1 logits rows, request after request, and its row j scores
+    output index num_generated[s] + j with drafts[s][:j] as output before it; each
+    row carries the draft it checks (-1: the bonus row), for sampling/verify.py."""
+    counts = np.array([len(d) + 1 for d in drafts], np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    offsets = np.arange(int(counts.sum())) - np.repeat(starts, counts)
+    x_rows = np.repeat(rows, counts).astype(np.int32)
+    x_generated = (np.repeat(np.maximum(num_generated, 0), counts) + offsets).astype(np.int32)
+    before = [d[:j] for d in drafts for j in range(len(d) + 1)]
+    b = gather_batch(table, x_rows, x_generated, token_ids_of, drafts_before=before)
+    b.draft_tokens = np.array([(d + [-1])[j] for d in drafts for j in range(len(d) + 1)], np.int32)
+    b.accept_uniforms = accept_uniforms(table.seed[x_rows], x_generated)
+    return b

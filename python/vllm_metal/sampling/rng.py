@@ -31,6 +31,16 @@ def uniforms(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
     return (splitmix64(seeds, steps) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
+# speculative decoding's acceptance tests draw from a second stream of the same seed
+# (sampling/verify.py), independent of the stream that picks tokens
+_ACCEPT_STREAM = np.uint64(0xA5A5A5A5DEADBEEF)
+
+
+def accept_uniforms(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """float64 [B] in [0, 1): the acceptance test's number of each (seed, step)."""
+    return uniforms(seeds.astype(np.uint64) ^ _ACCEPT_STREAM, steps)
+
+
 def fresh_seed(rng: np.random.Generator) -> int:
     """A seed for an unseeded request: random, but fixed for its lifetime."""
     return int(rng.integers(0, 2**63, dtype=np.int64))
