@@ -241,3 +241,40 @@ def test_batch_invariant_mode_gives_each_request_its_solo_logprobs_bitwise(serve
     batched, alone = served["invariant"]
     for i, (b, a) in enumerate(zip(batched, alone)):
         assert b == a, f"job {i} (prompt of {len(JOBS[i][0])} tokens): batched != alone"
+
+
+# prompts that repeat themselves, so the n-gram matcher proposes drafts
+SPEC_JOBS = [([5 + (i % 7) for i in range(n)], m) for n, m in [(21, 14), (9, 12), (30, 10)]]
+
+
+def test_speculative_decoding_on_the_emulated_gpu_path(tmp_path):
+    """n-gram speculation on the Metal path (steps with several tokens of one request, its
+    drafts, through the decoder layer's plan): the greedy tokens of the CPU path decoded one
+    token at a time, and drafts proposed and kept."""
+    import json
+    import re
+
+    from vllm_metal.models import load_model
+    from vllm_metal.models.generate import greedy_generate
+
+    checkpoint = tiny_attention_checkpoint("llama", tmp_path / "checkpoint")
+    loaded = load_model(str(checkpoint), "float32")
+    want = [greedy_generate(loaded, [p], m, stop_ids=[])[0] for p, m in SPEC_JOBS]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}
+    (tmp_path / "sitecustomize.py").write_text(STEP_LOG_HOOK)
+    env = {**EMULATED_GPU_PATH, "KV_COPY_LOG": str(tmp_path / "steps.log"),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    server = Server(str(checkpoint), "llama-tiny",
+                    SERVER_ARGS + ["--speculative-config", json.dumps(spec)], env=env)
+    try:
+        with cf.ThreadPoolExecutor(len(SPEC_JOBS)) as pool:
+            got = list(pool.map(lambda j: complete(server, *j)[0], SPEC_JOBS))
+        metrics = server.client.get("/metrics").text
+    finally:
+        server.stop()
+    step_log(tmp_path / "steps.log")  # the emulated Metal kernels ran
+    assert got == want
+    accepted = sum(float(v) for v in re.findall(
+        r"^vllm:spec_decode_num_accepted_tokens_total(?:{[^}]*})? ([0-9.e+]+)$", metrics, re.M))
+    assert accepted > 0

@@ -5,7 +5,7 @@ and concurrent, with penalties, min_tokens, stop strings and EOS, give the same 
 and finish reasons; logprobs of the kept tokens are the reference's. Both servers run
 batch-invariant (VLLM_BATCH_INVARIANT=1): a step with drafts scores several tokens of
 a request at once, and only that mode promises the same logits as one token at a time.
-Under async scheduling (vLLM's default) and sync. vLLM's spec-decode counters appear
+Under async scheduling (vLLM's default); the greedy and structured tests also sync. vLLM's spec-decode counters appear
 on /metrics. Random sampling's rule is tested against the target distribution in
 test_speculative_verify.py; here seeded requests are reproducible.
 """
@@ -46,13 +46,31 @@ def reference():
     s.stop()
 
 
-@pytest.fixture(scope="module", params=["async", "sync"])
-def speculative(request):
-    extra = [] if request.param == "async" else ["--no-async-scheduling"]
-    s = Server(smollm2_gguf(), "smollm2", COMMON + ["--speculative-config", json.dumps(SPEC)] + extra,
-               env=ENV)
+def _speculative_server(extra: list[str]) -> Server:
+    return Server(smollm2_gguf(), "smollm2", COMMON + ["--speculative-config", json.dumps(SPEC)] + extra,
+                  env=ENV)
+
+
+@pytest.fixture(scope="module")
+def speculative():
+    """Async scheduling (vLLM's default): every test."""
+    s = _speculative_server([])
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def speculative_sync():
+    """Sync scheduling (the engine takes the drafts with take_draft_token_ids): the
+    greedy and structured tests."""
+    s = _speculative_server(["--no-async-scheduling"])
+    yield s
+    s.stop()
+
+
+@pytest.fixture(params=["async", "sync"])
+def any_speculative(request):
+    return request.getfixturevalue("speculative" if request.param == "async" else "speculative_sync")
 
 
 def _complete(server, prompt, **kw) -> dict:
@@ -74,7 +92,8 @@ def _counter(server, name: str) -> float:
 
 @pytest.mark.slow
 @pytest.mark.serving
-def test_greedy_output_is_the_same_with_and_without_speculation(reference, speculative):
+def test_greedy_output_is_the_same_with_and_without_speculation(reference, any_speculative):
+    speculative = any_speculative
     drafts_before = _counter(speculative, "vllm:spec_decode_num_draft_tokens_total")
     accepted_before = _counter(speculative, "vllm:spec_decode_num_accepted_tokens_total")
     want = _all(reference, PROMPTS)
@@ -159,7 +178,8 @@ def test_unsupported_speculative_configurations_are_named():
 
 @pytest.mark.slow
 @pytest.mark.serving
-def test_structured_outputs_with_speculation(reference, speculative):
+def test_structured_outputs_with_speculation(reference, any_speculative):
+    speculative = any_speculative
     # the grammar's mask covers every draft position: a draft it forbids is never kept
     schema = {"type": "object", "properties": {"fruits": {"type": "array", "items": {
         "type": "string", "enum": ["apple", "banana", "cherry"]}, "maxItems": 6}},
