@@ -1,7 +1,7 @@
 """Speculative decoding (n-gram) through `vllm serve` on the offline SmolLM2 model.
 
 The reference is the same model served without speculation: greedy requests, alone
-and concurrent, with penalties, min_tokens, stop strings and EOS, give the same text
+and concurrent (in a KV pool they overflow: preemption with drafts in flight), with penalties, min_tokens, stop strings and EOS, give the same text
 and finish reasons; logprobs of the kept tokens are the reference's. Both servers run
 batch-invariant (VLLM_BATCH_INVARIANT=1): a step with drafts scores several tokens of
 a request at once, and only that mode promises the same logits as one token at a time.
@@ -24,7 +24,9 @@ from test_serving import smollm2_gguf
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
         "prompt_lookup_max": 4}
-COMMON = ["--max-model-len", "512", "--max-num-seqs", "8", "--num-gpu-blocks-override", "160"]
+# a pool of 24 blocks (384 tokens) that the concurrent tests overflow: requests are
+# preempted with drafts in flight and recomputed
+COMMON = ["--max-model-len", "256", "--max-num-seqs", "8", "--num-gpu-blocks-override", "24"]
 ENV = {"VLLM_BATCH_INVARIANT": "1"}
 
 # prompts whose continuations repeat what they contain (drafts get accepted), and one
@@ -106,6 +108,7 @@ def test_greedy_output_is_the_same_with_and_without_speculation(reference, any_s
     accepted = _counter(speculative, "vllm:spec_decode_num_accepted_tokens_total") - accepted_before
     assert drafts > 0 and 0 < accepted <= drafts, (drafts, accepted)
     assert _counter(speculative, "vllm:spec_decode_num_accepted_tokens_per_pos_total") > 0
+    assert _counter(speculative, "vllm:num_preemptions_total") > 0
 
 
 @pytest.mark.slow
