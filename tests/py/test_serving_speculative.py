@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import re
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -139,6 +140,15 @@ def test_logprobs_of_kept_tokens(reference, speculative):
         assert abs(a - b) < 1e-4, (a, b)
     for a, b in zip(g["top_logprobs"], w["top_logprobs"]):
         assert a.keys() == b.keys()
+    # prompt logprobs: their rows come after the draft rows of the step, here those of a
+    # request decoding alongside
+    w = _complete(reference, PROMPTS[1], prompt_logprobs=1, max_tokens=8)
+    with cf.ThreadPoolExecutor(2) as pool:
+        busy = pool.submit(_complete, speculative, PROMPTS[2], max_tokens=150)
+        time.sleep(1.0)
+        g = _complete(speculative, PROMPTS[1], prompt_logprobs=1, max_tokens=8)
+        busy.result()
+    assert g["prompt_logprobs"] == w["prompt_logprobs"] and g["prompt_logprobs"][1]
 
 
 @pytest.mark.slow
