@@ -50,5 +50,25 @@ def test_no_request_of_the_step_in_the_masks_leaves_the_logits():
     assert out is logits
 
 
+def test_speculative_steps_mask_each_draft_position_from_its_block():
+    """With drafts, vLLM gives each structured request a block of 1 + num_speculative_tokens
+    rows (row j: after its first j drafts); the step has 1 + drafts rows per request."""
+    rng = np.random.default_rng(1)
+    vocab, stride = 70, 4
+    req_ids = ["a", "b", "c"]
+    cu = np.array([0, 3, 4, 8])  # a: 2 drafts, b: none, c: 3 drafts
+    logits = rng.standard_normal((8, vocab)).astype(np.float32)
+    masks = rng.integers(-2**31, 2**31, (2 * stride, 3), dtype=np.int64).astype(np.int32)
+    out = GrammarOutput(["c", "a"], masks)  # b is free
+    got = np.array(apply_grammar_bitmask(mx.array(logits), req_ids, out, vocab, cu, stride))
+    want = logits.copy()
+    for block, req in ((0, "c"), (1, "a")):
+        s = req_ids.index(req)
+        for j in range(cu[s + 1] - cu[s]):
+            want[cu[s] + j, ~_allowed(masks[block * stride + j], vocab)] = -np.inf
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got[3], logits[3])
+
+
 def GrammarOutput(req_ids, bitmask):  # noqa: N802 (stands in for vLLM's dataclass)
     return SimpleNamespace(structured_output_request_ids=req_ids, grammar_bitmask=bitmask)
