@@ -18,6 +18,13 @@ zero (has_initial_state 0), never reused. The worker subtracts the pools' bytes 
 the KV-cache budget (state_pool_bytes), so memory accounting stays honest; the mamba
 groups' block ids still count in vLLM's pool (one block per request and group),
 which is what vLLM's own accounting assumes.
+
+Speculative decoding. A step with drafts advances a request's state over all of them;
+when some are rejected the state must go back. Before such a step the runner saves the
+drafting requests' slots into a second set of pools (save_slots), and after a rejection
+restores the slot (restore_slots): the state then covers the tokens before the step,
+and the runner replays the step's kept tokens in front of the next one
+(model_runner.py). The attention layers rewrite their KV rows for those positions.
 """
 
 from __future__ import annotations
@@ -120,16 +127,17 @@ def linear_layer_name(i: int) -> str:
     return f"model.layers.{i}.linear_attn"
 
 
-def state_pool_bytes(loaded, num_slots: int) -> int:
+def state_pool_bytes(loaded, num_slots: int, speculative: bool = False) -> int:
+    """The state pools' bytes (twice with speculative decoding: the saved copies)."""
     hybrid = loaded.hybrid
     per_slot = hybrid.state_shapes.slot_bytes(_ITEMSIZE[hybrid.conv_dtype])
-    return num_slots * per_slot * len(hybrid.linear_layers)
+    return num_slots * per_slot * len(hybrid.linear_layers) * (2 if speculative else 1)
 
 
 class HybridState:
     """The state pools and the request -> slot table of one runner."""
 
-    def __init__(self, loaded, kv_cache_config, num_slots: int):
+    def __init__(self, loaded, kv_cache_config, num_slots: int, speculative: bool = False):
         from vllm.v1.kv_cache_interface import MambaSpec
 
         self.loaded = loaded
@@ -149,6 +157,10 @@ class HybridState:
         self.free = list(range(num_slots - 1, -1, -1))  # pop() takes the lowest slot
         self.slot_of: dict[str, int] = {}
         self.state_len: dict[str, int] = {}  # tokens the request's state covers
+        # speculative decoding: each slot's copy from before the last step that drafted
+        self.saved = (loaded.model.make_state_pools(num_slots, getattr(mx, loaded.hybrid.conv_dtype))
+                      if speculative else None)
+        self.saved_len: dict[str, int] = {}  # tokens a saved copy covers
 
     def packer_groups(self, kv_cache_config, num_blocks: int) -> list:
         from vllm_metal import _core
@@ -162,11 +174,34 @@ class HybridState:
                 out.append(_core.KvGroupSpec(block, num_blocks=num_blocks))
         return out
 
+    def save_slots(self, req_ids: list[str]) -> None:
+        """Copies the requests' states (running requests: they have slots) into the saved
+        pools, evaluated now: the step about to be built updates the slots in place."""
+        idx = mx.array(np.array([self.slot_of[r] for r in req_ids], np.int32))
+        for pool, saved in zip(self.pools, self.saved):
+            if pool is not None:
+                saved.conv = _set_rows(saved.conv, idx, pool.conv[idx])
+                saved.ssm = _set_rows(saved.ssm, idx, pool.ssm[idx])
+        mx.eval([(s.conv, s.ssm) for s in self.saved if s is not None])
+        for r in req_ids:
+            self.saved_len[r] = self.state_len[r]
+
+    def restore_slots(self, req_ids: list[str]) -> None:
+        """The requests' states back to their saved copies (the tokens before the step)."""
+        idx = mx.array(np.array([self.slot_of[r] for r in req_ids], np.int32))
+        for pool, saved in zip(self.pools, self.saved):
+            if pool is not None:
+                pool.conv = _set_rows(pool.conv, idx, saved.conv[idx])
+                pool.ssm = _set_rows(pool.ssm, idx, saved.ssm[idx])
+        for r in req_ids:
+            self.state_len[r] = self.saved_len[r]
+
     def release(self, req_ids) -> None:
         """Finished or preempted requests give their slots back."""
         for r in req_ids:
             slot = self.slot_of.pop(r, None)
             self.state_len.pop(r, None)
+            self.saved_len.pop(r, None)
             if slot is not None:
                 self.free.append(slot)
 
@@ -196,3 +231,10 @@ class HybridState:
             slots[b] = self.slot_of[r]
             self.state_len[r] = int(seq_lens[b])
         return slots, has_init
+
+
+def _set_rows(pool: mx.array, idx: mx.array, rows: mx.array) -> mx.array:
+    """pool with rows idx replaced (exactly: no arithmetic on the values)."""
+    keep = mx.ones((pool.shape[0],), mx.bool_).at[idx].multiply(mx.zeros(idx.shape, mx.bool_))
+    full = mx.zeros_like(pool).at[idx].add(rows)
+    return mx.where(keep.reshape((-1,) + (1,) * (pool.ndim - 1)), pool, full)

@@ -139,6 +139,9 @@ class MetalModelRunner:
         self.custom_processors = None  # sampling.custom_processors: --logits-processors
         self.speculation = NgramSpeculation.from_config(vllm_config)  # None: no drafts
         self._unread_spec_step: _SubmittedStep | None = None  # its tokens not yet appended
+        # hybrid models with drafts rejected: request -> the tokens its restored state
+        # covers; its next step starts there (replays the kept tokens)
+        self._replay: dict[str, int] = {}
         self.hybrid = None  # hybrid.HybridState for models with linear-attention layers
         self.attention_group = 0  # the KV-cache group of the attention layers
         self.kv_cache_description = "not allocated"  # for the startup summary
@@ -213,7 +216,8 @@ class MetalModelRunner:
             return 0
         from vllm_metal import hybrid
 
-        return hybrid.state_pool_bytes(self.loaded, self.scheduler_config.max_num_seqs)
+        return hybrid.state_pool_bytes(self.loaded, self.scheduler_config.max_num_seqs,
+                                       speculative=self.speculation is not None)
 
     def initialize_kv_cache(self, kv_cache_config) -> None:
         if self.loaded.hybrid is not None:
@@ -233,7 +237,7 @@ class MetalModelRunner:
         mx.eval(self.kv_caches)
         self.packer = _core.BatchPacker(
             max_num_reqs=self.scheduler_config.max_num_seqs,
-            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
+            max_num_batched_tokens=self._packer_token_budget(),
             max_model_len=self.model_config.max_model_len,
             kv_groups=[_core.KvGroupSpec(block_size, num_blocks=num_blocks)],
         )
@@ -241,13 +245,22 @@ class MetalModelRunner:
         self.kv_cache_description = (f"{num_blocks} blocks of {block_size} tokens "
                                      f"({num_blocks * block_size} tokens, {kv_bytes / 2**20:.1f} MiB)")
 
+    def _packer_token_budget(self) -> int:
+        """The scheduler's tokens per step, plus room for hybrid models' replays of kept
+        drafts under speculative decoding (at most 1 + k tokens per request)."""
+        budget = self.scheduler_config.max_num_batched_tokens
+        if self.speculation is not None and self.loaded.hybrid is not None:
+            budget += self.scheduler_config.max_num_seqs * (1 + self.speculation.num_speculative_tokens)
+        return budget
+
     def _initialize_hybrid_cache(self, kv_cache_config) -> None:
         """Paged KV for the attention layers (their group's block size), state slots for
         the linear-attention layers (see hybrid.py for why slots, not vLLM's block ids)."""
         from vllm_metal.hybrid import HybridState
 
         spec = self.loaded.spec
-        self.hybrid = HybridState(self.loaded, kv_cache_config, self.scheduler_config.max_num_seqs)
+        self.hybrid = HybridState(self.loaded, kv_cache_config, self.scheduler_config.max_num_seqs,
+                                  speculative=self.speculation is not None)
         self.attention_group = self.hybrid.attention_group
         num_blocks = kv_cache_config.num_blocks
         block_size = kv_cache_config.kv_cache_groups[self.attention_group].kv_cache_spec.block_size
@@ -259,7 +272,7 @@ class MetalModelRunner:
         mx.eval([c for c in self.kv_caches if c is not None])
         self.packer = _core.BatchPacker(
             max_num_reqs=self.scheduler_config.max_num_seqs,
-            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
+            max_num_batched_tokens=self._packer_token_budget(),
             max_model_len=self.model_config.max_model_len,
             kv_groups=self.hybrid.packer_groups(kv_cache_config, num_blocks),
         )
@@ -303,7 +316,12 @@ class MetalModelRunner:
         drafts = {}
         if self.speculation is not None:
             scheduled, drafts = self.speculation.step_drafts(scheduler_output)
+            for r in [r for r in self._replay if r in scheduled]:
+                # the kept tokens after the restored state go in front of this step's
+                scheduled[r] += len(p.token_ids(r)) - 1 - self._replay.pop(r)
             p.pack(scheduled, drafts or None)
+            if self.hybrid is not None and drafts:
+                self.hybrid.save_slots(list(drafts))  # restored if a draft is rejected
         else:
             p.pack(dict(scheduler_output.num_scheduled_tokens))
         source_step = self._deferred[-1] if p.num_input_sources else None
@@ -447,6 +465,12 @@ class MetalModelRunner:
             rows[i, :len(out)] = out
         self.packer.append_sampled(rows)
         step.tokens, step.outputs = tokens, outputs
+        if self.hybrid is not None and step.cu_num_logits is not None:
+            counts = np.diff(step.cu_num_logits)
+            rejected = [r for r, out, n in zip(step.req_ids, outputs, counts) if 0 < len(out) < n]
+            if rejected:  # their states went past the kept tokens: back to before the step
+                self.hybrid.restore_slots(rejected)
+                self._replay.update({r: self.hybrid.state_len[r] for r in rejected})
         if self._unread_spec_step is step:
             self._unread_spec_step = None
         self.speculation.propose(self.packer, step.req_ids, outputs)
@@ -529,6 +553,8 @@ class MetalModelRunner:
                 self.custom_processors.remove(gone)
             if self.speculation is not None:
                 self.speculation.drop(gone)
+        for r in gone | set(so.preempted_req_ids or ()):
+            self._replay.pop(r, None)
         for new in so.scheduled_new_reqs:
             tokens = new.prefill_token_ids if new.prefill_token_ids is not None else new.prompt_token_ids
             if tokens is None:
@@ -555,6 +581,7 @@ class MetalModelRunner:
             if self.speculation is not None:
                 computed = self.speculation.computed_tokens(
                     cached.req_ids, computed, lambda r: len(p.token_ids(r)) if r in p else 1 << 30)
+                computed = [self._replay.get(r, c) for r, c in zip(cached.req_ids, computed)]
             p.update_requests(
                 list(cached.req_ids), computed,
                 [None if b is None else [list(g) for g in b] for b in cached.new_block_ids],

@@ -204,10 +204,9 @@ def _refuse_unsupported(vllm_config: VllmConfig) -> None:
     if model is None:
         return
     if vllm_config.speculative_config is not None:
-        from vllm_metal.hybrid import is_hybrid_config
         from vllm_metal.speculative import unsupported_reason
 
-        reason = unsupported_reason(vllm_config, is_hybrid_config(model.hf_text_config))
+        reason = unsupported_reason(vllm_config)
         if reason:
             raise UnsupportedConfiguration(f"[vllm-metal] {reason}")
     if getattr(model, "enable_prompt_embeds", False):

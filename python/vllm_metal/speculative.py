@@ -119,7 +119,7 @@ class NgramSpeculation:
             self.stop_ids.pop(r, None)
 
 
-def unsupported_reason(vllm_config, hybrid: bool) -> str | None:
+def unsupported_reason(vllm_config) -> str | None:
     """Why this speculative configuration cannot be served (None: it can)."""
     spec = vllm_config.speculative_config
     if spec is None:
@@ -127,9 +127,6 @@ def unsupported_reason(vllm_config, hybrid: bool) -> str | None:
     if spec.method != "ngram":
         return (f"speculative method {spec.method!r} is not supported yet "
                 "(supported: ngram)")
-    if hybrid:
-        return ("speculative decoding on models with linear-attention layers (Gated DeltaNet) "
-                "is not supported yet: rejected drafts would need the recurrent state rolled back")
     if vllm_config.model_config.logits_processors:
         return "--logits-processors together with speculative decoding is not supported yet"
     return None

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from qwen3_5_checkpoint import greedy, reference_model, write_checkpoint
-from serving_harness import Server
+from serving_harness import Server, runner_hook
 
 pytestmark = [pytest.mark.slow, pytest.mark.serving]
 
@@ -143,3 +143,82 @@ def test_gguf_file_with_mtp_block_is_served(tmp_path, reference):
             assert complete_ids(s, prompt, n) == greedy(reference, prompt, n)
     finally:
         s.stop()
+
+
+
+# In the served process: the n-gram proposer's drafts replaced by an oracle's, which
+# knows each job's greedy continuation and proposes j right tokens then a wrong one,
+# j = 0..3 in turn (3: all right), so drafts are kept, partly kept and rejected.
+ORACLE_HOOK = runner_hook(
+    """
+    import json
+    import os
+
+
+    def wrap(execute_model):
+        jobs = json.load(open(os.environ["ORACLE_JOBS"]))
+
+        def oracle(spec, propose):
+            def proposing(packer, req_ids, outputs):
+                propose(packer, req_ids, outputs)
+                for r in list(spec.drafts):
+                    history = packer.token_ids(r)
+                    for prompt, truth in jobs:
+                        gen = history[len(prompt):]
+                        if history[:len(prompt)] == prompt and gen == truth[:len(gen)]:
+                            right = truth[len(gen):]
+                            j = len(gen) % 4
+                            d = right[:j] + ([(right[j] + 1) % 320] if j < len(right) else [])
+                            spec.drafts[r] = d[:spec.num_speculative_tokens]
+                            if r not in spec.proposed:
+                                spec.proposed.append(r)
+            return proposing
+
+        def patched(self, so):
+            if self.speculation is not None and not getattr(self, "_oracle", False):
+                self.speculation.propose = oracle(self.speculation, self.speculation.propose)
+                self._oracle = True
+            return execute_model(self, so)
+
+        return patched
+    """
+)
+
+
+@pytest.mark.parametrize("scheduling", ["async", "sync"])
+def test_speculative_decoding_matches_mlx_lm(tmp_path, reference, scheduling):
+    """Drafts on the hybrid model: a rejected draft takes the linear-attention state back
+    (its slot restored, the kept tokens replayed in front of the next step), so the tokens
+    stay mlx-lm's greedy ones. The drafts come from an oracle (ORACLE_HOOK): a random
+    checkpoint never repeats itself, so n-gram drafts would all be rejected."""
+    import json
+    import os
+    import re
+
+    checkpoint = write_checkpoint(tmp_path / "text", seed=0)
+    work = jobs(11, 4)
+    want = [greedy(reference, p, n) for p, n in work]
+    (tmp_path / "jobs.json").write_text(json.dumps([[p, w] for (p, _), w in zip(work, want)]))
+    (tmp_path / "sitecustomize.py").write_text(ORACLE_HOOK)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}
+    env = {"ORACLE_JOBS": str(tmp_path / "jobs.json"),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    extra = [] if scheduling == "async" else ["--no-async-scheduling"]
+    s = Server(str(checkpoint), "qwen3_5-tiny",
+               [*SERVER_ARGS, "--speculative-config", json.dumps(spec), *extra], env=env)
+    try:
+        with cf.ThreadPoolExecutor(len(work)) as pool:
+            got = list(pool.map(lambda j: complete_ids(s, *j), work))
+        metrics = s.client.get("/metrics").text
+    finally:
+        s.stop()
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"request {i}"
+
+    def total(name):
+        return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", metrics, re.M))
+
+    drafts = total("vllm:spec_decode_num_draft_tokens_total")
+    accepted = total("vllm:spec_decode_num_accepted_tokens_total")
+    assert 0.2 * drafts < accepted < drafts, (accepted, drafts)  # kept, and rejected

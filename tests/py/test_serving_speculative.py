@@ -173,19 +173,18 @@ def test_vllm_refuses_min_p_and_logit_bias_with_speculation_and_the_engine_lives
     assert _complete(speculative, PROMPTS[0], max_tokens=4)["text"]
 
 
-def _config(method="ngram", hybrid=False, processors=None):
+def _config(method="ngram", processors=None):
     from vllm_metal.speculative import unsupported_reason
 
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(method=method),
                           model_config=SimpleNamespace(logits_processors=processors))
-    return unsupported_reason(cfg, hybrid)
+    return unsupported_reason(cfg)
 
 
 def test_unsupported_speculative_configurations_are_named():
     assert _config() is None
     assert "'eagle3' is not supported yet" in _config("eagle3")
     assert "'draft_model' is not supported yet" in _config("draft_model")
-    assert "linear-attention" in _config(hybrid=True)
     assert "--logits-processors" in _config(processors=["x.Y"])
 
 
