@@ -41,7 +41,7 @@ class NgramSpeculation:
 
     @classmethod
     def from_config(cls, vllm_config) -> "NgramSpeculation | None":
-        spec = vllm_config.speculative_config
+        spec = getattr(vllm_config, "speculative_config", None)
         if spec is None:
             return None
         return cls(spec, vllm_config.model_config.max_model_len,
