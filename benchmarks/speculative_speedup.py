@@ -87,19 +87,19 @@ def inventory(rng: np.random.Generator, n_items: int) -> tuple[str, int]:
 
 
 def repetitive_requests(tokenizer, n: int, output_len: int, seed: int) -> list[Request]:
-    """Edit-this prompts: the document, the one change, then the rewrite's first line, so
+    """Edit-this prompts: the document, the one change, then the rewrite's first lines, so
     the answer is mostly a copy of the prompt. Half code, half an inventory list."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
         if i % 2 == 0:
             src, old, new = python_module(rng, 6)
-            first = src.splitlines()[0].replace(old, new)
-            prompt = (f"Here is a Python module:\n\n```python\n{src}```\n\nRewrite the module "
-                      f"with the function `{old}` renamed to `{new}` and nothing else changed. "
-                      f"The rewritten module:\n\n```python\n{first}\n")
+            # the rewrite's first three lines (after only one, SmolLM2 tends to stop copying)
+            first = "\n".join(src.splitlines()[:3]).replace(old, new)
+            prompt = (f"# module.py\n\n{src}\n\n# module.py again, with the function `{old}` "
+                      f"renamed to `{new}` and nothing else changed:\n\n{first}\n")
         else:
-            text, item = inventory(rng, 24)
+            text, item = inventory(rng, 14)
             prompt = (f"Inventory list:\n\n{text}\nRewrite the list with the quantity of item "
                       f"{item:03d} set to 0 and every other line unchanged.\n\n"
                       f"{text.splitlines()[0]}\n")
