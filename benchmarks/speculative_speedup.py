@@ -128,9 +128,10 @@ def spec_counters(base: str) -> dict[str, float] | None:
     return got or None
 
 
-def make_peer(name: str, gguf: str, port: int, threads: int, max_conc: int, llama_bin: str):
+def make_peer(name: str, gguf: str, port: int, threads: int, max_conc: int, llama_bin: str,
+              int8: bool):
     if name.startswith("ours"):
-        peer = servers.ours(gguf, port, threads, max_conc, int8_activations=False)
+        peer = servers.ours(gguf, port, threads, max_conc, int8_activations=int8)
         if name == "ours-ngram":
             peer.argv += ["--speculative-config", json.dumps(OURS_SPEC)]
     else:
@@ -152,6 +153,8 @@ def main() -> int:
                     help="prompts per cell = max(--min-prompts, concurrency x this)")
     ap.add_argument("--min-prompts", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--int8-activations", action="store_true",
+                    help="ours with VLLM_METAL_INT8_ACTIVATIONS=1 (llama.cpp's CPU path is int8)")
     ap.add_argument("--llama-bin", default=str(ROOT / "build" / "peers" / "llama.cpp" / "bin"))
     ap.add_argument("--json", help="also write the run as one JSON document")
     args = ap.parse_args()
@@ -176,12 +179,13 @@ def main() -> int:
     warm = repetitive_requests(tokenizer, 1, 32, seed=7)[0]
     run = {"cpu": cpu_model(), "model": Path(gguf).name, "date": time.strftime("%Y-%m-%d %H:%M"),
            "command": " ".join(sys.argv), "load_before": load_average(), "ours_spec": OURS_SPEC,
-           "llama_spec": LLAMA_SPEC, "cells": [],
+           "llama_spec": LLAMA_SPEC, "int8_activations": args.int8_activations, "cells": [],
            "prompt_tokens_mean": {f"{w} c={c}": float(np.mean([r.prompt_tokens for r in rs]))
                                   for (w, c), rs in workload.items()}}
     for name in names:
         port = free_port()
-        peer = make_peer(name, gguf, port, args.threads, max(conc), args.llama_bin)
+        peer = make_peer(name, gguf, port, args.threads, max(conc), args.llama_bin,
+                         args.int8_activations)
         t0 = time.monotonic()
         server = servers.RunningServer(peer, port)
         startup = time.monotonic() - t0

@@ -93,6 +93,8 @@ def main() -> int:
     ap.add_argument("--prompts-per-slot", type=int, default=2,
                     help="prompts per cell = max(8, concurrency x this)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--int8-activations", action="store_true",
+                    help="ours with VLLM_METAL_INT8_ACTIVATIONS=1 (llama.cpp's CPU path is int8)")
     ap.add_argument("--llama-bin", default=str(ROOT / "build" / "peers" / "llama.cpp" / "bin"))
     ap.add_argument("--json", help="also write the run as one JSON document")
     args = ap.parse_args()
@@ -111,11 +113,13 @@ def main() -> int:
                for c in conc}
     run = {"cpu": cpu_model(), "model": Path(gguf).name, "date": time.strftime("%Y-%m-%d %H:%M"),
            "command": " ".join(sys.argv), "load_before": load_average(), "schema": SCHEMA,
+           "int8_activations": args.int8_activations,
            "checks": {}, "cells": []}
     for engine in ("vllm-metal", "llama.cpp"):
         port = free_port()
         if engine == "vllm-metal":
-            peer = servers.ours(gguf, port, args.threads, max(conc), int8_activations=False)
+            peer = servers.ours(gguf, port, args.threads, max(conc),
+                                int8_activations=args.int8_activations)
             peer.argv.append("--no-enable-prefix-caching")
             no_cache = {}
         else:
