@@ -1,4 +1,4 @@
-"""Filters for three vLLM / torch log records that report, as failures, what this
+"""Filters for four vLLM / torch log records that report, as failures, what this
 platform leaves out on purpose or what a requested shutdown does. Each drops exactly
 its record, under the condition that makes it noise; everything else passes.
 
@@ -11,6 +11,10 @@ its record, under the condition that makes it noise; everything else passes.
    with an EngineDeadError traceback, although nothing failed. Dropped only after the
    API server has logged (at INFO, vLLM's default level) that it is shutting down: an
    engine that dies while serving is still reported in full.
+4. vLLM warns that a custom scheduler class may have "async scheduling disabled" and
+   "degraded performance". The platform's own classes (vllm_metal.scheduler) subclass
+   vLLM's Scheduler and AsyncScheduler, so for them neither is true; a user's class
+   is still warned about.
 """
 
 from __future__ import annotations
@@ -22,11 +26,18 @@ _TORCH_TRITON_LOGGER = "torch._library.triton"
 _TRITON_KERNELS_LOGGER = "vllm.model_executor.layers.fused_moe.config"
 _LAUNCHER_LOGGER = "vllm.entrypoints.launchers.launcher"
 _ASYNC_LLM_LOGGER = "vllm.v1.engine.async_llm"
+_SCHEDULER_CONFIG_LOGGER = "vllm.config.scheduler"
 
 
 class _NoTritonKernels(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith("Failed to import Triton kernels")
+
+
+class _OurSchedulerIsNotCustom(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (str(record.msg).startswith("Using custom scheduler class")
+                    and str(record.args and record.args[0]).startswith("vllm_metal.scheduler."))
 
 
 class _ShutdownState(logging.Filter):
@@ -66,3 +77,4 @@ def install() -> None:
     state = _ShutdownState()
     launcher.addFilter(state)
     logging.getLogger(_ASYNC_LLM_LOGGER).addFilter(_DropEngineDeadWhileStopping(state))
+    logging.getLogger(_SCHEDULER_CONFIG_LOGGER).addFilter(_OurSchedulerIsNotCustom())

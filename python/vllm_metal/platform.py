@@ -42,6 +42,11 @@ class UnsupportedConfiguration(ValueError):
     """Raised at startup for settings the Metal runner does not support."""
 
 
+# vLLM's prefix-caching hash algorithms and their digest bytes: the C++ block pool
+# keys on the first 16 (kv_cache_manager.py), so every one of these qualifies.
+PREFIX_CACHE_HASH_DIGEST_BYTES = {"sha256": 32, "sha256_cbor": 32, "xxhash": 16, "xxhash_cbor": 16}
+
+
 def _refuse(what: str, hint: str = "") -> None:
     raise UnsupportedConfiguration(f"[vllm-metal] {what} is not supported" + (f"; {hint}" if hint else ""))
 
@@ -135,6 +140,7 @@ class MetalPlatform(Platform):
         from vllm.config.compilation import CUDAGraphMode
 
         _refuse_unsupported(vllm_config)
+        _use_core_kv_cache_manager(vllm_config)
         parallel = vllm_config.parallel_config
         if parallel.worker_cls == "auto":
             parallel.worker_cls = "vllm_metal.worker.MetalWorker"
@@ -192,7 +198,29 @@ def _on_apple() -> bool:
     return platform.system() == "Darwin" and platform.machine() == "arm64"
 
 
+def _use_core_kv_cache_manager(vllm_config: VllmConfig) -> None:
+    """vLLM's scheduler with the C++ runtime's KV-cache manager (scheduler.py),
+    unless the user named a scheduler class of their own."""
+    sched = vllm_config.scheduler_config
+    if sched.scheduler_cls is None:
+        name = "MetalAsyncScheduler" if sched.async_scheduling else "MetalScheduler"
+        sched.scheduler_cls = f"vllm_metal.scheduler.{name}"
+
+
+def _refuse_unsupported_kv_cache(vllm_config: VllmConfig) -> None:
+    """What the C++ KV-cache manager does not do (kv_cache_manager.py)."""
+    algo = vllm_config.cache_config.prefix_caching_hash_algo
+    if algo not in PREFIX_CACHE_HASH_DIGEST_BYTES:
+        _refuse(f"--prefix-caching-hash-algo {algo}",
+                f"supported: {', '.join(PREFIX_CACHE_HASH_DIGEST_BYTES)}")
+    if vllm_config.kv_transfer_config is not None:
+        _refuse("KV connectors (--kv-transfer-config)")
+    if vllm_config.observability_config.kv_cache_metrics:
+        _refuse("--kv-cache-metrics (block residency sampling)")
+
+
 def _refuse_unsupported(vllm_config: VllmConfig) -> None:
+    _refuse_unsupported_kv_cache(vllm_config)
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
         _refuse("tensor or pipeline parallelism", "run with --tensor-parallel-size 1")

@@ -15,4 +15,5 @@ NB_MODULE(_core, m) {
   vllm_metal::bindings::bind_decoder_layer(m);
   vllm_metal::bindings::bind_step_recording(m);
   vllm_metal::bindings::bind_structured_outputs(m);
+  vllm_metal::bindings::bind_runtime_kv_manager(m);
 }
