@@ -10,7 +10,6 @@ management at 64-1,024 running requests).
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import tempfile
 import time
@@ -18,20 +17,9 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_block_pool  # noqa: E402  (its workloads and fixed output tokens)
 
-
-def _load_block_pool_bench():
-    if "bench_block_pool" in sys.modules:
-        return sys.modules["bench_block_pool"]
-    spec = importlib.util.spec_from_file_location("bench_block_pool", HERE / "bench_block_pool.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_block_pool"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench_block_pool = _load_block_pool_bench()
 make_workload = bench_block_pool.make_workload
 output_token = bench_block_pool.output_token
 VOCAB = 32000

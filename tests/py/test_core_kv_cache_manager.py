@@ -10,7 +10,6 @@ prefix-cache statistics; with KV events on, the same events.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -18,20 +17,8 @@ import pytest
 
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM 0.33")
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load_trace():
-    if "scheduler_trace" in sys.modules:
-        return sys.modules["scheduler_trace"]
-    spec = importlib.util.spec_from_file_location("scheduler_trace", ROOT / "benchmarks/runtime/scheduler_trace.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["scheduler_trace"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-trace = _load_trace()
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "runtime"))
+import scheduler_trace as trace  # noqa: E402
 
 
 def workload(seed: int, num_requests: int = 70):
