@@ -15,9 +15,9 @@ HybridState maps request -> slot: a slot is taken when a request's first chunk r
 finishes or is preempted. A preempted request restarts from position 0 (both runner
 contracts; prefix caching is off for hybrid models), so its state is recomputed from
 zero (has_initial_state 0), never reused. The worker subtracts the pools' bytes from
-the KV-cache budget (state_pool_bytes), so memory accounting stays honest; the mamba
-groups' block ids still count in vLLM's pool (one block per request and group),
-which is what vLLM's own accounting assumes.
+the KV-cache budget (kv_plan.py: the runtime's geometry sizes them), so memory
+accounting stays honest; the mamba groups' block ids still count in vLLM's pool (one
+block per request and group), which is what vLLM's own accounting assumes.
 
 Speculative decoding. A step with drafts advances a request's state over all of them;
 when some are rejected the state must go back. Before such a step the runner saves the
@@ -36,9 +36,6 @@ from vllm_metal.log import get_logger
 
 logger = get_logger(__name__)
 
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
 def is_hybrid_config(hf_config) -> bool:
     from vllm_metal.models.qwen3_5_paged import MODEL_TYPES
 
@@ -50,14 +47,18 @@ def _dtype_name(dtype) -> str:
 
 
 def page_sizes(hf_text_config, dtype: str) -> tuple[int, int]:
-    """(attention bytes per token per layer, state bytes per request per linear layer)."""
+    """(attention bytes per token per layer, state bytes per request per linear layer),
+    from the runtime's geometry (kv_plan): one layer of each kind, a one-token block, one
+    slot (no model is loaded yet when the platform aligns the block size)."""
+    from vllm_metal import _core, kv_plan
     from vllm_metal.models.qwen3_5_paged import state_shapes_of
 
     cfg = hf_text_config.to_dict() if hasattr(hf_text_config, "to_dict") else dict(hf_text_config)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    itemsize = _ITEMSIZE[dtype]
-    attn_per_token = 2 * cfg["num_key_value_heads"] * head_dim * itemsize
-    return attn_per_token, state_shapes_of(cfg).slot_bytes(itemsize)
+    attention = _core.KvLayerSpec.full_attention(cfg["num_key_value_heads"], head_dim, dtype=dtype)
+    linear = kv_plan.linear_attention(state_shapes_of(cfg), dtype)
+    g = _core.size_kv_pool([attention, linear], block_size=1, max_num_seqs=1)
+    return g.layers[0].bytes_per_block, g.layers[1].bytes
 
 
 def align_block_size(vllm_config) -> None:
@@ -125,13 +126,6 @@ def attention_layer_name(i: int) -> str:
 
 def linear_layer_name(i: int) -> str:
     return f"model.layers.{i}.linear_attn"
-
-
-def state_pool_bytes(loaded, num_slots: int, speculative: bool = False) -> int:
-    """The state pools' bytes (twice with speculative decoding: the saved copies)."""
-    hybrid = loaded.hybrid
-    per_slot = hybrid.state_shapes.slot_bytes(_ITEMSIZE[hybrid.conv_dtype])
-    return num_slots * per_slot * len(hybrid.linear_layers) * (2 if speculative else 1)
 
 
 class HybridState:

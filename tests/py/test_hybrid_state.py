@@ -117,8 +117,16 @@ def test_resuming_without_state_is_refused(loaded):
 
 
 def test_state_memory_comes_out_of_the_budget(loaded):
+    from vllm_metal import kv_plan
+
     per_slot = 192 * 3 * 4 + 4 * 16 * 32 * 4
-    assert hybrid.state_pool_bytes(loaded, 8) == 8 * per_slot * 3
+    sizing = kv_plan.size(loaded, block_size=32, max_num_seqs=8, speculative=False)
+    assert sizing.state_bytes == 8 * per_slot * 3
+    assert kv_plan.size(loaded, block_size=32, max_num_seqs=8, speculative=True).state_bytes == 2 * 8 * per_slot * 3
+    # the pools HybridState allocates are the ones the geometry counted
+    state = hybrid.HybridState(loaded, kv_cache_config(loaded), num_slots=8)
+    pools = [p for p in state.pools if p is not None]
+    assert sum(p.conv.nbytes + p.ssm.nbytes for p in pools) == sizing.state_bytes
 
 
 def test_worker_budget_leaves_room_for_the_state():
