@@ -31,8 +31,9 @@ rt::KvLayerSpec sliding(int64_t heads, int64_t dim, int64_t window) {
 }
 
 rt::KvLayerSpec gdn() {
-  // Gated DeltaNet state: conv [kernel - 1, conv_dim] in the model dtype,
-  // recurrent [num_v_heads, head_v_dim, head_k_dim] in float32.
+  // Gated DeltaNet state: conv in the model dtype (8192 x (kernel - 1) elements; the
+  // order of the dimensions does not change the bytes), recurrent
+  // [num_v_heads, head_v_dim, head_k_dim] in float32.
   rt::KvLayerSpec l;
   l.kind = rt::KvLayerKind::kLinearAttention;
   l.states = {{{3, 8192}, rt::KvDtype::kBFloat16}, {{32, 128, 128}, rt::KvDtype::kFloat32}};

@@ -55,7 +55,7 @@ const char* kv_layer_kind_name(KvLayerKind kind);
 KvLayerKind parse_kv_layer_kind(const std::string& name);
 
 // One per-sequence state tensor of a linear-attention layer, e.g. Gated
-// DeltaNet's conv state [kernel - 1, conv_dim] and recurrent state
+// DeltaNet's conv state [conv_dim, kernel - 1] and recurrent state
 // [num_v_heads, head_v_dim, head_k_dim] (float32).
 struct KvStateSpec {
   std::vector<int64_t> shape;  // per sequence (no leading slot dimension)
