@@ -46,36 +46,35 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def page_sizes(hf_text_config, dtype: str) -> tuple[int, int]:
-    """(attention bytes per token per layer, state bytes per request per linear layer),
-    from the runtime's geometry (kv_plan): one layer of each kind, a one-token block, one
-    slot (no model is loaded yet when the platform aligns the block size)."""
+def config_layer_specs(hf_text_config, dtype: str) -> list:
+    """One attention and one linear-attention layer of the model as _core.KvLayerSpecs,
+    from the HF config (no model is loaded yet when the platform aligns the block size)."""
     from vllm_metal import _core, kv_plan
     from vllm_metal.models.qwen3_5_paged import state_shapes_of
 
     cfg = hf_text_config.to_dict() if hasattr(hf_text_config, "to_dict") else dict(hf_text_config)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    attention = _core.KvLayerSpec.full_attention(cfg["num_key_value_heads"], head_dim, dtype=dtype)
-    linear = kv_plan.linear_attention(state_shapes_of(cfg), dtype)
-    g = _core.size_kv_pool([attention, linear], block_size=1, max_num_seqs=1)
-    return g.layers[0].bytes_per_block, g.layers[1].bytes
+    return [_core.KvLayerSpec.full_attention(cfg["num_key_value_heads"], head_dim, dtype=dtype),
+            kv_plan.linear_attention(state_shapes_of(cfg), dtype)]
 
 
 def align_block_size(vllm_config) -> None:
     """The smallest multiple of the block size whose attention page holds a state page;
-    the state page is padded to it (vLLM's rule for hybrid models, from the config:
-    no vLLM model class is built on this platform)."""
+    the state page is padded to it (vLLM's rule for hybrid models, computed by the
+    runtime's geometry, align_kv_pages, from the config: no vLLM model class is built on
+    this platform)."""
+    from vllm_metal import _core
+
     cache = vllm_config.cache_config
     model = vllm_config.model_config
-    attn_per_token, state = page_sizes(model.hf_text_config, _dtype_name(model.dtype))
-    base = cache.block_size or 16
-    block = base * -(-state // (base * attn_per_token))
-    if block != cache.block_size:
+    layers = config_layer_specs(model.hf_text_config, _dtype_name(model.dtype))
+    pages = _core.align_kv_pages(layers, cache.block_size or 16)
+    if pages.block_size != cache.block_size:
         logger.info("vllm-metal: hybrid model: attention block size %d tokens, so that a "
                     "block's page (%d bytes) holds one request's state of a linear-attention "
-                    "layer (%d bytes)", block, block * attn_per_token, state)
-    cache.block_size = block
-    cache.mamba_page_size_padded = block * attn_per_token
+                    "layer (%d bytes)", pages.block_size, pages.page_bytes, pages.state_page_bytes)
+    cache.block_size = pages.block_size
+    cache.mamba_page_size_padded = pages.page_bytes
     cache.mamba_block_size = model.max_model_len
 
 

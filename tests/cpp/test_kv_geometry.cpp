@@ -316,3 +316,27 @@ TEST(KvGeometry, DescriptionNamesBlocksTokensAndMiB) {
             "10 blocks of 528 tokens for 1 attention layers (10.3 MiB), 2 state slots for 3 linear-attention "
             "layers (12.3 MiB)");
 }
+
+TEST(KvGeometry, HybridPagesAlignToTheState) {
+  // One attention layer's page (2 * B * 2 heads * 256 * 2 bytes = 2048 B per token) must
+  // hold one sequence's GDN state (2146304 B): B = 16 * ceil(2146304 / (16 * 2048)) = 1056.
+  const std::vector<rt::KvLayerSpec> layers = {gdn(), gdn(), gdn(), full(2, 256)};
+  const auto a = rt::align_kv_pages(layers, 16);
+  const int64_t state = 3 * 8192 * 2 + 32 * 128 * 128 * 4;
+  EXPECT_EQ(a.state_page_bytes, state);
+  EXPECT_EQ(a.block_size, 16 * ((state + 16 * 2048 - 1) / (16 * 2048)));
+  EXPECT_EQ(a.block_size, 1056);
+  EXPECT_EQ(a.page_bytes, 1056 * 2048);
+  EXPECT_GE(a.page_bytes, state);
+  EXPECT_LT(a.page_bytes - 16 * 2048, state);  // the smallest multiple of 16 that holds it
+  // A state that fits in the base block leaves it as it is.
+  rt::KvLayerSpec small;
+  small.kind = rt::KvLayerKind::kLinearAttention;
+  small.states = {{{4, 4}, rt::KvDtype::kFloat32}};
+  EXPECT_EQ(rt::align_kv_pages({small, full(2, 256)}, 16).block_size, 16);
+  EXPECT_EQ(rt::align_kv_pages({full(2, 256)}, 32).block_size, 32);  // no state: no change
+  // Refusals.
+  EXPECT_THROW(rt::align_kv_pages({gdn()}, 16), std::invalid_argument);  // no attention layer
+  EXPECT_THROW(rt::align_kv_pages({full(2, 256), full(4, 256)}, 16), std::invalid_argument);
+  EXPECT_THROW(rt::align_kv_pages(layers, 0), std::invalid_argument);
+}

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_metal._core import (KvLayerSpec, choose_kernel_block_size, plan_kv_pool, size_kv_pool,
-                              split_block_ids)
+from vllm_metal._core import (KvLayerSpec, align_kv_pages, choose_kernel_block_size, plan_kv_pool,
+                              size_kv_pool, split_block_ids)
 
 GiB = 1 << 30
 DTYPE_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1}
@@ -107,6 +107,19 @@ def test_sizing_before_the_block_count():
     assert g.layers[0].bytes == 2 * 4 * per_seq
     with pytest.raises(ValueError, match="state_copies must be >= 1, got 0"):
         size_kv_pool(layers, block_size=16, state_copies=0)
+
+
+@pytest.mark.parametrize("base", [16, 32, 48])
+def test_hybrid_pages_align_to_the_state(base):
+    """vLLM's one page size: the smallest multiple of base whose attention page holds a state."""
+    pages = align_kv_pages([gdn(), KvLayerSpec.full_attention(2, 256, dtype="bfloat16")], base)
+    state, per_token = 3 * 8192 * 2 + 32 * 128 * 128 * 4, 2 * 2 * 256 * 2
+    block = next(b for b in range(base, 1 << 20, base) if b * per_token >= state)
+    assert (pages.block_size, pages.page_bytes, pages.state_page_bytes) == (block, block * per_token, state)
+    with pytest.raises(ValueError, match="one page size needs attention layers of one size"):
+        align_kv_pages([gdn(), KvLayerSpec.full_attention(2, 256), KvLayerSpec.full_attention(1, 256)], base)
+    with pytest.raises(ValueError, match="aligning pages needs an attention layer"):
+        align_kv_pages([gdn()], base)
 
 
 def test_description():

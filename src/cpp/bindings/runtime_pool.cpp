@@ -312,6 +312,13 @@ void bind_geometry(nb::module_& m) {
       "layers"_a, nb::kw_only(), "block_size"_a, "kernel_block_size"_a = 0, "max_num_seqs"_a = 1,
       "state_copies"_a = 1,
       "Bytes per block and state bytes before the block count is known (a geometry of 0 blocks).");
+  nb::class_<rt::KvPageAlignment>(m, "KvPageAlignment", "A hybrid model's block size and page (kv_geometry.h).")
+      .def_ro("block_size", &rt::KvPageAlignment::block_size)
+      .def_ro("page_bytes", &rt::KvPageAlignment::page_bytes)
+      .def_ro("state_page_bytes", &rt::KvPageAlignment::state_page_bytes);
+  m.def("align_kv_pages", &rt::align_kv_pages, "layers"_a, "base_block_size"_a,
+        "The smallest multiple of base_block_size whose attention page holds one sequence's\n"
+        "linear-attention state, and that page's bytes (vLLM's one page size for hybrid models).");
   m.def("choose_kernel_block_size", &rt::choose_kernel_block_size, "block_size"_a, "requested"_a = 0,
         "Kernel block size for vLLM's block_size: block_size itself (requested = 0; the kernels\n"
         "read any block size), or requested, which must divide it.");

@@ -238,6 +238,35 @@ std::string describe_kv_pool(const KvPoolGeometry& g) {
   return blocks + " for " + str(g.num_attention_layers) + " attention layers (" + mib(g.kv_bytes) + "), " + states;
 }
 
+KvPageAlignment align_kv_pages(const std::vector<KvLayerSpec>& layers, int64_t base_block_size) {
+  if (base_block_size <= 0) fail("base_block_size must be > 0, got " + str(base_block_size));
+  KvPoolConfig one_token;  // per token and per sequence: a one-token block, one slot
+  one_token.layers = layers;
+  one_token.block_size = 1;
+  int64_t unused = 0;
+  KvPoolGeometry g = size_layers(one_token, unused);
+  fill_shapes(one_token, g);  // a linear layer's bytes: one sequence's state
+  int64_t per_token = 0;
+  KvPageAlignment a;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const KvLayerGeometry& l = g.layers[i];
+    if (l.kind == KvLayerKind::kLinearAttention) {
+      a.state_page_bytes = l.bytes > a.state_page_bytes ? l.bytes : a.state_page_bytes;
+    } else if (per_token == 0) {
+      per_token = l.bytes_per_block;
+    } else if (l.bytes_per_block != per_token) {
+      fail("layer " + str(static_cast<int64_t>(i)) + " (" + kv_layer_kind_name(l.kind) + "): " +
+           str(l.bytes_per_block) + " bytes per token, but earlier attention layers take " + str(per_token) +
+           ": one page size needs attention layers of one size");
+    }
+  }
+  if (per_token == 0) fail("aligning pages needs an attention layer");
+  const int64_t base_page = mul(base_block_size, per_token, "page bytes");
+  a.block_size = mul(base_block_size, a.state_page_bytes > 0 ? cdiv(a.state_page_bytes, base_page) : 1, "block size");
+  a.page_bytes = mul(a.block_size, per_token, "page bytes");
+  return a;
+}
+
 KvPoolGeometry plan_kv_pool(const KvPoolConfig& c) {
   int64_t state_bytes_per_seq = 0;
   KvPoolGeometry g = size_layers(c, state_bytes_per_seq);

@@ -130,6 +130,20 @@ KvPoolGeometry size_kv_pool(const KvPoolConfig& config);
 // the attention layers' blocks and the linear-attention layers' state slots.
 std::string describe_kv_pool(const KvPoolGeometry& geometry);
 
+// Hybrid models: vLLM keeps one page size for all KV-cache groups, so the
+// attention block size grows until one attention layer's block (its page) holds
+// one sequence's state of a linear-attention layer, and that state page is padded
+// to it. block_size is the smallest multiple of base_block_size that does.
+struct KvPageAlignment {
+  int64_t block_size = 0;        // tokens
+  int64_t page_bytes = 0;        // one attention layer's K and V of one block = the padded state page
+  int64_t state_page_bytes = 0;  // one sequence's state of the largest linear layer, unpadded
+};
+
+// Needs attention layers of one size per token (vLLM's single page size);
+// without linear layers block_size is base_block_size.
+KvPageAlignment align_kv_pages(const std::vector<KvLayerSpec>& layers, int64_t base_block_size);
+
 // The kernel block size for vLLM's block_size: block_size itself with
 // requested = 0 (the kernels read any block size), else `requested`, which
 // must divide block_size.
