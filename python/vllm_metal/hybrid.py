@@ -15,9 +15,9 @@ HybridState maps request -> slot: a slot is taken when a request's first chunk r
 finishes or is preempted. A preempted request restarts from position 0 (both runner
 contracts; prefix caching is off for hybrid models), so its state is recomputed from
 zero (has_initial_state 0), never reused. The worker subtracts the pools' bytes from
-the KV-cache budget (state_pool_bytes), so memory accounting stays honest; the mamba
-groups' block ids still count in vLLM's pool (one block per request and group),
-which is what vLLM's own accounting assumes.
+the KV-cache budget (kv_plan.py: the runtime's geometry sizes them), so memory
+accounting stays honest; the mamba groups' block ids still count in vLLM's pool (one
+block per request and group), which is what vLLM's own accounting assumes.
 
 Speculative decoding. A step with drafts advances a request's state over all of them;
 when some are rejected the state must go back. Before such a step the runner saves the
@@ -36,9 +36,6 @@ from vllm_metal.log import get_logger
 
 logger = get_logger(__name__)
 
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
 def is_hybrid_config(hf_config) -> bool:
     from vllm_metal.models.qwen3_5_paged import MODEL_TYPES
 
@@ -49,32 +46,35 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def page_sizes(hf_text_config, dtype: str) -> tuple[int, int]:
-    """(attention bytes per token per layer, state bytes per request per linear layer)."""
+def config_layer_specs(hf_text_config, dtype: str) -> list:
+    """One attention and one linear-attention layer of the model as _core.KvLayerSpecs,
+    from the HF config (no model is loaded yet when the platform aligns the block size)."""
+    from vllm_metal import _core, kv_plan
     from vllm_metal.models.qwen3_5_paged import state_shapes_of
 
     cfg = hf_text_config.to_dict() if hasattr(hf_text_config, "to_dict") else dict(hf_text_config)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    itemsize = _ITEMSIZE[dtype]
-    attn_per_token = 2 * cfg["num_key_value_heads"] * head_dim * itemsize
-    return attn_per_token, state_shapes_of(cfg).slot_bytes(itemsize)
+    return [_core.KvLayerSpec.full_attention(cfg["num_key_value_heads"], head_dim, dtype=dtype),
+            kv_plan.linear_attention(state_shapes_of(cfg), dtype)]
 
 
 def align_block_size(vllm_config) -> None:
     """The smallest multiple of the block size whose attention page holds a state page;
-    the state page is padded to it (vLLM's rule for hybrid models, from the config:
-    no vLLM model class is built on this platform)."""
+    the state page is padded to it (vLLM's rule for hybrid models, computed by the
+    runtime's geometry, align_kv_pages, from the config: no vLLM model class is built on
+    this platform)."""
+    from vllm_metal import _core
+
     cache = vllm_config.cache_config
     model = vllm_config.model_config
-    attn_per_token, state = page_sizes(model.hf_text_config, _dtype_name(model.dtype))
-    base = cache.block_size or 16
-    block = base * -(-state // (base * attn_per_token))
-    if block != cache.block_size:
+    layers = config_layer_specs(model.hf_text_config, _dtype_name(model.dtype))
+    pages = _core.align_kv_pages(layers, cache.block_size or 16)
+    if pages.block_size != cache.block_size:
         logger.info("vllm-metal: hybrid model: attention block size %d tokens, so that a "
                     "block's page (%d bytes) holds one request's state of a linear-attention "
-                    "layer (%d bytes)", block, block * attn_per_token, state)
-    cache.block_size = block
-    cache.mamba_page_size_padded = block * attn_per_token
+                    "layer (%d bytes)", pages.block_size, pages.page_bytes, pages.state_page_bytes)
+    cache.block_size = pages.block_size
+    cache.mamba_page_size_padded = pages.page_bytes
     cache.mamba_block_size = model.max_model_len
 
 
@@ -125,13 +125,6 @@ def attention_layer_name(i: int) -> str:
 
 def linear_layer_name(i: int) -> str:
     return f"model.layers.{i}.linear_attn"
-
-
-def state_pool_bytes(loaded, num_slots: int, speculative: bool = False) -> int:
-    """The state pools' bytes (twice with speculative decoding: the saved copies)."""
-    hybrid = loaded.hybrid
-    per_slot = hybrid.state_shapes.slot_bytes(_ITEMSIZE[hybrid.conv_dtype])
-    return num_slots * per_slot * len(hybrid.linear_layers) * (2 if speculative else 1)
 
 
 class HybridState:

@@ -35,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 from vllm.v1.outputs import AsyncModelRunnerOutput
 
-from vllm_metal import _core, envs, ops
+from vllm_metal import _core, envs, kv_plan, ops
 from vllm_metal.models import AttentionContext, load_model
 from vllm_metal.models.linear_choice import model_runs_on_gpu
 from vllm_metal.sampling import Sampler, SamplingTable, custom_processors, gather_batch
@@ -45,6 +45,7 @@ from vllm_metal.speculative import NgramSpeculation
 from vllm_metal.sampling.prompt_logprobs import PromptLogprobs
 from vllm_metal.sampling.thinking_budget import ThinkingBudget
 from vllm_metal.log import get_logger
+from vllm_metal.scheduler_delta import DeltaHooks, SchedulerDelta
 
 logger = get_logger(__name__)
 
@@ -117,7 +118,7 @@ def _disallow_past(bitmask: np.ndarray, vocab_size: int, width: int) -> np.ndarr
     return out.view(np.int32)
 
 
-class MetalModelRunner:
+class MetalModelRunner(DeltaHooks):
     def __init__(self, vllm_config) -> None:
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
@@ -128,6 +129,7 @@ class MetalModelRunner:
         self.model = None
         self.kv_caches: list[tuple[mx.array, mx.array]] = []
         self.packer = None
+        self.delta: SchedulerDelta | None = None  # the scheduler's deltas -> packer and hooks
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         # submitted, not yet handed to sample_tokens (unsampled: waits for a grammar bitmask)
         self._pending: _SubmittedStep | _UnsampledStep | None = None
@@ -203,47 +205,64 @@ class MetalModelRunner:
             for i, name in enumerate(self.layer_names())
         }
 
+    def _kv_sizing(self):
+        """Bytes per block and state bytes (kv_plan: the C++ geometry), for vLLM's block size."""
+        return kv_plan.size(self.loaded, block_size=self.cache_config.block_size,
+                            max_num_seqs=self.scheduler_config.max_num_seqs,
+                            speculative=self.speculation is not None)
+
     def cache_block_size_bytes(self) -> int:
-        spec = self.loaded.spec
-        itemsize = np.dtype(np.float32).itemsize if spec.dtype == "float32" else 2
         # hybrid models: only the attention layers have paged KV (state: state_memory_bytes)
-        layers = spec.num_layers if self.loaded.hybrid is None else len(self.loaded.hybrid.attention_layers)
-        return 2 * self.cache_config.block_size * spec.num_kv_heads * spec.head_dim * itemsize * layers
+        return self._kv_sizing().bytes_per_block
 
     def state_memory_bytes(self) -> int:
         """Memory the runner keeps outside vLLM's KV blocks (hybrid models' state slots)."""
         if self.loaded is None or self.loaded.hybrid is None:
             return 0
-        from vllm_metal import hybrid
-
-        return hybrid.state_pool_bytes(self.loaded, self.scheduler_config.max_num_seqs,
-                                       speculative=self.speculation is not None)
+        return self._kv_sizing().state_bytes
 
     def initialize_kv_cache(self, kv_cache_config) -> None:
-        if self.loaded.hybrid is not None:
-            return self._initialize_hybrid_cache(kv_cache_config)
-        if len(kv_cache_config.kv_cache_groups) != 1:
-            raise ValueError("[vllm-metal] models with several KV-cache groups are not supported yet")
-        group = kv_cache_config.kv_cache_groups[0]
-        missing = set(self.layer_names()) - set(group.layer_names)
-        if missing:
-            raise ValueError(f"[vllm-metal] KV cache config lacks layers {sorted(missing)[:3]}...")
-        spec = self.loaded.spec
+        """Paged KV for the attention layers, shaped by kv_plan for vLLM's block count; for
+        hybrid models also the linear-attention layers' state slots (hybrid.py: why slots,
+        not vLLM's block ids) and their KV-cache groups in the packer."""
         num_blocks = kv_cache_config.num_blocks
-        block_size = group.kv_cache_spec.block_size
-        dtype = getattr(mx, spec.dtype)
-        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv_caches = [(mx.zeros(shape, dtype), mx.zeros(shape, dtype)) for _ in range(spec.num_layers)]
-        mx.eval(self.kv_caches)
+        if self.loaded.hybrid is not None:
+            from vllm_metal.hybrid import HybridState
+
+            self.hybrid = HybridState(self.loaded, kv_cache_config, self.scheduler_config.max_num_seqs,
+                                      speculative=self.speculation is not None)
+            self.attention_group = self.hybrid.attention_group
+            block_size = kv_cache_config.kv_cache_groups[self.attention_group].kv_cache_spec.block_size
+            kv_groups = self.hybrid.packer_groups(kv_cache_config, num_blocks)
+        else:
+            if len(kv_cache_config.kv_cache_groups) != 1:
+                raise ValueError("[vllm-metal] models with several KV-cache groups are not supported yet")
+            group = kv_cache_config.kv_cache_groups[0]
+            missing = set(self.layer_names()) - set(group.layer_names)
+            if missing:
+                raise ValueError(f"[vllm-metal] KV cache config lacks layers {sorted(missing)[:3]}...")
+            block_size = group.kv_cache_spec.block_size
+            kv_groups = [_core.KvGroupSpec(block_size, num_blocks=num_blocks)]
+        plan = kv_plan.plan(self.loaded, block_size=block_size, num_blocks=num_blocks,
+                            max_num_seqs=self.scheduler_config.max_num_seqs,
+                            speculative=self.speculation is not None)
+        # per model layer: (K, V) each [num_blocks, block_size, kv_heads, head_dim]; None for
+        # linear-attention layers (their state is in self.hybrid)
+        self.kv_caches = [None if layer.kind == "linear_attention" else
+                          (mx.zeros(layer.cache_shape, getattr(mx, layer.dtype)),
+                           mx.zeros(layer.cache_shape, getattr(mx, layer.dtype)))
+                          for layer in plan.layers]
+        mx.eval([c for c in self.kv_caches if c is not None])
         self.packer = _core.BatchPacker(
             max_num_reqs=self.scheduler_config.max_num_seqs,
             max_num_batched_tokens=self._packer_token_budget(),
             max_model_len=self.model_config.max_model_len,
-            kv_groups=[_core.KvGroupSpec(block_size, num_blocks=num_blocks)],
+            kv_groups=kv_groups,
         )
-        kv_bytes = 2 * spec.num_layers * np.prod(shape) * (4 if spec.dtype == "float32" else 2)
-        self.kv_cache_description = (f"{num_blocks} blocks of {block_size} tokens "
-                                     f"({num_blocks * block_size} tokens, {kv_bytes / 2**20:.1f} MiB)")
+        # the runner has never trimmed outputs to vLLM's count (scheduler_delta.py)
+        self.delta = SchedulerDelta(self.packer, use_v2_model_runner=self.use_v2, hooks=self,
+                                    trim_outputs=False)
+        self.kv_cache_description = plan.description
 
     def _packer_token_budget(self) -> int:
         """The scheduler's tokens per step, plus room for hybrid models' replays of kept
@@ -252,36 +271,6 @@ class MetalModelRunner:
         if self.speculation is not None and self.loaded.hybrid is not None:
             budget += self.scheduler_config.max_num_seqs * (1 + self.speculation.num_speculative_tokens)
         return budget
-
-    def _initialize_hybrid_cache(self, kv_cache_config) -> None:
-        """Paged KV for the attention layers (their group's block size), state slots for
-        the linear-attention layers (see hybrid.py for why slots, not vLLM's block ids)."""
-        from vllm_metal.hybrid import HybridState
-
-        spec = self.loaded.spec
-        self.hybrid = HybridState(self.loaded, kv_cache_config, self.scheduler_config.max_num_seqs,
-                                  speculative=self.speculation is not None)
-        self.attention_group = self.hybrid.attention_group
-        num_blocks = kv_cache_config.num_blocks
-        block_size = kv_cache_config.kv_cache_groups[self.attention_group].kv_cache_spec.block_size
-        dtype = getattr(mx, spec.dtype)
-        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        attention = set(self.loaded.hybrid.attention_layers)
-        self.kv_caches = [(mx.zeros(shape, dtype), mx.zeros(shape, dtype)) if i in attention else None
-                          for i in range(spec.num_layers)]
-        mx.eval([c for c in self.kv_caches if c is not None])
-        self.packer = _core.BatchPacker(
-            max_num_reqs=self.scheduler_config.max_num_seqs,
-            max_num_batched_tokens=self._packer_token_budget(),
-            max_model_len=self.model_config.max_model_len,
-            kv_groups=self.hybrid.packer_groups(kv_cache_config, num_blocks),
-        )
-        kv_bytes = 2 * len(attention) * np.prod(shape) * (4 if spec.dtype == "float32" else 2)
-        self.kv_cache_description = (
-            f"{num_blocks} blocks of {block_size} tokens for {len(attention)} attention layers "
-            f"({kv_bytes / 2**20:.1f} MiB), {self.hybrid.num_slots} state slots for "
-            f"{len(self.loaded.hybrid.linear_layers)} linear-attention layers "
-            f"({self.state_memory_bytes() / 2**20:.1f} MiB)")
 
     def warm_up(self) -> None:
         """One tiny forward so the first request does not pay one-time costs."""
@@ -304,7 +293,8 @@ class MetalModelRunner:
 
         if self._unread_spec_step is not None:  # async: this step's drafts come from it
             self._wait(self._unread_spec_step)
-        self._apply_scheduler_output(scheduler_output)
+        # the request table (both runner contracts: scheduler_delta.py), then the hooks above
+        self.delta.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             self._pending = None
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -531,63 +521,44 @@ class MetalModelRunner:
         self.kv_caches = ctx.kv_caches  # the updated caches
         return logits
 
-    def _apply_scheduler_output(self, so) -> None:
-        """The scheduler's deltas -> the request table (both runner contracts).
-
-        V2 (default): preempted requests are dropped and come back as new ones
-        carrying all their tokens (prefill_token_ids). V1: they stay; on resume
-        their block ids are replaced and all_token_ids restores their tokens.
-        """
-        p = self.packer
-        gone = set(so.finished_req_ids)
-        if self.use_v2 and so.preempted_req_ids:
-            gone |= set(so.preempted_req_ids)
+    # ---- the scheduler's deltas (SchedulerDelta applies them; these hooks follow) --------
+    def requests_removed(self, removed: set[str], preempted: set[str]) -> None:
         if self.hybrid is not None:
             # V1 keeps preempted requests, but they restart from token 0: state recomputed
-            self.hybrid.release(gone | set(so.preempted_req_ids or ()))
-        if gone:
-            p.remove_requests(sorted(gone))
-            self.sampling_table.remove(gone)
-            self.prompt_logprobs.drop(gone)
+            self.hybrid.release(removed | preempted)
+        if removed:
+            self.sampling_table.remove(removed)
+            self.prompt_logprobs.drop(removed)
             if self.custom_processors is not None:
-                self.custom_processors.remove(gone)
+                self.custom_processors.remove(removed)
             if self.speculation is not None:
-                self.speculation.drop(gone)
-        for r in gone | set(so.preempted_req_ids or ()):
+                self.speculation.drop(removed)
+        for r in removed | preempted:
             self._replay.pop(r, None)
-        for new in so.scheduled_new_reqs:
-            tokens = new.prefill_token_ids if new.prefill_token_ids is not None else new.prompt_token_ids
-            if tokens is None:
-                raise ValueError("[vllm-metal] prompt embeddings are not supported")
-            prompt_len = len(new.prompt_token_ids or tokens)
-            row = p.add_request(new.req_id, list(tokens), num_computed_tokens=new.num_computed_tokens,
-                                block_ids=[list(b) for b in new.block_ids],
-                                prompt_len=prompt_len, replace=True)
-            self.prompt_logprobs.drop([new.req_id])
-            self.sampling_table.add(row, new.req_id, new.sampling_params,
-                                    new.prompt_token_ids or tokens, prompt_len,
-                                    resumed=len(tokens) > prompt_len)
-            if self.thinking_budget is not None:
-                self.thinking_budget.add(row, new.sampling_params)
-            if self.speculation is not None:
-                budgeted = self.thinking_budget is not None and self.thinking_budget.used(np.array([row]))
-                self.speculation.add(new.req_id, new.sampling_params, drafts=not budgeted)
-            if self.custom_processors is not None:
-                self.custom_processors.add(new.req_id, new.sampling_params, tokens[:prompt_len],
-                                           tokens[prompt_len:], row=row)
-        cached = so.scheduled_cached_reqs
-        if cached.req_ids:
-            computed = list(cached.num_computed_tokens)
-            if self.speculation is not None:
-                computed = self.speculation.computed_tokens(
-                    cached.req_ids, computed, lambda r: len(p.token_ids(r)) if r in p else 1 << 30)
-                computed = [self._replay.get(r, c) for r, c in zip(cached.req_ids, computed)]
-            p.update_requests(
-                list(cached.req_ids), computed,
-                [None if b is None else [list(g) for g in b] for b in cached.new_block_ids],
-                resumed_req_ids=list(cached.resumed_req_ids) if cached.resumed_req_ids else None,
-                all_token_ids={k: list(v) for k, v in cached.all_token_ids.items()} or None,
-            )
+
+    def request_added(self, new, row: int, tokens: list[int], prompt_len: int) -> None:
+        self.prompt_logprobs.drop([new.req_id])
+        self.sampling_table.add(row, new.req_id, new.sampling_params,
+                                new.prompt_token_ids or tokens, prompt_len,
+                                resumed=len(tokens) > prompt_len)
+        if self.thinking_budget is not None:
+            self.thinking_budget.add(row, new.sampling_params)
+        if self.speculation is not None:
+            budgeted = self.thinking_budget is not None and self.thinking_budget.used(np.array([row]))
+            self.speculation.add(new.req_id, new.sampling_params, drafts=not budgeted)
+        if self.custom_processors is not None:
+            self.custom_processors.add(new.req_id, new.sampling_params, tokens[:prompt_len],
+                                       tokens[prompt_len:], row=row)
+
+    def computed_tokens(self, req_ids: list[str], computed: list[int]) -> list[int]:
+        """With speculative decoding, vLLM's counts corrected for rejected drafts and for
+        hybrid models' replays (a restored state covers fewer tokens)."""
+        if self.speculation is None:
+            return computed
+        p = self.packer
+        computed = self.speculation.computed_tokens(
+            req_ids, computed, lambda r: len(p.token_ids(r)) if r in p else 1 << 30)
+        return [self._replay.get(r, c) for r, c in zip(req_ids, computed)]
 
 
 class _AsyncStepOutput(AsyncModelRunnerOutput):

@@ -31,8 +31,9 @@ rt::KvLayerSpec sliding(int64_t heads, int64_t dim, int64_t window) {
 }
 
 rt::KvLayerSpec gdn() {
-  // Gated DeltaNet state: conv [kernel - 1, conv_dim] in the model dtype,
-  // recurrent [num_v_heads, head_v_dim, head_k_dim] in float32.
+  // Gated DeltaNet state: conv in the model dtype (8192 x (kernel - 1) elements; the
+  // order of the dimensions does not change the bytes), recurrent
+  // [num_v_heads, head_v_dim, head_k_dim] in float32.
   rt::KvLayerSpec l;
   l.kind = rt::KvLayerKind::kLinearAttention;
   l.states = {{{3, 8192}, rt::KvDtype::kBFloat16}, {{32, 128, 128}, rt::KvDtype::kFloat32}};
@@ -77,10 +78,24 @@ TEST(KvGeometry, BudgetGivesBlocksAndShapes) {
   EXPECT_EQ(g.layers[7].bytes, g.num_blocks * per_block / 30);
 }
 
-TEST(KvGeometry, LargeVllmBlocksSplitIntoKernelBlocksOfTheSameMemory) {
+TEST(KvGeometry, KernelsReadVllmBlocksAsTheyAre) {
+  // The kernels take the block size from the cache's shape: any size, no split.
   auto c = smollm2(kGiB, 64);
+  auto g = rt::plan_kv_pool(c);
+  EXPECT_EQ(g.kernel_block_size, 64);
+  EXPECT_EQ(g.kernel_blocks_per_block, 1);
+  EXPECT_EQ(g.num_kernel_blocks, g.num_blocks);
+  EXPECT_EQ(g.layers[0].kernel_cache_shape, g.layers[0].cache_shape);
+  // Hybrid models' block sizes (multiples of 16 sized to hold a state page) and odd ones.
+  for (int64_t b : {1, 20, 48, 528}) EXPECT_EQ(rt::choose_kernel_block_size(b), b);
+  c.block_size = 20;
+  EXPECT_EQ(rt::plan_kv_pool(c).layers[0].cache_shape[1], 20);
+}
+
+TEST(KvGeometry, SmallerKernelBlocksAreTheSameMemory) {
+  auto c = smollm2(kGiB, 64);
+  c.kernel_block_size = 32;
   const auto g = rt::plan_kv_pool(c);
-  EXPECT_EQ(g.kernel_block_size, 32);
   EXPECT_EQ(g.kernel_blocks_per_block, 2);
   EXPECT_EQ(g.num_kernel_blocks, 2 * g.num_blocks);
   const auto& s = g.layers[0].cache_shape;
@@ -89,21 +104,19 @@ TEST(KvGeometry, LargeVllmBlocksSplitIntoKernelBlocksOfTheSameMemory) {
   EXPECT_EQ(s[0] * s[1] * s[2] * s[3], k[0] * k[1] * k[2] * k[3]);  // a reshape
   c.kernel_block_size = 8;
   EXPECT_EQ(rt::plan_kv_pool(c).kernel_blocks_per_block, 8);
-  // Hybrid models' odd block sizes: 528 = 16 * 33.
-  EXPECT_EQ(rt::choose_kernel_block_size(528), 16);
-  EXPECT_EQ(rt::choose_kernel_block_size(24), 8);
-  EXPECT_EQ(rt::choose_kernel_block_size(16), 16);
   EXPECT_EQ(rt::choose_kernel_block_size(96, 32), 32);
+  EXPECT_EQ(rt::choose_kernel_block_size(48, 3), 3);
 }
 
-TEST(KvGeometry, RefusesBlockSizesNoKernelReads) {
-  auto c = smollm2(kGiB, 20);
-  expect_error(c, {"block_size must be a multiple of 8", "got 20"});
-  c.block_size = 48;
+TEST(KvGeometry, KernelBlockSizeMustDivideTheBlockSize) {
+  auto c = smollm2(kGiB, 48);
   c.kernel_block_size = 32;
-  expect_error(c, {"kernel_block_size 32 does not divide block_size 48", "8, 16"});
-  c.kernel_block_size = 64;
-  expect_error(c, {"kernel_block_size must be 8, 16 or 32", "got 64"});
+  expect_error(c, {"kernel_block_size must divide block_size 48", "got 32"});
+  c.kernel_block_size = -16;
+  expect_error(c, {"kernel_block_size must divide block_size 48", "got -16"});
+  c.kernel_block_size = 0;
+  c.block_size = 0;
+  expect_error(c, {"block_size must be > 0, got 0"});
 }
 
 TEST(KvGeometry, BlockCountOverrideIsHonouredAndChecked) {
@@ -240,4 +253,90 @@ TEST(KvGeometry, SplitBlockIdsExpandsBlockTables) {
   const int32_t big[] = {1 << 30};
   EXPECT_THROW(rt::split_block_ids(big, 1, 2, out), std::invalid_argument);
   EXPECT_THROW(rt::split_block_ids(ids, 1, 0, out), std::invalid_argument);
+}
+
+TEST(KvGeometry, SpeculativeDecodingDoublesTheState) {
+  // Each linear layer keeps state_copies pools of max_num_seqs slots (the runner's
+  // saved copies); the bytes come off the budget before the blocks.
+  rt::KvPoolConfig c;
+  for (int i = 0; i < 8; ++i) c.layers.push_back(i % 4 == 3 ? full(2, 256) : gdn());
+  c.block_size = 64;
+  c.max_num_seqs = 16;
+  c.memory_budget_bytes = 2 * kGiB;
+  const int64_t per_seq = 3 * 8192 * 2 + 32 * 128 * 128 * 4;
+  const auto one = rt::plan_kv_pool(c);
+  c.state_copies = 2;
+  const auto two = rt::plan_kv_pool(c);
+  EXPECT_EQ(one.state_bytes, 6 * 16 * per_seq);
+  EXPECT_EQ(two.state_bytes, 2 * 6 * 16 * per_seq);
+  EXPECT_EQ(two.state_copies, 2);
+  EXPECT_EQ(two.num_blocks, (2 * kGiB - two.state_bytes) / two.bytes_per_block);
+  EXPECT_EQ(two.layers[0].state_shapes, one.layers[0].state_shapes);  // one pool's shape
+  EXPECT_EQ(two.layers[0].bytes, 2 * one.layers[0].bytes);
+  c.max_num_seqs = 300;  // 300 * 2 copies do not fit in 2 GiB
+  expect_error(c, {"max_num_seqs = 300 (2 copies)", "at most " + std::to_string(2 * kGiB / (2 * 6 * per_seq)) + " sequences fit"});
+  c.state_copies = 0;
+  expect_error(c, {"state_copies must be >= 1, got 0"});
+}
+
+TEST(KvGeometry, SizingNeedsNoBlockCount) {
+  // What the worker reports before vLLM counts the blocks: the same bytes as a plan.
+  rt::KvPoolConfig c;
+  for (int i = 0; i < 8; ++i) c.layers.push_back(i % 4 == 3 ? full(2, 256, rt::KvDtype::kBFloat16) : gdn());
+  c.block_size = 528;
+  c.max_num_seqs = 4;
+  c.state_copies = 2;
+  const auto s = rt::size_kv_pool(c);
+  EXPECT_EQ(s.num_blocks, 0);
+  EXPECT_EQ(s.bytes_per_block, 2 * 2 * 528 * 2 * 256 * 2);
+  EXPECT_EQ(s.state_bytes, 2 * 4 * 6 * (3 * 8192 * 2 + 32 * 128 * 128 * 4));
+  EXPECT_EQ(s.layers[3].bytes_per_block, 2 * 528 * 2 * 256 * 2);
+  EXPECT_EQ(s.layers[3].cache_shape, (std::array<int64_t, 4>{0, 528, 2, 256}));
+  EXPECT_EQ(s.total_bytes, s.state_bytes);
+  c.num_blocks = 10;
+  const auto g = rt::plan_kv_pool(c);
+  EXPECT_EQ(g.bytes_per_block, s.bytes_per_block);
+  EXPECT_EQ(g.state_bytes, s.state_bytes);
+  c.layers[3].head_dim = 0;  // still validated
+  EXPECT_THROW(rt::size_kv_pool(c), std::invalid_argument);
+}
+
+TEST(KvGeometry, DescriptionNamesBlocksTokensAndMiB) {
+  auto c = smollm2(0);
+  c.num_blocks = 32;
+  // 32 blocks * 368640 B = 11.25 MiB: a tie, rounded to even as Python's format does
+  EXPECT_EQ(rt::describe_kv_pool(rt::plan_kv_pool(c)), "32 blocks of 16 tokens (512 tokens, 11.2 MiB)");
+  rt::KvPoolConfig h;
+  for (int i = 0; i < 4; ++i) h.layers.push_back(i == 3 ? full(2, 256) : gdn());
+  h.block_size = 528;
+  h.num_blocks = 10;
+  h.max_num_seqs = 2;
+  // KV: 10 * 2 * 528 * 2 * 256 * 2 = 10.3125 MiB; state: 3 layers * 2 slots * 2146304 B = 12.28125 MiB
+  EXPECT_EQ(rt::describe_kv_pool(rt::plan_kv_pool(h)),
+            "10 blocks of 528 tokens for 1 attention layers (10.3 MiB), 2 state slots for 3 linear-attention "
+            "layers (12.3 MiB)");
+}
+
+TEST(KvGeometry, HybridPagesAlignToTheState) {
+  // One attention layer's page (2 * B * 2 heads * 256 * 2 bytes = 2048 B per token) must
+  // hold one sequence's GDN state (2146304 B): B = 16 * ceil(2146304 / (16 * 2048)) = 1056.
+  const std::vector<rt::KvLayerSpec> layers = {gdn(), gdn(), gdn(), full(2, 256)};
+  const auto a = rt::align_kv_pages(layers, 16);
+  const int64_t state = 3 * 8192 * 2 + 32 * 128 * 128 * 4;
+  EXPECT_EQ(a.state_page_bytes, state);
+  EXPECT_EQ(a.block_size, 16 * ((state + 16 * 2048 - 1) / (16 * 2048)));
+  EXPECT_EQ(a.block_size, 1056);
+  EXPECT_EQ(a.page_bytes, 1056 * 2048);
+  EXPECT_GE(a.page_bytes, state);
+  EXPECT_LT(a.page_bytes - 16 * 2048, state);  // the smallest multiple of 16 that holds it
+  // A state that fits in the base block leaves it as it is.
+  rt::KvLayerSpec small;
+  small.kind = rt::KvLayerKind::kLinearAttention;
+  small.states = {{{4, 4}, rt::KvDtype::kFloat32}};
+  EXPECT_EQ(rt::align_kv_pages({small, full(2, 256)}, 16).block_size, 16);
+  EXPECT_EQ(rt::align_kv_pages({full(2, 256)}, 32).block_size, 32);  // no state: no change
+  // Refusals.
+  EXPECT_THROW(rt::align_kv_pages({gdn()}, 16), std::invalid_argument);  // no attention layer
+  EXPECT_THROW(rt::align_kv_pages({full(2, 256), full(4, 256)}, 16), std::invalid_argument);
+  EXPECT_THROW(rt::align_kv_pages(layers, 0), std::invalid_argument);
 }

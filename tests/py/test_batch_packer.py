@@ -570,6 +570,46 @@ def test_v1_rollback_and_all_token_ids():
     np.testing.assert_array_equal(p.input_ids, [71])
 
 
+@pytest.mark.parametrize("v2", [True, False], ids=["v2", "v1"])
+def test_hooks_see_every_delta_and_correct_computed_tokens(v2):
+    """The model runner's path (DeltaHooks): removals with every preempted id (V1 keeps them
+    in the table), each added request's row, tokens and prompt length, and its corrected
+    num_computed_tokens reaching the packer; without trim_outputs V1 keeps the outputs
+    past vLLM's count."""
+    pytest.importorskip("vllm")
+    from vllm_metal.scheduler_delta import DeltaHooks, SchedulerDelta
+
+    calls = []
+
+    class Hooks(DeltaHooks):
+        def requests_removed(self, removed, preempted):
+            calls.append(("removed", sorted(removed), sorted(preempted)))
+
+        def request_added(self, new, row, tokens, prompt_len):
+            assert list(p.token_ids(new.req_id)) == tokens  # after the packer took it
+            calls.append(("added", new.req_id, row, tokens, prompt_len))
+
+        def computed_tokens(self, req_ids, computed):
+            calls.append(("computed", req_ids, computed))
+            return [c - 1 if r == "A" else c for r, c in zip(req_ids, computed)]  # e.g. a replay
+
+    p = make_packer()
+    delta = SchedulerDelta(p, use_v2_model_runner=v2, hooks=Hooks(), trim_outputs=False)
+    delta.apply(_so(new=[_new("A", range(5), [[1, 2]]), _new("B", range(10, 13), [[3, 4]], prefill=range(10, 15))],
+                    scheduled={"A": 5, "B": 5}))
+    assert calls == [("removed", [], []), ("added", "A", p.req_rows[list(p.req_ids).index("A")], list(range(5)), 5),
+                     ("added", "B", p.req_rows[list(p.req_ids).index("B")], list(range(10, 15)), 3)]
+    p.append_sampled(np.array([[50], [60]], np.int32))
+    p.append_tokens("A", [51])  # one more than vLLM counts: kept (no trimming)
+    calls.clear()
+    delta.apply(_so(cached=_cached([("A", 6, None, 1)]), scheduled={"A": 1}, finished=["C"], preempted=["B"]))
+    assert calls == [("removed", ["B", "C"] if v2 else ["C"], ["B"]), ("computed", ["A"], [6])]
+    assert ("B" in p) == (not v2)
+    assert list(p.token_ids("A")) == [0, 1, 2, 3, 4, 50, 51]
+    np.testing.assert_array_equal(p.input_ids, [50])  # position 5: the hook's 6 - 1
+    np.testing.assert_array_equal(p.positions, [5])
+
+
 def test_update_many_requests_with_blocks_in_several_groups():
     p, reqs = make_packer((Group(4), Group(8, 4))), {}
     add(p, reqs, "a", range(3), 0, [[1], [2]])

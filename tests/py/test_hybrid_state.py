@@ -34,12 +34,11 @@ def vllm_config(block_size=16, dtype="float32", max_model_len=128):
 
 def test_block_size_alignment_makes_one_page_size():
     cfg = vllm_config()
-    attn_per_token, state = hybrid.page_sizes(cfg.model_config.hf_text_config, "float32")
     # conv [192, 3] float32 + ssm [4, 16, 32] float32; K and V of 2 heads x 32 float32
-    assert state == 192 * 3 * 4 + 4 * 16 * 32 * 4 and attn_per_token == 2 * 2 * 32 * 4
+    state, attn_per_token = 192 * 3 * 4 + 4 * 16 * 32 * 4, 2 * 2 * 32 * 4
     hybrid.align_block_size(cfg)
     assert cfg.cache_config.block_size == 32  # 16 tokens (8 KiB) < 10.25 KiB <= 32 tokens
-    assert cfg.cache_config.mamba_page_size_padded == 32 * attn_per_token
+    assert cfg.cache_config.mamba_page_size_padded == 32 * attn_per_token >= state
     half = vllm_config(dtype="bfloat16")
     hybrid.align_block_size(half)  # conv state in bfloat16, ssm float32: 9344 B vs 256 B/token
     assert half.cache_config.block_size == 48
@@ -117,8 +116,16 @@ def test_resuming_without_state_is_refused(loaded):
 
 
 def test_state_memory_comes_out_of_the_budget(loaded):
+    from vllm_metal import kv_plan
+
     per_slot = 192 * 3 * 4 + 4 * 16 * 32 * 4
-    assert hybrid.state_pool_bytes(loaded, 8) == 8 * per_slot * 3
+    sizing = kv_plan.size(loaded, block_size=32, max_num_seqs=8, speculative=False)
+    assert sizing.state_bytes == 8 * per_slot * 3
+    assert kv_plan.size(loaded, block_size=32, max_num_seqs=8, speculative=True).state_bytes == 2 * 8 * per_slot * 3
+    # the pools HybridState allocates are the ones the geometry counted
+    state = hybrid.HybridState(loaded, kv_cache_config(loaded), num_slots=8)
+    pools = [p for p in state.pools if p is not None]
+    assert sum(p.conv.nbytes + p.ssm.nbytes for p in pools) == sizing.state_bytes
 
 
 def test_worker_budget_leaves_room_for_the_state():

@@ -1,6 +1,7 @@
-"""KV pool geometry through the bindings: block counts and shapes, kernel block
-splitting (checked on real arrays), refusals that say what would fit, and the
-block count against vLLM 0.33's own KV cache planner for the same layers."""
+"""KV pool geometry through the bindings: block counts and shapes, sizing before the
+block count, state copies, kernel block splitting (checked on real arrays), refusals
+that say what would fit, and the block count against vLLM 0.33's own KV cache planner
+for the same layers."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_metal._core import KvLayerSpec, choose_kernel_block_size, plan_kv_pool, split_block_ids
+from vllm_metal._core import (KvLayerSpec, align_kv_pages, choose_kernel_block_size, plan_kv_pool,
+                              size_kv_pool, split_block_ids)
 
 GiB = 1 << 30
 DTYPE_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1}
@@ -42,15 +44,15 @@ def test_layer_spec_factories():
     assert g.layers[0].state_dtypes == ["bfloat16", "float32"]
     assert g.state_bytes == 8 * (3 * 8192 * 2 + 32 * 128 * 128 * 4) == g.layers[0].bytes
     assert g.num_blocks == (GiB - g.state_bytes) // g.bytes_per_block
-    assert g.layers[1].kernel_cache_shape == [2 * g.num_blocks, 32, 2, 256]
+    assert g.layers[1].kernel_cache_shape == [g.num_blocks, 64, 2, 256]  # the kernels read any block size
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(block_size=20, memory_budget_bytes=GiB), r"block_size must be a multiple of 8 .*got 20"),
+        (dict(block_size=0, memory_budget_bytes=GiB), r"block_size must be > 0, got 0"),
         (dict(block_size=48, kernel_block_size=32, memory_budget_bytes=GiB),
-         "kernel_block_size 32 does not divide block_size 48; kernel block sizes that do: 8, 16"),
+         r"kernel_block_size must divide block_size 48 \(or be 0: block_size\), got 32"),
         (dict(block_size=16), "need memory_budget_bytes > 0 or num_blocks > 0"),
         (dict(block_size=16, memory_budget_bytes=64 << 20, max_model_len=8192),
          r"holds 182 blocks .* = 2896 tokens, but one sequence of max_model_len = 8192 tokens needs 512 blocks "
@@ -79,10 +81,54 @@ def test_bad_layers_are_refused():
 
 
 def test_choose_kernel_block_size():
-    assert [choose_kernel_block_size(b) for b in (8, 16, 24, 32, 48, 64, 528, 1056)] == [8, 16, 8, 32, 16, 32, 16, 32]
+    # the kernels read vLLM's blocks as they are: any size, hybrid models' 528 included
+    assert [choose_kernel_block_size(b) for b in (1, 8, 20, 48, 528)] == [1, 8, 20, 48, 528]
     assert choose_kernel_block_size(64, requested=16) == 16
-    with pytest.raises(ValueError, match="kernel_block_size must be 8, 16 or 32"):
-        choose_kernel_block_size(64, requested=4)
+    assert choose_kernel_block_size(64, requested=4) == 4
+    with pytest.raises(ValueError, match="kernel_block_size must divide block_size 64"):
+        choose_kernel_block_size(64, requested=24)
+
+
+def gdn(conv_dtype="bfloat16"):
+    return KvLayerSpec.linear_attention(states=[([3, 8192], conv_dtype), ([32, 128, 128], "float32")])
+
+
+def test_sizing_before_the_block_count():
+    """What the worker reports before vLLM counts the blocks equals what the plan then uses."""
+    layers = [gdn(), gdn(), gdn(), KvLayerSpec.full_attention(2, 256, dtype="bfloat16")]
+    s = size_kv_pool(layers, block_size=528, max_num_seqs=4, state_copies=2)
+    per_seq = 3 * 8192 * 2 + 32 * 128 * 128 * 4
+    assert (s.num_blocks, s.bytes_per_block) == (0, 2 * 528 * 2 * 256 * 2)
+    assert s.state_bytes == 2 * 4 * 3 * per_seq and s.state_copies == 2
+    assert (s.num_attention_layers, s.num_linear_layers) == (1, 3)
+    g = plan_kv_pool(layers, block_size=528, num_blocks=10, max_num_seqs=4, state_copies=2)
+    assert (g.bytes_per_block, g.state_bytes) == (s.bytes_per_block, s.state_bytes)
+    assert g.layers[0].state_shapes == [[4, 3, 8192], [4, 32, 128, 128]]  # one pool; two of them
+    assert g.layers[0].bytes == 2 * 4 * per_seq
+    with pytest.raises(ValueError, match="state_copies must be >= 1, got 0"):
+        size_kv_pool(layers, block_size=16, state_copies=0)
+
+
+@pytest.mark.parametrize("base", [16, 32, 48])
+def test_hybrid_pages_align_to_the_state(base):
+    """vLLM's one page size: the smallest multiple of base whose attention page holds a state."""
+    pages = align_kv_pages([gdn(), KvLayerSpec.full_attention(2, 256, dtype="bfloat16")], base)
+    state, per_token = 3 * 8192 * 2 + 32 * 128 * 128 * 4, 2 * 2 * 256 * 2
+    block = next(b for b in range(base, 1 << 20, base) if b * per_token >= state)
+    assert (pages.block_size, pages.page_bytes, pages.state_page_bytes) == (block, block * per_token, state)
+    with pytest.raises(ValueError, match="one page size needs attention layers of one size"):
+        align_kv_pages([gdn(), KvLayerSpec.full_attention(2, 256), KvLayerSpec.full_attention(1, 256)], base)
+    with pytest.raises(ValueError, match="aligning pages needs an attention layer"):
+        align_kv_pages([gdn()], base)
+
+
+def test_description():
+    g = plan_kv_pool(smollm2(), block_size=16, num_blocks=32)  # 32 * 368640 B = 11.25 MiB
+    assert g.description == "32 blocks of 16 tokens (512 tokens, 11.2 MiB)" == (
+        f"32 blocks of 16 tokens (512 tokens, {32 * 368640 / 2**20:.1f} MiB)")
+    h = plan_kv_pool([gdn(), KvLayerSpec.full_attention(2, 256)], block_size=528, num_blocks=10, max_num_seqs=2)
+    assert h.description == (f"10 blocks of 528 tokens for 1 attention layers ({h.kv_bytes / 2**20:.1f} MiB), "
+                             f"2 state slots for 1 linear-attention layers ({h.state_bytes / 2**20:.1f} MiB)")
 
 
 @settings(max_examples=60, deadline=None)
@@ -106,7 +152,9 @@ def test_split_block_ids_matches_numpy(shape, k, data):
 def test_kernel_view_is_the_same_memory(block_size, data):
     """Reading slot (b, o) through the vLLM view and through the kernel view
     (expanded block table, kernel block size) gives the same element."""
-    g = plan_kv_pool([KvLayerSpec.full_attention(2, 4, dtype="float32")], block_size=block_size, num_blocks=6)
+    kernel_block_size = data.draw(st.sampled_from([kb for kb in (0, 8, 16, 32) if block_size % max(kb, 1) == 0]))
+    g = plan_kv_pool([KvLayerSpec.full_attention(2, 4, dtype="float32")], block_size=block_size, num_blocks=6,
+                     kernel_block_size=kernel_block_size)
     layer = g.layers[0]
     cache = np.arange(np.prod(layer.cache_shape), dtype=np.float32).reshape(layer.cache_shape)
     kernel = cache.reshape(layer.kernel_cache_shape)  # a view: no copy

@@ -268,30 +268,60 @@ void bind_geometry(nb::module_& m) {
       .def_ro("state_bytes", &rt::KvPoolGeometry::state_bytes)
       .def_ro("total_bytes", &rt::KvPoolGeometry::total_bytes)
       .def_ro("max_num_seqs", &rt::KvPoolGeometry::max_num_seqs)
+      .def_ro("state_copies", &rt::KvPoolGeometry::state_copies)
+      .def_ro("num_attention_layers", &rt::KvPoolGeometry::num_attention_layers)
+      .def_ro("num_linear_layers", &rt::KvPoolGeometry::num_linear_layers)
       .def_ro("max_tokens", &rt::KvPoolGeometry::max_tokens)
-      .def_ro("layers", &rt::KvPoolGeometry::layers);
+      .def_ro("layers", &rt::KvPoolGeometry::layers)
+      .def_prop_ro("description", &rt::describe_kv_pool, "One line for the startup summary.");
 
+  auto config = [](const std::vector<rt::KvLayerSpec>& layers, int64_t block_size, int64_t kernel_block_size,
+                   int64_t memory_budget_bytes, int64_t num_blocks, int64_t max_num_seqs, int64_t state_copies,
+                   int64_t max_model_len, bool reserve_null_block) {
+    rt::KvPoolConfig c;
+    c.layers = layers;
+    c.block_size = block_size;
+    c.kernel_block_size = kernel_block_size;
+    c.memory_budget_bytes = memory_budget_bytes;
+    c.num_blocks = num_blocks;
+    c.max_num_seqs = max_num_seqs;
+    c.state_copies = state_copies;
+    c.max_model_len = max_model_len;
+    c.reserve_null_block = reserve_null_block;
+    return c;
+  };
   m.def(
       "plan_kv_pool",
-      [](const std::vector<rt::KvLayerSpec>& layers, int64_t block_size, int64_t kernel_block_size,
-         int64_t memory_budget_bytes, int64_t num_blocks, int64_t max_num_seqs, int64_t max_model_len,
-         bool reserve_null_block) {
-        rt::KvPoolConfig c;
-        c.layers = layers;
-        c.block_size = block_size;
-        c.kernel_block_size = kernel_block_size;
-        c.memory_budget_bytes = memory_budget_bytes;
-        c.num_blocks = num_blocks;
-        c.max_num_seqs = max_num_seqs;
-        c.max_model_len = max_model_len;
-        c.reserve_null_block = reserve_null_block;
-        return rt::plan_kv_pool(c);
+      [config](const std::vector<rt::KvLayerSpec>& layers, int64_t block_size, int64_t kernel_block_size,
+               int64_t memory_budget_bytes, int64_t num_blocks, int64_t max_num_seqs, int64_t state_copies,
+               int64_t max_model_len, bool reserve_null_block) {
+        return rt::plan_kv_pool(config(layers, block_size, kernel_block_size, memory_budget_bytes, num_blocks,
+                                       max_num_seqs, state_copies, max_model_len, reserve_null_block));
       },
       "layers"_a, nb::kw_only(), "block_size"_a, "kernel_block_size"_a = 0, "memory_budget_bytes"_a = 0,
-      "num_blocks"_a = 0, "max_num_seqs"_a = 1, "max_model_len"_a = 0, "reserve_null_block"_a = true,
+      "num_blocks"_a = 0, "max_num_seqs"_a = 1, "state_copies"_a = 1, "max_model_len"_a = 0,
+      "reserve_null_block"_a = true,
       "Number of blocks and per-layer cache shapes from a byte budget or a block count.");
+  m.def(
+      "size_kv_pool",
+      [config](const std::vector<rt::KvLayerSpec>& layers, int64_t block_size, int64_t kernel_block_size,
+               int64_t max_num_seqs, int64_t state_copies) {
+        return rt::size_kv_pool(
+            config(layers, block_size, kernel_block_size, 0, 0, max_num_seqs, state_copies, 0, true));
+      },
+      "layers"_a, nb::kw_only(), "block_size"_a, "kernel_block_size"_a = 0, "max_num_seqs"_a = 1,
+      "state_copies"_a = 1,
+      "Bytes per block and state bytes before the block count is known (a geometry of 0 blocks).");
+  nb::class_<rt::KvPageAlignment>(m, "KvPageAlignment", "A hybrid model's block size and page (kv_geometry.h).")
+      .def_ro("block_size", &rt::KvPageAlignment::block_size)
+      .def_ro("page_bytes", &rt::KvPageAlignment::page_bytes)
+      .def_ro("state_page_bytes", &rt::KvPageAlignment::state_page_bytes);
+  m.def("align_kv_pages", &rt::align_kv_pages, "layers"_a, "base_block_size"_a,
+        "The smallest multiple of base_block_size whose attention page holds one sequence's\n"
+        "linear-attention state, and that page's bytes (vLLM's one page size for hybrid models).");
   m.def("choose_kernel_block_size", &rt::choose_kernel_block_size, "block_size"_a, "requested"_a = 0,
-        "Kernel block size (8, 16 or 32) dividing vLLM's block_size: requested, or the largest.");
+        "Kernel block size for vLLM's block_size: block_size itself (requested = 0; the kernels\n"
+        "read any block size), or requested, which must divide it.");
   m.def(
       "split_block_ids",
       [](IdsND ids, int64_t kernel_blocks_per_block) {
