@@ -24,7 +24,8 @@ def config(**model):
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
                                         data_parallel_size=1),
         lora_config=None, speculative_config=None, model_config=model,
-        cache_config=SimpleNamespace(cache_dtype="auto"))
+        cache_config=SimpleNamespace(cache_dtype="auto", prefix_caching_hash_algo="sha256"),
+        kv_transfer_config=None, observability_config=SimpleNamespace(kv_cache_metrics=False))
 
 
 def test_prompt_embeds_are_refused_by_the_config_check():
