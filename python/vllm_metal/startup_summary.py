@@ -53,12 +53,26 @@ def activations_line(model) -> str:
     return "8-bit activations, llama.cpp's scheme (VLLM_METAL_INT8_ACTIVATIONS=1)"
 
 
+def kv_blocks_line(vllm_config) -> str:
+    """Who hands out the KV blocks: the C++ manager behind vLLM's scheduler, unless the
+    user named a scheduler class of their own (scheduler.py)."""
+    cls = vllm_config.scheduler_config.scheduler_cls
+    cls = cls if isinstance(cls, str) or cls is None else f"{cls.__module__}.{cls.__qualname__}"
+    cache = vllm_config.cache_config
+    caching = (f"prefix caching on ({cache.prefix_caching_hash_algo})" if cache.enable_prefix_caching
+               else "prefix caching off")
+    if cls is not None and cls.startswith("vllm_metal.scheduler."):
+        return f"C++ KvCacheManager behind vLLM's scheduler, {caching}"
+    return f"the KV-cache manager of {cls or 'vLLM'}, {caching}"
+
+
 def summary(runner, kv_budget: str) -> str:
     """The block, one `name: value` line each; runner is a loaded MetalModelRunner."""
     rows = [
         ("device", device_line()),
         ("kernels", kernels_line()),
         ("KV cache", f"{runner.kv_cache_description} from a budget of {kv_budget}"),
+        ("KV blocks", kv_blocks_line(runner.vllm_config)),
         ("fused layers", fused_layers_line(runner.model)),
         ("GGUF activations", activations_line(runner.model)),
         ("batch invariant", "yes (VLLM_BATCH_INVARIANT=1)" if ops.batch_invariant() else "no"),

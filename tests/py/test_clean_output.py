@@ -34,6 +34,7 @@ def test_demo_answers_and_prints_no_false_alarm():
     block = out[out.index("vllm-metal configuration:"):]
     for row in ("device", "kernels", "KV cache", "fused layers", "GGUF activations", "scheduling"):
         assert re.search(rf"\]\s+{row}\s", block), row
+    assert re.search(r"\]\s+KV blocks\s+C\+\+ KvCacheManager behind vLLM's scheduler", block), block[:2000]
 
 
 def _load_pip_check_summary():
