@@ -4,10 +4,13 @@
 
     benchmarks/startup.py                       # 3 runs of the default offline model
     benchmarks/startup.py --runs 5 --poll 1.0   # the test harness's old 1 s health polling
-    benchmarks/startup.py --variant base=/tmp/base/python --variant new=  # A/B, alternated
+    # A/B, alternated: the engine core spawned (vLLM's CLI default) or forked
+    benchmarks/startup.py --variant spawn:VLLM_WORKER_MULTIPROC_METHOD=spawn
+                          --variant fork:VLLM_WORKER_MULTIPROC_METHOD=fork
 
-A variant is `label=PYTHONPATH` (empty: this checkout): the runs alternate between
-the variants (A B A B ...) so both see the same load on a shared machine. Each line of
+A variant is `label[:KEY=VALUE[,KEY=VALUE...]]`: environment variables of its servers
+(PYTHONPATH is prepended; POLL sets its /health polling interval). The runs alternate
+between the variants (A B A B ...) so both see the same load on a shared machine. Each line of
 the server's output is stamped when it arrives (PYTHONUNBUFFERED), so the phases have
 millisecond resolution although vLLM's own timestamps have seconds. CPU seconds are
 those of the server's process tree (psutil) when the first completion is answered:
@@ -64,14 +67,17 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
-def one_start(model: str, extra: list[str], pythonpath: str, poll: float, debug: bool) -> dict:
+def one_start(model: str, extra: list[str], variant_env: dict, poll: float, debug: bool) -> dict:
     port = free_port()
     vllm = Path(sys.executable).with_name("vllm")
     cmd = [str(vllm), "serve", model, "--served-model-name", "m", "--host", "127.0.0.1",
            "--port", str(port), *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    variant_env = dict(variant_env)
+    poll = float(variant_env.pop("POLL", poll))
+    if "PYTHONPATH" in variant_env:
+        variant_env["PYTHONPATH"] += os.pathsep + env.get("PYTHONPATH", "")
+    env.update(variant_env)
     if debug:
         env["VLLM_LOGGING_LEVEL"] = "DEBUG"
     lines: list[tuple[float, str]] = []
@@ -138,7 +144,8 @@ def main() -> None:
     ap.add_argument("--model", help="default: the offline SmolLM2 GGUF the tests serve")
     ap.add_argument("--runs", type=int, default=3, help="runs per variant")
     ap.add_argument("--poll", type=float, default=0.05, help="seconds between /health polls")
-    ap.add_argument("--variant", action="append", default=[], help="label=PYTHONPATH (repeatable)")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="label[:KEY=VALUE,...] (repeatable; see above)")
     ap.add_argument("--debug", action="store_true", help="VLLM_LOGGING_LEVEL=DEBUG")
     ap.add_argument("--log", help="write the stamped output of the last run here")
     ap.add_argument("--json", help="write all runs here")
@@ -149,17 +156,21 @@ def main() -> None:
 
         a.model = str(smollm2_gguf())
     extra = a.extra or ["--max-model-len", "512", "--max-num-seqs", "8", "--num-gpu-blocks-override", "64"]
-    variants = [tuple(v.split("=", 1)) for v in a.variant] or [("this checkout", "")]
+    variants = []
+    for v in a.variant or ["this checkout"]:
+        label, _, pairs = v.partition(":")
+        variants.append((label, dict(p.split("=", 1) for p in pairs.split(",") if p)))
     results: dict[str, list[dict]] = {label: [] for label, _ in variants}
     for i in range(a.runs):
-        for label, path in variants:
-            run = one_start(a.model, extra, path, a.poll, a.debug)
+        for label, variant_env in variants:
+            run = one_start(a.model, extra, variant_env, a.poll, a.debug)
             results[label].append(run)
             print(f"run {i + 1} {label}: first completion {run['first_completion']:.2f} s, "
                   f"CPU {run['cpu']:.2f} s", flush=True)
             if a.log:
                 Path(a.log).write_text("".join(f"{t:8.3f} {l}\n" for t, l in run["lines"]))
-    print(f"\nmodel {Path(a.model).name}; args {' '.join(extra)}; /health polled every {a.poll} s; "
+    print(f"\nmodel {Path(a.model).name}; args {' '.join(extra)}; /health polled every {a.poll} s "
+          f"unless a variant says; variants: {'; '.join(a.variant) or 'this checkout'}; "
           f"median of {a.runs} runs per variant, alternated; load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n")
     labels = [label for label, _ in variants]
