@@ -29,7 +29,7 @@ def wait_until_healthy(base: str, server: subprocess.Popen, timeout: float) -> N
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
-        time.sleep(1.0)
+        time.sleep(0.1)  # a refused connection costs nothing; 1 s polls waited 0.5 s on average
     raise TimeoutError(f"vllm serve did not become healthy within {timeout:.0f} s")
 
 

@@ -43,6 +43,18 @@ def runner_hook(wrap_source: str) -> str:
     return textwrap.dedent(wrap_source) + _RUNNER_HOOK
 
 
+# The engine core's start method. vLLM's CLI spawns it, and a spawned process imports
+# vLLM, torch and transformers again: about half of a start-up (docs/startup.md). On
+# Linux, where nothing in the API server touches a GPU, the servers of the tests fork it
+# instead; macOS keeps spawn (fork is unsafe there once system frameworks are loaded).
+# VLLM_WORKER_MULTIPROC_METHOD in the environment or in a test's env wins (test_serving.py
+# keeps vLLM's spawn, the start-up users get).
+START_METHOD = {} if sys.platform == "darwin" else {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+
+# seconds between /health polls while a server starts
+HEALTH_POLL = 0.1
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -61,7 +73,7 @@ class Server:
                "--port", str(self.port), *extra_args]
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+                                     env={**START_METHOD, **os.environ, **(env or {})}, start_new_session=True)
         self.client = httpx.Client(base_url=self.base, timeout=300.0)
         self._wait(startup_timeout)
 
@@ -75,7 +87,7 @@ class Server:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(1.0)
+            time.sleep(HEALTH_POLL)
         raise TimeoutError(f"vllm serve not healthy after {timeout} s:\n{self.tail()}")
 
     def tail(self, n: int = 60) -> str:

@@ -5,7 +5,10 @@ files and their C++ tests are cross-compiled (static) with GoogleTest from
 source and executed with qemu-aarch64, so the arm64 paths are tested here.
 """
 
+import concurrent.futures as cf
+import os
 import platform
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -35,13 +38,35 @@ def test_cpu_kernels_pass_their_tests_on_arm64(tmp_path):
     sources += [ROOT / f"src/cpp/runtime/{r}.cpp" for r in RUNTIME]
     sources += [ROOT / f"tests/cpp/{t}.cpp" for t in TESTS]
     sources += [GTEST / "src/gtest-all.cc", GTEST / "src/gtest_main.cc"]
-    build = subprocess.run(
-        [cxx, "-O2", "-std=c++17", "-Wall", "-Werror", "-Wno-psabi", f"-I{ROOT / 'src/cpp'}", f"-I{ROOT / 'src/metal'}",
-         f"-I{GTEST / 'include'}", f"-I{GTEST}", *map(str, sources), "-pthread", "-static",
-         "-o", str(exe)],
-        capture_output=True, text=True,
-    )
+    flags = ["-O2", "-std=c++17", "-Wall", "-Werror", "-Wno-psabi", f"-I{ROOT / 'src/cpp'}",
+             f"-I{ROOT / 'src/metal'}", f"-I{GTEST / 'include'}", f"-I{GTEST}", "-pthread"]
+    objects = [tmp_path / f"{i}-{s.stem}.o" for i, s in enumerate(sources)]
+
+    def compile_one(i: int) -> subprocess.CompletedProcess:
+        return subprocess.run([cxx, *flags, "-c", str(sources[i]), "-o", str(objects[i])],
+                              capture_output=True, text=True)
+
+    # one compiler per core (the files compile independently), GoogleTest's big file first
+    order = sorted(range(len(sources)), key=lambda i: "gtest-all" not in sources[i].name)
+    with cf.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        compiled = dict(zip(order, pool.map(compile_one, order)))
+    for i in range(len(sources)):
+        assert compiled[i].returncode == 0, f"{sources[i]}:\n{compiled[i].stderr}"
+    build = subprocess.run([cxx, *map(str, objects), "-pthread", "-static", "-o", str(exe)],
+                           capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
-    run = subprocess.run([qemu, str(exe)], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "PASSED" in run.stdout
+    # GoogleTest's own sharding: one emulated process per core, together every test once
+    shards = os.cpu_count() or 1
+
+    def run_shard(i: int) -> subprocess.CompletedProcess:
+        env = {**os.environ, "GTEST_TOTAL_SHARDS": str(shards), "GTEST_SHARD_INDEX": str(i)}
+        return subprocess.run([qemu, str(exe)], capture_output=True, text=True, timeout=600, env=env)
+
+    with cf.ThreadPoolExecutor(shards) as pool:
+        runs = list(pool.map(run_shard, range(shards)))
+    for run in runs:
+        assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+        assert "PASSED" in run.stdout
+    ran = sum(int(re.search(r"\[  PASSED  \] (\d+) test", run.stdout).group(1)) for run in runs)
+    listed = subprocess.run([qemu, str(exe), "--gtest_list_tests"], capture_output=True, text=True)
+    assert ran == sum(1 for line in listed.stdout.splitlines() if line.startswith("  ")), listed.stdout

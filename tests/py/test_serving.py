@@ -43,7 +43,9 @@ SERVER_ARGS = ["--max-model-len", "512", "--max-num-seqs", "16", "--num-gpu-bloc
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server(smollm2_gguf(), "smollm2", SERVER_ARGS)  # the V2 runner contract (default)
+    # the V2 runner contract (default), its engine core spawned as `vllm serve` does by
+    # default (the harness forks it elsewhere on Linux: serving_harness.START_METHOD)
+    s = Server(smollm2_gguf(), "smollm2", SERVER_ARGS, env={"VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
     yield s
     s.stop()
 
