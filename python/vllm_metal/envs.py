@@ -72,6 +72,12 @@ ENVIRONMENT: dict[str, tuple[Callable[[str], Any], Any, str]] = {
         "greedy and seeded outputs and logprobs are bit-identical alone or batched "
         "(docs/serving.md).",
     ),
+    "VLLM_METAL_TEST_FAIL_FORWARD_AT_STEP": (
+        _int,
+        0,
+        "Tests only (fault injection): the worker raises inside the forward of its N-th "
+        "non-empty step (1-based); 0 never. docs/reliability.md says what the server does then.",
+    ),
     "VLLM_METAL_DISABLE": (
         _bool,
         False,

@@ -9,13 +9,26 @@ reference `owner/repo:TAG` first resolves to one of the repo's GGUF files
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 SOURCE_MARKER = "vllm_metal_gguf_source.txt"
 
 
+class ModelArgumentError(argparse.ArgumentTypeError, ValueError):
+    """argparse prints an ArgumentTypeError's message; for a plain ValueError or OSError
+    from a type function it prints only "invalid resolve_model_argument value"."""
+
+
 def resolve_model_argument(value: str) -> str:
     """argparse type of --model / model_tag / --tokenizer: *.gguf or owner/repo:TAG -> directory."""
+    try:
+        return _resolve_model_argument(value)
+    except (ValueError, OSError) as e:
+        raise ModelArgumentError(str(e)) from e
+
+
+def _resolve_model_argument(value: str) -> str:
     from vllm_metal import hub_gguf
 
     if value is None:

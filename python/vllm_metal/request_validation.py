@@ -13,10 +13,22 @@ left is refused.
 
 from __future__ import annotations
 
+import math
+
+# The sampler adds logit_bias in float32: a larger magnitude is an infinity there, and
+# NaN or +inf on a logit make the row's softmax NaN (docs/reliability.md).
+FLOAT32_MAX = 3.4028234663852886e38
+
 
 def unsupported_sampling_parameters(params) -> list[tuple[str, str]]:
     """(parameter, why) for every setting the runner cannot honour."""
     problems = []
+    bad_bias = [(t, b) for t, b in (params.logit_bias or {}).items()
+                if not (math.isfinite(b) and abs(b) < FLOAT32_MAX)]
+    if bad_bias:
+        t, b = bad_bias[0]
+        problems.append(("logit_bias", f"logit_bias values must be finite float32 numbers, got {b} "
+                                       f"for token {t} ({len(bad_bias)} such value(s))"))
     return problems
 
 

@@ -17,6 +17,7 @@ import psutil
 import torch
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
+from vllm_metal import envs
 from vllm_metal.log import get_logger
 from vllm_metal.startup_summary import summary
 
@@ -93,6 +94,8 @@ class MetalWorker(WorkerBase):
         self._kv_budget = "not measured"  # determine_available_memory fills it in
         self._init_single_process_distributed()
         self.model_runner = MetalModelRunner(self.vllm_config)
+        self._fail_at_step = envs.VLLM_METAL_TEST_FAIL_FORWARD_AT_STEP  # tests only; 0: never
+        self._steps = 0  # non-empty steps executed
 
     def _init_single_process_distributed(self) -> None:
         # vLLM's schedulers and samplers query the (trivial) parallel groups.
@@ -156,6 +159,11 @@ class MetalWorker(WorkerBase):
         return ("generate",)
 
     def execute_model(self, scheduler_output):
+        if self._fail_at_step and scheduler_output.total_num_scheduled_tokens:
+            self._steps += 1
+            if self._steps == self._fail_at_step:
+                raise RuntimeError(f"[vllm-metal] injected fault in the forward of step {self._steps} "
+                                   "(VLLM_METAL_TEST_FAIL_FORWARD_AT_STEP)")
         return self.model_runner.execute_model(scheduler_output)
 
     def sample_tokens(self, grammar_output):

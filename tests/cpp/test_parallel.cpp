@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <thread>
 #include <vector>
 
 #include "cpu/parallel.h"
@@ -35,5 +36,28 @@ TEST(Parallel, NestedCallsRunInline) {
     }
   });
   EXPECT_EQ(total.load(), 800);
+  c::set_num_threads(0);
+}
+
+TEST(Parallel, ConcurrentCallersEachGetEveryIndex) {
+  // The pool serves one caller at a time; the others run inline. Every caller must still
+  // see each of its indices exactly once (ThreadSanitizer runs this: test_runtime_tsan.py).
+  c::set_num_threads(2);
+  std::vector<std::thread> callers;
+  std::atomic<int> wrong{0};
+  for (int t = 0; t < 4; ++t) {
+    callers.emplace_back([&, t] {
+      for (int rep = 0; rep < 200; ++rep) {
+        const int64_t n = 17 + 31 * t + rep % 7;
+        std::vector<std::atomic<int>> hits(n);
+        c::parallel_for(n, 1 + rep % 3, [&](int64_t b, int64_t e) {
+          for (int64_t i = b; i < e; ++i) hits[i]++;
+        });
+        for (int64_t i = 0; i < n; ++i) wrong += hits[i].load() != 1;
+      }
+    });
+  }
+  for (auto& th : callers) th.join();
+  EXPECT_EQ(wrong.load(), 0);
   c::set_num_threads(0);
 }

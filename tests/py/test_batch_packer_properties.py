@@ -10,9 +10,13 @@ the packer voids them."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -336,8 +340,35 @@ class PackerMachine(RuleBasedStateMachine):
         assert snapshot(self.packer, self.reqs) == model_snapshot(self.reqs)
 
 
+class KeptFailures(DirectoryBasedExampleDatabase):
+    """Hypothesis' store of failing examples, checked in (tests/fuzz_corpus/packer): a new
+    failure is shrunk and stored there as usual (commit what a failing run leaves); the
+    files present when the run starts are replayed first and never deleted, so they stay
+    as regression inputs once they pass (Hypothesis would drop them)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self._kept = {p for p in Path(path).glob("*/*") if p.is_file()}
+
+    def save(self, key: bytes, value: bytes) -> None:
+        if not key.endswith((b".secondary", b".pareto")):  # the shrunk failure only
+            super().save(key, value)
+
+    def delete(self, key: bytes, value: bytes) -> None:
+        if self._value_path(key, value) not in self._kept:
+            super().delete(key, value)
+
+    def move(self, src: bytes, dest: bytes, value: bytes) -> None:
+        self.save(dest, value)
+        self.delete(src, value)
+
+
+CORPUS = Path(__file__).resolve().parents[2] / "tests/fuzz_corpus/packer"
+
 PackerMachine.TestCase.settings = settings(
-    max_examples=200,
+    # VLLM_METAL_FUZZ_EXAMPLES: a longer run (docs/reliability.md)
+    max_examples=int(os.environ.get("VLLM_METAL_FUZZ_EXAMPLES", "200")),
+    database=KeptFailures(str(CORPUS)),
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

@@ -1,6 +1,8 @@
 """Fuzzing the GGUF reader: corpus replay through the binding, and a bounded
 libFuzzer run (ASan + UBSan) of the MLX-free reader built with clang-19."""
 
+import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -56,14 +58,21 @@ def test_corpus_replays_under_sanitizers(fuzzer):
 
 
 def test_bounded_fuzz_run_finds_nothing(fuzzer, tmp_path):
+    """20,000 executions (or 15 s) per run; VLLM_METAL_GGUF_FUZZ_RUNS and
+    VLLM_METAL_GGUF_FUZZ_SECONDS make a longer one (docs/reliability.md)."""
     work = tmp_path / "corpus"
     work.mkdir()
     for p in corpus_files():
         shutil.copy(p, work / p.name)
+    runs = int(os.environ.get("VLLM_METAL_GGUF_FUZZ_RUNS", "20000"))
+    seconds = int(os.environ.get("VLLM_METAL_GGUF_FUZZ_SECONDS", "15"))
     run = subprocess.run(
-        [str(fuzzer), str(work), "-max_total_time=15", "-max_len=4096", "-seed=1",
-         f"-artifact_prefix={tmp_path}/crash-"],
-        capture_output=True, text=True, timeout=300)
+        [str(fuzzer), str(work), f"-runs={runs}", f"-max_total_time={seconds}", "-max_len=4096",
+         "-seed=1", f"-artifact_prefix={tmp_path}/crash-"],
+        capture_output=True, text=True, timeout=seconds + 300)
+    done = re.search(r"Done (\d+) runs in (\d+) second", run.stderr)
+    if done:
+        print(f"gguf fuzzer: {done.group(1)} executions in {done.group(2)} s")
     crashes = list(tmp_path.glob("crash-*"))
     assert run.returncode == 0 and not crashes, (
         f"the fuzzer found {crashes}: copy them to {CORPUS / 'crashes'} as regression tests\n"

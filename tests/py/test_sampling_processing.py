@@ -177,6 +177,13 @@ def test_request_validation_passes_what_is_sampled_and_names_what_is_not():
     validate_sampling_params(SamplingParams(prompt_logprob_token_ids=np.array([[1, 2]], np.int32)))
     with pytest.raises(VLLMValidationError):
         validate_sampling_params("not sampling params")
+    # the offline API passes logit_bias unclamped (HTTP clamps it to [-100, 100]): a value
+    # that is not a finite float32 would make the row's softmax NaN
+    validate_sampling_params(SamplingParams(logit_bias={1: -1e30, 2: 3e38}))
+    for bad in (float("nan"), float("inf"), -1e39):
+        with pytest.raises(VLLMValidationError, match="logit_bias") as e:
+            validate_sampling_params(SamplingParams(logit_bias={1: 0.0, 7: bad}))
+        assert e.value.parameter == "logit_bias" and "token 7" in str(e.value)
 
 
 def test_a_resumed_request_does_not_send_its_prompt_logprobs_again():
