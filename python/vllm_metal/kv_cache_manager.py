@@ -249,9 +249,7 @@ class CoreKVCacheManager:
             self._record_events(request, first)
 
     def free(self, request: Request) -> None:
-        self.core.free(request.request_id)
-        if self.enable_kv_cache_events:
-            self._record_events(None, 0)
+        self.core.free(request.request_id)  # freeing evicts nothing: no events
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         ids = self.core.block_ids(request_id)

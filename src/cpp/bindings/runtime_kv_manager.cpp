@@ -55,6 +55,18 @@ nb::tuple group_lists(const std::vector<Ids>& groups) {
   return nb::tuple(out);
 }
 
+// KvCacheManager::allocate_slots with the hashes it will cache read from the
+// request's list: the blocks past those already cached (or past the adopted hit)
+// up to num_tokens_to_cache. False when the slots do not fit.
+bool allocate(rt::KvCacheManager& mgr, const std::string& req, int64_t num_tokens, const Ids& computed,
+              int64_t num_tokens_to_cache, const nb::list& hashes, int32_t reserved, std::vector<Ids>* fresh) {
+  const size_t start = computed.empty() ? mgr.num_cached_blocks(req) : computed.size();
+  const size_t end = num_tokens_to_cache > 0 ? static_cast<size_t>(num_tokens_to_cache / mgr.block_size(0)) : 0;
+  const auto h = mgr.enable_caching() ? hashes_range(hashes, start, end) : std::vector<rt::BlockHash>{};
+  return mgr.allocate_slots(req, num_tokens, computed.data(), computed.size(), num_tokens_to_cache, h.data(),
+                            h.size(), reserved, fresh);
+}
+
 }  // namespace
 
 namespace vllm_metal::bindings {
@@ -102,12 +114,8 @@ void bind_runtime_kv_manager(nb::module_& m) {
           "allocate_slots",
           [](rt::KvCacheManager& mgr, const std::string& req, int64_t num_tokens, const Ids& computed,
              int64_t num_tokens_to_cache, const nb::list& hashes, int32_t reserved) -> std::optional<nb::tuple> {
-            const size_t start = computed.empty() ? mgr.num_cached_blocks(req) : computed.size();
-            const size_t end = num_tokens_to_cache > 0 ? static_cast<size_t>(num_tokens_to_cache / mgr.block_size(0)) : 0;
-            const auto h = mgr.enable_caching() ? hashes_range(hashes, start, end) : std::vector<rt::BlockHash>{};
             std::vector<Ids> fresh;
-            if (!mgr.allocate_slots(req, num_tokens, computed.data(), computed.size(), num_tokens_to_cache, h.data(),
-                                    h.size(), reserved, &fresh)) {
+            if (!allocate(mgr, req, num_tokens, computed, num_tokens_to_cache, hashes, reserved, &fresh)) {
               return std::nullopt;
             }
             return group_lists(fresh);
@@ -122,12 +130,9 @@ void bind_runtime_kv_manager(nb::module_& m) {
              const nb::list& hashes, int32_t reserved) -> nb::object {
             // allocate_slots for a request that adopts no hit (a running one), in
             // the fewest conversions: a decode step that needs no block returns ().
-            const size_t end = num_tokens_to_cache > 0 ? static_cast<size_t>(num_tokens_to_cache / mgr.block_size(0)) : 0;
-            const auto h = mgr.enable_caching() ? hashes_range(hashes, mgr.num_cached_blocks(req), end)
-                                                : std::vector<rt::BlockHash>{};
+            static const Ids kNoHit;
             std::vector<Ids> fresh;
-            if (!mgr.allocate_slots(req, num_tokens, nullptr, 0, num_tokens_to_cache, h.data(), h.size(), reserved,
-                                    &fresh)) {
+            if (!allocate(mgr, req, num_tokens, kNoHit, num_tokens_to_cache, hashes, reserved, &fresh)) {
               return nb::none();
             }
             for (const Ids& g : fresh) {
