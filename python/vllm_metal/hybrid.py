@@ -12,9 +12,9 @@ whole block pool (num_blocks, thousands), while at most max_num_seqs requests ru
 once. Each linear layer keeps a compact StatePool of max_num_seqs slots and
 HybridState maps request -> slot: a slot is taken when a request's first chunk runs
 (position 0), carried across its chunked-prefill steps and decodes, and freed when it
-finishes or is preempted. A preempted request restarts from position 0 (both runner
-contracts; prefix caching is off for hybrid models), so its state is recomputed from
-zero (has_initial_state 0), never reused. The worker subtracts the pools' bytes from
+finishes or is preempted. A request starts from position 0 with a zero state
+(has_initial_state 0), or, on a prefix-cache hit, from a checkpoint of the state after
+the hit's tokens, copied into its slot (load_checkpoints). The worker subtracts the pools' bytes from
 the KV-cache budget (kv_plan.py: the runtime's geometry sizes them), so memory
 accounting stays honest; the mamba groups' block ids still count in vLLM's pool (one
 block per request and group), which is what vLLM's own accounting assumes.
@@ -29,6 +29,7 @@ and the runner replays the step's kept tokens in front of the next one
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -75,22 +76,37 @@ def align_block_size(vllm_config) -> None:
                     "layer (%d bytes)", pages.block_size, pages.page_bytes, pages.state_page_bytes)
     cache.block_size = pages.block_size
     cache.mamba_page_size_padded = pages.page_bytes
-    cache.mamba_block_size = model.max_model_len
+    cache.mamba_block_size = state_block_size(cache, model.max_model_len)
 
 
-def disable_prefix_caching(vllm_config) -> None:
-    """Prefix caching for hybrid models would need the recurrent state at every cached
-    block boundary (vLLM's mamba_cache_mode "align"); we keep one state per request, so
-    a cache hit would resume from a state that does not exist. vLLM enables prefix
-    caching by default: turn it off with a warning instead of refusing to start."""
+def configure_prefix_caching(vllm_config) -> None:
+    """Prefix caching stays as the user set it (vLLM's default: on). Our state groups
+    keep vLLM's Mamba "none" mode (one block per request); the state at a cached
+    prefix's end comes from the runner's checkpoint slots (state_checkpoints.py), not
+    from vLLM's "align" mode."""
     cache = vllm_config.cache_config
-    if cache.enable_prefix_caching:
-        logger.warning("vllm-metal: prefix caching is not supported for hybrid (linear-"
-                       "attention) models such as Qwen3.5; it is disabled")
-    cache.enable_prefix_caching = False
     cache.mamba_cache_mode = "none"
     if vllm_config.model_config is not None:
-        cache.mamba_block_size = vllm_config.model_config.max_model_len
+        cache.mamba_block_size = state_block_size(cache, vllm_config.model_config.max_model_len)
+
+
+def state_block_size(cache, max_model_len: int) -> int:
+    """The block size the state groups declare. A request holds one state block whatever
+    it says (Mamba "none" mode; kv_cache_manager.group_block_sizes), but vLLM hashes
+    prompts in blocks of the groups' least common multiple: with prefix caching the
+    state groups say the attention block size, so hashes fall on every attention block
+    (else max_model_len, as vLLM's "none" mode has it)."""
+    if cache.enable_prefix_caching and cache.block_size:
+        return cache.block_size
+    return max_model_len
+
+
+def checkpoint_slots(vllm_config) -> int:
+    """State checkpoint slots of a hybrid model (0: prefix caching off): as many as
+    requests may run (max_num_seqs), a second set of state slots in memory."""
+    if not vllm_config.cache_config.enable_prefix_caching:
+        return 0
+    return vllm_config.scheduler_config.max_num_seqs
 
 
 def kv_cache_spec(loaded, cache_config, max_model_len: int) -> dict:
@@ -130,7 +146,8 @@ def linear_layer_name(i: int) -> str:
 class HybridState:
     """The state pools and the request -> slot table of one runner."""
 
-    def __init__(self, loaded, kv_cache_config, num_slots: int, speculative: bool = False):
+    def __init__(self, loaded, kv_cache_config, num_slots: int, speculative: bool = False,
+                 checkpoint_slots: int = 0):
         from vllm.v1.kv_cache_interface import MambaSpec
 
         self.loaded = loaded
@@ -154,6 +171,12 @@ class HybridState:
         self.saved = (loaded.model.make_state_pools(num_slots, getattr(mx, loaded.hybrid.conv_dtype))
                       if speculative else None)
         self.saved_len: dict[str, int] = {}  # tokens a saved copy covers
+        # prefix caching: states after cached prefixes, slots chosen by the scheduler's
+        # StateCheckpointTable (state_checkpoints.py); its plan for the coming step
+        conv_dtype = getattr(mx, loaded.hybrid.conv_dtype)
+        self.checkpoints = (loaded.model.make_state_pools(checkpoint_slots, conv_dtype)
+                            if checkpoint_slots else None)
+        self.plan = None
 
     def packer_groups(self, kv_cache_config, num_blocks: int) -> list:
         from vllm_metal import _core
@@ -198,32 +221,126 @@ class HybridState:
             if slot is not None:
                 self.free.append(slot)
 
+    def take_plan(self, plan) -> None:
+        """The scheduler's checkpoint loads and writes for the coming step (a StatePlan,
+        or None: none)."""
+        if plan and self.checkpoints is None:
+            raise RuntimeError("[vllm-metal] the scheduler planned state checkpoints but the "
+                               "runner keeps none")
+        self.plan = plan or None
+
     def step(self, req_ids: list[str], seq_lens: np.ndarray, cu_seqlens_q: np.ndarray):
-        """Slots and has_initial_state of one packed step (batch order); the state of each
-        request then covers its seq_len tokens."""
+        """Slots, has_initial_state and the rounds of one packed step (batch order); the
+        state of each request then covers its seq_len tokens. A request resuming after a
+        prefix-cache hit gets its checkpoint copied into its slot first."""
         n = len(req_ids)
         slots = np.empty(n, np.int32)
         has_init = np.empty(n, np.int32)
+        loads = self.plan.loads if self.plan is not None else {}
+        load_to, load_from = [], []
         for b, r in enumerate(req_ids):
             start = int(seq_lens[b]) - int(cu_seqlens_q[b + 1] - cu_seqlens_q[b])
-            if start == 0:
+            if start == 0 or (r in loads and self.state_len.get(r) != start):
                 if r not in self.slot_of:
                     if not self.free:
                         raise RuntimeError(f"[vllm-metal] no free state slot for request {r!r} "
                                            f"({self.num_slots} slots = max_num_seqs)")
                     self.slot_of[r] = self.free.pop()
-                has_init[b] = 0
+                has_init[b] = int(start > 0)
+                if start > 0:
+                    load_to.append(self.slot_of[r])
+                    load_from.append(loads[r])
             else:
                 if self.state_len.get(r) != start:
-                    # e.g. a prefix-cache hit: the state of the first `start` tokens was never
-                    # computed here
                     raise RuntimeError(
                         f"[vllm-metal] request {r!r} resumes at token {start} but its "
                         f"linear-attention state covers {self.state_len.get(r, 0)} tokens")
                 has_init[b] = 1
             slots[b] = self.slot_of[r]
             self.state_len[r] = int(seq_lens[b])
-        return slots, has_init
+        if load_to:
+            self._load_checkpoints(np.array(load_to, np.int32), np.array(load_from, np.int32))
+        rounds = self._rounds(req_ids, seq_lens, cu_seqlens_q, slots, has_init)
+        self.plan = None
+        return slots, has_init, rounds
+
+    def _load_checkpoints(self, to_slots: np.ndarray, from_slots: np.ndarray) -> None:
+        dst, src = mx.array(to_slots), mx.array(from_slots)
+        for pool, ckpt in zip(self.pools, self.checkpoints):
+            if pool is not None:
+                pool.conv[dst] = ckpt.conv[src]
+                pool.ssm[dst] = ckpt.ssm[src]
+
+    def _rounds(self, req_ids, seq_lens, cu_seqlens_q, slots, has_init) -> "StateRounds | None":
+        """The linear layers' passes over this step's rows (models/qwen3_5_paged.py): one,
+        unless a checkpoint falls inside a chunk; then the chunk is cut there, its pieces
+        run in successive passes, and the state is saved between them."""
+        writes = self.plan.writes if self.plan is not None else {}
+        if not writes:
+            return None
+        cu = np.asarray(cu_seqlens_q)
+        pieces = []  # per request: [(first row, rows, checkpoint slot after it or -1)]
+        for b, r in enumerate(req_ids):
+            end = int(seq_lens[b])
+            start = end - int(cu[b + 1] - cu[b])
+            cuts = [start]
+            save = {}
+            for tokens, slot in writes.get(r, ()):
+                if not start < tokens <= end:
+                    raise RuntimeError(f"[vllm-metal] state checkpoint of request {r!r} after "
+                                       f"{tokens} tokens is outside its chunk [{start}, {end})")
+                if tokens < end:
+                    cuts.append(tokens)
+                save[tokens] = slot
+            cuts = sorted(set(cuts)) + [end]
+            pieces.append([(int(cu[b]) + lo - start, hi - lo, save.get(hi, -1))
+                           for lo, hi in zip(cuts, cuts[1:])])
+        rounds, rows_in_order = [], []
+        for k in range(max(len(p) for p in pieces)):
+            rows, cu_k, slots_k, init_k, save_from, save_to = [], [0], [], [], [], []
+            for b, p in enumerate(pieces):
+                if k >= len(p):
+                    continue
+                first, count, ckpt = p[k]
+                rows.append(np.arange(first, first + count, dtype=np.int32))
+                cu_k.append(cu_k[-1] + count)
+                slots_k.append(slots[b])
+                init_k.append(has_init[b] if k == 0 else 1)
+                if ckpt >= 0:
+                    save_from.append(slots[b])
+                    save_to.append(ckpt)
+            rows = np.concatenate(rows)
+            rows_in_order.append(rows)
+            rounds.append(StateRound(
+                rows=mx.array(rows), cu_seqlens=mx.array(np.array(cu_k, np.int32)),
+                slots=mx.array(np.array(slots_k, np.int32)),
+                has_initial_state=mx.array(np.array(init_k, np.int32)),
+                save_from=mx.array(np.array(save_from, np.int32)) if save_from else None,
+                save_to=mx.array(np.array(save_to, np.int32)) if save_to else None))
+        if len(rounds) == 1:
+            rounds[0].rows = None  # every row, in order
+            return StateRounds(rounds, None, self.checkpoints)
+        order = np.argsort(np.concatenate(rows_in_order), kind="stable").astype(np.int32)
+        return StateRounds(rounds, mx.array(order), self.checkpoints)
+
+
+@dataclass
+class StateRound:
+    """One pass of the linear layers over some of a step's rows."""
+
+    rows: mx.array | None          # int32 packed rows of this pass (None: all, in order)
+    cu_seqlens: mx.array           # int32 [n + 1] over those rows
+    slots: mx.array                # int32 [n] state slots
+    has_initial_state: mx.array    # int32 [n]
+    save_from: mx.array | None     # state slots copied to checkpoint slots after the pass
+    save_to: mx.array | None
+
+
+@dataclass
+class StateRounds:
+    rounds: list[StateRound]
+    order: mx.array | None         # int32: the passes' outputs, concatenated, back in row order
+    checkpoints: list              # per layer: the checkpoint StatePool (None for attention)
 
 
 def _set_rows(pool: mx.array, idx: mx.array, rows: mx.array) -> mx.array:

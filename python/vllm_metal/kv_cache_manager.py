@@ -11,8 +11,10 @@ Block hashes are vLLM's own (``request.block_hashes``, from the algorithm
 ``--prefix-caching-hash-algo`` names); the pool keys on their first 16 bytes.
 
 Supported layouts (what this platform's worker declares): one full-attention
-group, prefix-cached or not; or a hybrid model's attention group plus
-linear-attention (Mamba "none" mode) groups, uncached. Features that need
+group, prefix-cached or not; or a hybrid model's attention group (group 0,
+cached) plus linear-attention (Mamba "none" mode) groups, never cached: the
+state at a hit's end comes from the runner's checkpoints, and
+StateCheckpointTable (state_checkpoints.py) trims hits to those. Features that need
 vLLM's other managers (KV connectors, encoder caches, sliding-window or Mamba
 "align" groups, KV residency metrics) are refused at startup by the platform.
 """
@@ -41,6 +43,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_metal import _core
+from vllm_metal.state_checkpoints import StateCheckpointTable
 
 _NO_BLOCKS: list[int] = []
 _ADMITTED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -80,8 +83,10 @@ class IdBlocks(KVCacheBlocks):
         return IdBlocks(tuple([] for _ in self.ids))
 
 
-def group_block_sizes(kv_cache_config: KVCacheConfig) -> list[int]:
-    """Tokens per block of each group; refuses groups the C++ manager does not model."""
+def group_block_sizes(kv_cache_config: KVCacheConfig, max_model_len: int) -> list[int]:
+    """Tokens per block of each group for the C++ manager: a state group's one block per
+    request holds max_model_len (whatever block size it declares: hybrid.state_block_size).
+    Refuses groups the C++ manager does not model."""
     sizes = []
     for i, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
@@ -89,6 +94,8 @@ def group_block_sizes(kv_cache_config: KVCacheConfig) -> list[int]:
             if spec.mamba_cache_mode != "none" or spec.num_speculative_blocks:
                 raise ValueError(f"[vllm-metal] KV-cache group {i}: Mamba cache mode "
                                  f"'{spec.mamba_cache_mode}' is not supported by the C++ KV-cache manager")
+            sizes.append(max_model_len)
+            continue
         elif type(spec) is not FullAttentionSpec:
             raise ValueError(f"[vllm-metal] KV-cache group {i}: {type(spec).__name__} is not supported by "
                              "the C++ KV-cache manager (full attention and Mamba 'none' groups only)")
@@ -125,11 +132,23 @@ class CoreKVCacheManager:
     that vLLM's Scheduler calls, answered by the C++ KvCacheManager."""
 
     def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, *, enable_caching: bool,
-                 log_stats: bool, enable_kv_cache_events: bool, watermark: float = 0.0) -> None:
+                 log_stats: bool, enable_kv_cache_events: bool, watermark: float = 0.0,
+                 state_checkpoint_slots: int = 0) -> None:
+        """state_checkpoint_slots: for hybrid models with caching on, the runner's
+        checkpoint slots (HybridState); caching stays off for them without any."""
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
-        sizes = group_block_sizes(kv_cache_config)
-        self.enable_caching = enable_caching and len(sizes) == 1
+        sizes = group_block_sizes(kv_cache_config, max_model_len)
+        self.state_table = None
+        if enable_caching and len(sizes) > 1:
+            if not state_checkpoint_slots:
+                enable_caching = False
+            elif type(kv_cache_config.kv_cache_groups[0].kv_cache_spec) is not FullAttentionSpec:
+                raise ValueError("[vllm-metal] hybrid prefix caching needs the attention layers in "
+                                 "KV-cache group 0")
+            else:
+                self.state_table = StateCheckpointTable(state_checkpoint_slots, sizes[0])
+        self.enable_caching = enable_caching
         self.core = _core.KvCacheManager(kv_cache_config.num_blocks, sizes,
                                          enable_caching=self.enable_caching,
                                          enable_events=enable_kv_cache_events)
@@ -183,6 +202,8 @@ class CoreKVCacheManager:
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1  # the last token is always computed
         hit = self.core.find_cached_prefix(request.block_hashes, max_cache_hit_length)
+        if hit and self.state_table is not None:  # hybrid: only as far as a state is kept
+            hit = hit[:self.state_table.usable_blocks(request, len(hit))]
         if not hit:
             return self.empty_kv_cache_blocks, 0, 0
         return IdBlocks((hit,)), len(hit) * self.block_size, 0
@@ -239,6 +260,11 @@ class CoreKVCacheManager:
             return None
         if self.enable_kv_cache_events:
             self._record_events(request, first_cached)
+        if self.state_table is not None and new_computed_blocks is not None:
+            if num_new_computed_tokens:
+                self.state_table.hit_adopted(rid, num_new_computed_tokens)
+            elif request.num_computed_tokens == 0:
+                self.state_table.admitted_without_hit(rid)
         return IdBlocks(fresh) if any(fresh) else self.empty_kv_cache_blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -250,6 +276,8 @@ class CoreKVCacheManager:
 
     def free(self, request: Request) -> None:
         self.core.free(request.request_id)  # freeing evicts nothing: no events
+        if self.state_table is not None:
+            self.state_table.forget(request.request_id)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         ids = self.core.block_ids(request_id)
@@ -272,6 +300,8 @@ class CoreKVCacheManager:
     def reset_prefix_cache(self) -> bool:
         if not self.pool.reset_prefix_cache():
             return False
+        if self.state_table is not None:
+            self.state_table.clear()
         if self.log_stats:
             self.prefix_cache_stats.reset = True
         if self.enable_kv_cache_events:

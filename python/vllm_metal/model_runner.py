@@ -209,7 +209,16 @@ class MetalModelRunner(DeltaHooks):
         """Bytes per block and state bytes (kv_plan: the C++ geometry), for vLLM's block size."""
         return kv_plan.size(self.loaded, block_size=self.cache_config.block_size,
                             max_num_seqs=self.scheduler_config.max_num_seqs,
-                            speculative=self.speculation is not None)
+                            speculative=self.speculation is not None,
+                            checkpoints=self._checkpoint_slots() > 0)
+
+    def _checkpoint_slots(self) -> int:
+        """Hybrid models with prefix caching: the state checkpoint slots (hybrid.py)."""
+        from vllm_metal.hybrid import checkpoint_slots
+
+        if self.loaded is None or self.loaded.hybrid is None:
+            return 0
+        return checkpoint_slots(self.vllm_config)
 
     def cache_block_size_bytes(self) -> int:
         # hybrid models: only the attention layers have paged KV (state: state_memory_bytes)
@@ -230,7 +239,8 @@ class MetalModelRunner(DeltaHooks):
             from vllm_metal.hybrid import HybridState
 
             self.hybrid = HybridState(self.loaded, kv_cache_config, self.scheduler_config.max_num_seqs,
-                                      speculative=self.speculation is not None)
+                                      speculative=self.speculation is not None,
+                                      checkpoint_slots=self._checkpoint_slots())
             self.attention_group = self.hybrid.attention_group
             block_size = kv_cache_config.kv_cache_groups[self.attention_group].kv_cache_spec.block_size
             kv_groups = self.hybrid.packer_groups(kv_cache_config, num_blocks)
@@ -245,7 +255,8 @@ class MetalModelRunner(DeltaHooks):
             kv_groups = [_core.KvGroupSpec(block_size, num_blocks=num_blocks)]
         plan = kv_plan.plan(self.loaded, block_size=block_size, num_blocks=num_blocks,
                             max_num_seqs=self.scheduler_config.max_num_seqs,
-                            speculative=self.speculation is not None)
+                            speculative=self.speculation is not None,
+                            checkpoints=self._checkpoint_slots() > 0)
         # per model layer: (K, V) each [num_blocks, block_size, kv_heads, head_dim]; None for
         # linear-attention layers (their state is in self.hybrid)
         self.kv_caches = [None if layer.kind == "linear_attention" else
@@ -295,6 +306,8 @@ class MetalModelRunner(DeltaHooks):
             self._wait(self._unread_spec_step)
         # the request table (both runner contracts: scheduler_delta.py), then the hooks above
         self.delta.update(scheduler_output)
+        if self.hybrid is not None:  # prefix caching's state loads and saves (hybrid.py)
+            self.hybrid.take_plan(getattr(scheduler_output, "state_checkpoints", None))
         if scheduler_output.total_num_scheduled_tokens == 0:
             self._pending = None
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -349,7 +362,7 @@ class MetalModelRunner(DeltaHooks):
         if table.structured[rows].any() or batch.custom is not None:
             # the grammars' bitmask for this step comes with sample_tokens: start the
             # forward now, sample then
-            mx.async_eval(sampled_logits, self.kv_caches)
+            mx.async_eval(sampled_logits, self.kv_caches, self._checkpoint_arrays())
             self._pending = step
         else:
             self._submit(step)
@@ -372,7 +385,8 @@ class MetalModelRunner(DeltaHooks):
         # the caches too: fused layers hand them on as lazy arrays that depend on the step
         # (models/fused_layers.py); evaluated now, they hold their buffers alone next step
         mx.async_eval(result.tokens, *(result.logprobs or ()), *((result.kept,) if u.cu_num_logits is not None else ()),
-                      *self.prompt_logprobs.arrays(prompt_scores), self.kv_caches)
+                      *self.prompt_logprobs.arrays(prompt_scores), self.kv_caches,
+                      self._checkpoint_arrays())
         step = _SubmittedStep(u.req_ids, u.discard, result, prompt_scores, cu_num_logits=u.cu_num_logits)
         if self.speculation is not None:
             # appended when read (next step's drafts come from them), never deferred
@@ -466,6 +480,12 @@ class MetalModelRunner(DeltaHooks):
         self.speculation.propose(self.packer, step.req_ids, outputs)
         return tokens
 
+    def _checkpoint_arrays(self) -> list:
+        """Hybrid prefix caching's checkpoints, evaluated with the step that writes them."""
+        if self.hybrid is None or self.hybrid.checkpoints is None:
+            return []
+        return [(c.conv, c.ssm) for c in self.hybrid.checkpoints if c is not None]
+
     def _input_ids(self, source_step: _SubmittedStep | None) -> mx.array:
         """This step's token ids; where a row's input is the previous step's sample
         (async), that token, lazily when the previous step is still computing."""
@@ -510,9 +530,10 @@ class MetalModelRunner(DeltaHooks):
             from vllm_metal.models.qwen3_5_paged import HybridContext
 
             cu = np.array(p.cu_seqlens_q)
-            slots, has_init = self.hybrid.step(list(p.req_ids), np.array(p.seq_lens), cu)
+            slots, has_init, rounds = self.hybrid.step(list(p.req_ids), np.array(p.seq_lens), cu)
             ctx = HybridContext(**fields, cu_seqlens_state=mx.array(cu), state_slots=mx.array(slots),
-                                has_initial_state=mx.array(has_init), state_pools=self.hybrid.pools)
+                                has_initial_state=mx.array(has_init), state_pools=self.hybrid.pools,
+                                state_rounds=rounds)
         else:
             ctx = AttentionContext(**fields)
         if input_ids is None:

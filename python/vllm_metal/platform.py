@@ -156,10 +156,10 @@ class MetalPlatform(Platform):
         cache = vllm_config.cache_config
         if cache.block_size is None:
             cache.block_size = 16
-        from vllm_metal.hybrid import disable_prefix_caching, is_hybrid_config
+        from vllm_metal.hybrid import configure_prefix_caching, is_hybrid_config
 
         if vllm_config.model_config is not None and is_hybrid_config(vllm_config.model_config.hf_text_config):
-            disable_prefix_caching(vllm_config)
+            configure_prefix_caching(vllm_config)
         _name_gguf_models_after_their_file(vllm_config)
 
     @classmethod

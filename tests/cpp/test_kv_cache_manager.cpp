@@ -99,6 +99,27 @@ TEST(KvCacheManager, GroupsTakeTheirOwnBlockCounts) {
   EXPECT_EQ(m.pool().num_free_blocks(), 9);
 }
 
+TEST(KvCacheManager, HybridHitAdoptsGroupZeroAndTakesFreshStateBlocks) {
+  // attention blocks of 4 tokens (cached), one uncached state block per request
+  auto m = make(12, {4, 64}, /*caching=*/true);
+  const auto h = hashes(1, 3);
+  std::vector<Ids> fresh;
+  ASSERT_TRUE(m.allocate_slots("a", 12, nullptr, 0, 12, h.data(), h.size(), 0, &fresh));
+  EXPECT_EQ(fresh[0], (Ids{1, 2, 3}));
+  EXPECT_EQ(fresh[1], (Ids{4}));
+  m.free("a");
+  const Ids hit = m.find_cached_prefix(h.data(), h.size(), 11);
+  EXPECT_EQ(hit, (Ids{1, 2}));
+  EXPECT_EQ(m.num_blocks_to_allocate("b", 12, hit.data(), hit.size()), 1 + 1 + 2);  // new + state + 2 hit blocks leave the free queue
+  ASSERT_TRUE(m.allocate_slots("b", 12, hit.data(), hit.size(), 12, h.data(), h.size(), 0, &fresh));
+  ASSERT_EQ(fresh[0].size(), 1u);
+  ASSERT_EQ(fresh[1].size(), 1u);
+  EXPECT_EQ(m.blocks("b", 0), (Ids{1, 2, fresh[0][0]}));
+  EXPECT_EQ(m.blocks("b", 1), fresh[1]);
+  EXPECT_NE(fresh[0][0], fresh[1][0]);
+  EXPECT_EQ(m.num_cached_blocks("b"), 3u);  // its third block cached as it fills
+}
+
 TEST(KvCacheManager, CachingOffNeverHitsOrCaches) {
   auto m = make(8, {4}, /*caching=*/false);
   const auto h = hashes(1, 2);
@@ -111,8 +132,6 @@ TEST(KvCacheManager, BadInputIsRefusedBeforeAnyChange) {
   rt::KvCacheManagerConfig c;
   c.num_blocks = 8;
   EXPECT_THROW(rt::KvCacheManager{c}, std::invalid_argument);  // no group
-  c.group_block_sizes = {4, 64};
-  EXPECT_THROW(rt::KvCacheManager{c}, std::invalid_argument);  // caching with two groups
   c.group_block_sizes = {0};
   EXPECT_THROW(rt::KvCacheManager{c}, std::invalid_argument);
 

@@ -44,11 +44,17 @@ def test_block_size_alignment_makes_one_page_size():
     assert half.cache_config.block_size == 48
 
 
-def test_prefix_caching_is_turned_off():
+def test_prefix_caching_stays_as_asked_with_one_state_block_per_request():
     cfg = vllm_config()
-    hybrid.disable_prefix_caching(cfg)
+    cfg.cache_config.mamba_cache_mode = "align"  # what vLLM's hybrid config hook may choose
+    hybrid.configure_prefix_caching(cfg)
     c = cfg.cache_config
-    assert (c.enable_prefix_caching, c.mamba_cache_mode, c.mamba_block_size) == (False, "none", 128)
+    # the state groups declare the attention block size, so vLLM hashes every block
+    assert (c.enable_prefix_caching, c.mamba_cache_mode, c.mamba_block_size) == (True, "none", 16)
+    off = vllm_config()
+    off.cache_config.enable_prefix_caching = False
+    hybrid.configure_prefix_caching(off)
+    assert off.cache_config.mamba_block_size == 128  # max_model_len: vLLM's "none" mode
 
 
 def test_kv_cache_spec_groups(loaded):
@@ -60,7 +66,7 @@ def test_kv_cache_spec_groups(loaded):
     assert isinstance(specs["model.layers.3.self_attn.attn"], FullAttentionSpec)
     states = [specs[f"model.layers.{i}.linear_attn"] for i in range(3)]
     assert all(isinstance(s, MambaSpec) for s in states)
-    assert states[0].shapes == ((192, 3), (4, 16, 32)) and states[0].block_size == 128
+    assert states[0].shapes == ((192, 3), (4, 16, 32)) and states[0].block_size == 32
     assert {s.page_size_bytes for s in specs.values()} == {32 * 512}  # one page size
     small = vllm_config()  # alignment skipped: a clear error, not a silent overflow
     with pytest.raises(ValueError, match="smaller than one request's state"):
@@ -82,7 +88,8 @@ def step(state, reqs: dict[str, tuple[int, int]]):
     ids = list(reqs)
     q = [reqs[r][1] for r in ids]
     seq_lens = np.array([reqs[r][0] + reqs[r][1] for r in ids])
-    return state.step(ids, seq_lens, np.concatenate([[0], np.cumsum(q)]))
+    slots, init, _rounds = state.step(ids, seq_lens, np.concatenate([[0], np.cumsum(q)]))
+    return slots, init
 
 
 def test_slots_are_taken_carried_freed_and_reused(loaded):

@@ -42,7 +42,6 @@ def reference(checkpoint):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     vl = write_checkpoint(tmp_path_factory.mktemp("qwen3_5_vl"), seed=0, vision_language=True)
-    # --enable-prefix-caching asked explicitly: turned off with a warning, not refused
     s = Server(str(vl), "qwen3_5-tiny", [*SERVER_ARGS, "--enable-prefix-caching"])
     yield s
     s.stop()
@@ -63,10 +62,7 @@ def jobs(seed: int, n: int) -> list[tuple[list[int], int]]:
 
 
 def preemptions(server) -> float:
-    for line in server.client.get("/metrics").text.splitlines():
-        if line.startswith("vllm:num_preemptions_total"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("no vllm:num_preemptions_total metric")
+    return metric(server, "vllm:num_preemptions_total")
 
 
 def check_concurrent(server, reference, seed: int) -> None:
@@ -112,12 +108,51 @@ def test_concurrent_requests_with_preemption_match_mlx_lm(server, reference):
     assert_preempted(server)
 
 
-def test_prefix_caching_is_off_with_a_warning(server, reference):
-    assert "prefix caching is not supported for hybrid" in server.tail(10_000)
-    shared = list(range(100, 140))
-    for suffix in ([7, 8, 9], [7, 8, 10], [200, 201]):  # same prefix, divergent suffixes
-        prompt = shared + suffix
-        assert complete_ids(server, prompt, 8) == greedy(reference, prompt, 8)
+def metric(server, name: str) -> float:
+    for line in server.client.get("/metrics").text.splitlines():
+        if line.startswith(name):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} metric")
+
+
+def prefix_hits(server) -> float:
+    time.sleep(1.5)  # the metrics are published a little after the step
+    return metric(server, "vllm:prefix_cache_hits_total")
+
+
+def shared_prefix_jobs(seed: int, n: int) -> list[tuple[list[int], int]]:
+    """Prompts that share a 70-token prefix (blocks of 32: two whole blocks), then diverge
+    after 0 to 20 more shared tokens."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(3, 320, 90).tolist()
+    return [(shared[:70 + int(rng.integers(0, 20))] + rng.integers(3, 320, int(rng.integers(1, 9))).tolist(),
+             int(rng.integers(6, 20))) for _ in range(n)]
+
+
+def test_prefix_caching_is_exact(server, reference):
+    """Prefix caching is on (the linear-attention state is checkpointed at block
+    boundaries and resumed on a hit): shared-prefix prompts with divergent suffixes give
+    mlx-lm's tokens, alone, one after another, as a conversation's next turn, and
+    concurrently with preemption, while the cache is hit."""
+    before = prefix_hits(server)
+    work = shared_prefix_jobs(5, 3)
+    for prompt, n in work:
+        assert complete_ids(server, prompt, n) == greedy(reference, prompt, n)
+    assert prefix_hits(server) >= before + 2 * 64  # the second and third resumed after 64
+    # a next turn: the first reply's blocks (decode checkpoints) are hit too
+    prompt, n = work[0]
+    turn = prompt + greedy(reference, prompt, n) + [11, 12, 13]
+    before = prefix_hits(server)
+    assert complete_ids(server, turn, 8) == greedy(reference, turn, 8)
+    assert prefix_hits(server) >= before + 64
+    # many at once, preempting one another, each as if alone
+    work = shared_prefix_jobs(6, 12)
+    want = [greedy(reference, p, n) for p, n in work]
+    with cf.ThreadPoolExecutor(len(work)) as pool:
+        got = list(pool.map(lambda j: complete_ids(server, *j), work))
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"request {i} (prompt of {len(work[i][0])} tokens)"
+    assert_preempted(server)
 
 
 def test_v1_runner_contract_with_preemption(checkpoint, reference):

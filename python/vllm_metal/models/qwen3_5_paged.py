@@ -43,6 +43,9 @@ class HybridContext(AttentionContext):
     # Per layer: that layer's StatePool (linear-attention layers) or None. Pools are
     # replaced by the updated (lazy) arrays the ops return, as kv_caches are.
     state_pools: list = None
+    # hybrid.StateRounds when prefix caching checkpoints a state inside a chunk: the
+    # conv and the recurrence then run in passes (None: one pass over every row)
+    state_rounds: object = None
 
 
 @dataclass(frozen=True)
@@ -128,9 +131,37 @@ def gated_delta_net(gdn: nn.Module, x: mx.array, ctx: HybridContext, layer_idx: 
     qkv = gdn.in_proj_qkv(x)                                                 # [T, conv_dim]
     z = gdn.in_proj_z(x).reshape(t, gdn.num_v_heads, gdn.head_v_dim)
     b, a = gdn.in_proj_b(x), gdn.in_proj_a(x)                                # [T, Hv]
-    meta = dict(cu_seqlens=ctx.cu_seqlens_state, slots=ctx.state_slots,
-                has_initial_state=ctx.has_initial_state, inplace=True)
     pool = ctx.state_pools[layer_idx]
+    rounds = ctx.state_rounds
+    if rounds is None:
+        y = _recurrence(gdn, qkv, a, b, pool, ctx.cu_seqlens_state, ctx.state_slots,
+                        ctx.has_initial_state)
+    else:
+        # Prefix caching: passes over pieces of the chunks, the state saved in between.
+        # The recurrence is exact across a cut (the state carries everything), so the
+        # rows come out as one pass would give them.
+        ys = []
+        for r in rounds.rounds:
+            pick = (lambda u: u) if r.rows is None else (lambda u, rows=r.rows: u[rows])
+            ys.append(_recurrence(gdn, pick(qkv), pick(a), pick(b), pool, r.cu_seqlens, r.slots,
+                                  r.has_initial_state))
+            if r.save_from is not None:
+                ckpt = rounds.checkpoints[layer_idx]
+                ckpt.conv[r.save_to] = pool.conv[r.save_from]
+                ckpt.ssm[r.save_to] = pool.ssm[r.save_from]
+                # the next pass (or step) updates the pool in place: after these reads
+                pool.conv, pool.ssm = mx.depends([pool.conv, pool.ssm], [ckpt.conv, ckpt.ssm])
+        y = ys[0] if rounds.order is None else mx.concatenate(ys)[rounds.order]
+    out = gdn.norm(y, z)                                                     # [T, Hv, Dv]
+    return gdn.out_proj(out.reshape(t, -1))
+
+
+def _recurrence(gdn: nn.Module, qkv: mx.array, a: mx.array, b: mx.array, pool, cu_seqlens,
+                slots, has_initial_state) -> mx.array:
+    """The causal conv and the gated delta rule over packed rows; pool updated in place."""
+    t = qkv.shape[0]
+    meta = dict(cu_seqlens=cu_seqlens, slots=slots, has_initial_state=has_initial_state,
+                inplace=True)
     conv_out, pool.conv = ops.causal_conv1d(
         qkv, gdn.conv1d.weight[:, :, 0].astype(qkv.dtype), None, conv_state=pool.conv, **meta)
     q, k, v = mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], axis=-1)
@@ -139,8 +170,7 @@ def gated_delta_net(gdn: nn.Module, x: mx.array, ctx: HybridContext, layer_idx: 
         k.reshape(t, gdn.num_k_heads, gdn.head_k_dim),
         v.reshape(t, gdn.num_v_heads, gdn.head_v_dim),
         a, b, gdn.A_log, gdn.dt_bias, state=pool.ssm, **meta)
-    out = gdn.norm(y, z)                                                     # [T, Hv, Dv]
-    return gdn.out_proj(out.reshape(t, -1))
+    return y
 
 
 class PagedQwen3_5(nn.Module):

@@ -16,10 +16,6 @@ BlockPoolConfig pool_config(const KvCacheManagerConfig& c) {
   for (int32_t b : c.group_block_sizes) {
     if (b <= 0) fail("every group's block_size must be > 0, got " + std::to_string(b));
   }
-  if (c.enable_caching && c.group_block_sizes.size() > 1) {
-    fail("prefix caching with " + std::to_string(c.group_block_sizes.size()) +
-         " KV-cache groups is not supported (only group 0 can be cached)");
-  }
   BlockPoolConfig p;
   p.num_blocks = c.num_blocks;
   p.block_size = c.group_block_sizes[0];

@@ -8,8 +8,9 @@
 //     every block, as their spec is full attention). It alone is prefix-cached.
 //   - Further groups hold a fixed number of tokens per block (a hybrid model's
 //     linear-attention groups use block_size = max_model_len: one block per
-//     request), are never cached, and exist only with caching off (as vLLM
-//     requires of Mamba groups outside its "align" mode).
+//     request) and are never cached: a hit adopts group 0's blocks and takes
+//     fresh blocks in the others. (A hybrid model's recurrent state at a hit's
+//     end lives outside the pool: python/vllm_metal/state_checkpoints.py.)
 //
 // A request needs cdiv(num_tokens, block_size) blocks in each group. On its
 // first allocation it may adopt a prefix-cache hit (group 0 blocks found by
