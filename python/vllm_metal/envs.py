@@ -32,6 +32,13 @@ def _int(value: str) -> int:
     return int(value)
 
 
+def _count(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise ValueError(f"must be >= 0, got {n}")
+    return n
+
+
 ENVIRONMENT: dict[str, tuple[Callable[[str], Any], Any, str]] = {
     "VLLM_METAL_KERNELS": (
         _kernels,
@@ -71,6 +78,13 @@ ENVIRONMENT: dict[str, tuple[Callable[[str], Any], Any, str]] = {
         "depend on the rest of the batch (fixed reduction order and split sizes per row), so "
         "greedy and seeded outputs and logprobs are bit-identical alone or batched "
         "(docs/serving.md).",
+    ),
+    "VLLM_METAL_HYBRID_STATE_CHECKPOINTS": (
+        _count,
+        16,
+        "Hybrid models (Qwen3.5) with prefix caching: how many linear-attention states after "
+        "cached prefixes are kept (least recently used evicted); each costs one request's "
+        "state from the KV budget. 0 turns prefix caching off for them (docs/hybrid.md).",
     ),
     "VLLM_METAL_TEST_FAIL_FORWARD_AT_STEP": (
         _int,

@@ -84,8 +84,14 @@ def configure_prefix_caching(vllm_config) -> None:
     keep vLLM's Mamba "none" mode (one block per request); the state at a cached
     prefix's end comes from the runner's checkpoint slots (state_checkpoints.py), not
     from vLLM's "align" mode."""
+    from vllm_metal import envs
+
     cache = vllm_config.cache_config
     cache.mamba_cache_mode = "none"
+    if cache.enable_prefix_caching and envs.VLLM_METAL_HYBRID_STATE_CHECKPOINTS == 0:
+        logger.info("vllm-metal: prefix caching off for this hybrid model "
+                    "(VLLM_METAL_HYBRID_STATE_CHECKPOINTS=0)")
+        cache.enable_prefix_caching = False
     if vllm_config.model_config is not None:
         cache.mamba_block_size = state_block_size(cache, vllm_config.model_config.max_model_len)
 
@@ -102,11 +108,15 @@ def state_block_size(cache, max_model_len: int) -> int:
 
 
 def checkpoint_slots(vllm_config) -> int:
-    """State checkpoint slots of a hybrid model (0: prefix caching off): as many as
-    requests may run (max_num_seqs), a second set of state slots in memory."""
+    """State checkpoint slots of a hybrid model with prefix caching
+    (VLLM_METAL_HYBRID_STATE_CHECKPOINTS; 0 with caching off). A fixed number, so the
+    scheduler's table and the runner's pool agree before any memory is measured; each
+    costs one request's state."""
+    from vllm_metal import envs
+
     if not vllm_config.cache_config.enable_prefix_caching:
         return 0
-    return vllm_config.scheduler_config.max_num_seqs
+    return envs.VLLM_METAL_HYBRID_STATE_CHECKPOINTS
 
 
 def kv_cache_spec(loaded, cache_config, max_model_len: int) -> dict:

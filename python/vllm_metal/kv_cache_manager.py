@@ -161,6 +161,7 @@ class CoreKVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self.empty_kv_cache_blocks = IdBlocks(tuple([] for _ in sizes))
+        self.hit_tokens = 0  # prefix-cache hit tokens adopted (for the shutdown log)
         # KV events: vLLM's full hash of each cached block (the pool keeps 16 bytes)
         self._events: list[KVCacheEvent] = []
         self._event_hash: dict[int, bytes] = {}
@@ -260,6 +261,7 @@ class CoreKVCacheManager:
             return None
         if self.enable_kv_cache_events:
             self._record_events(request, first_cached)
+        self.hit_tokens += num_new_computed_tokens
         if self.state_table is not None and new_computed_blocks is not None:
             if num_new_computed_tokens:
                 self.state_table.hit_adopted(rid, num_new_computed_tokens)

@@ -10,7 +10,8 @@ Layers: attention (a sliding-window layer keeps its window; it is allocated like
 attention, as get_kv_cache_spec declares it), and for hybrid models (Qwen3.5) the
 linear-attention layers' per-request state, conv in the model dtype and recurrent in
 float32, in max_num_seqs slots (hybrid.py), a second set when speculative decoding saves
-each slot before a drafting step, and one more for prefix caching's checkpoints.
+each slot before a drafting step; with prefix caching, the checkpoints of cached prefixes
+(checkpoint_bytes).
 """
 
 from __future__ import annotations
@@ -42,24 +43,30 @@ def linear_attention(shapes, conv_dtype: str):
         states=[(list(shapes.conv), conv_dtype), (list(shapes.ssm), "float32")])
 
 
-def state_copies(speculative: bool, checkpoints: bool = False) -> int:
-    """State pools per linear layer: the slots, under speculative decoding their saved
-    copies (hybrid.HybridState.save_slots), and with prefix caching the checkpoints of
-    cached prefixes (max_num_seqs of them: hybrid.checkpoint_slots)."""
-    return 1 + int(speculative) + int(checkpoints)
+def state_copies(speculative: bool) -> int:
+    """State pools per linear layer: the slots, and under speculative decoding their
+    saved copies (hybrid.HybridState.save_slots)."""
+    return 2 if speculative else 1
 
 
-def size(loaded, *, block_size: int, max_num_seqs: int, speculative: bool, checkpoints: bool = False):
+def size(loaded, *, block_size: int, max_num_seqs: int, speculative: bool):
     """Bytes per block and state bytes, before vLLM has counted the blocks."""
     return _core.size_kv_pool(layer_specs(loaded), block_size=block_size, max_num_seqs=max_num_seqs,
-                              state_copies=state_copies(speculative, checkpoints))
+                              state_copies=state_copies(speculative))
 
 
-def plan(loaded, *, block_size: int, num_blocks: int, max_num_seqs: int, speculative: bool,
-         checkpoints: bool = False):
+def checkpoint_bytes(loaded, *, block_size: int, slots: int) -> int:
+    """Bytes of a hybrid model's prefix-caching state checkpoints (hybrid.checkpoint_slots
+    of them; each as large as one request's state)."""
+    if not slots or loaded.hybrid is None:
+        return 0
+    return _core.size_kv_pool(layer_specs(loaded), block_size=block_size, max_num_seqs=slots,
+                              state_copies=1).state_bytes
+
+
+def plan(loaded, *, block_size: int, num_blocks: int, max_num_seqs: int, speculative: bool):
     """The pool for vLLM's block count (KVCacheConfig.num_blocks): shapes and description.
     No budget and no max_model_len check: vLLM has already sized and checked the count
     (an override included)."""
     return _core.plan_kv_pool(layer_specs(loaded), block_size=block_size, num_blocks=num_blocks,
-                              max_num_seqs=max_num_seqs,
-                              state_copies=state_copies(speculative, checkpoints))
+                              max_num_seqs=max_num_seqs, state_copies=state_copies(speculative))

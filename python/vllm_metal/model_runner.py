@@ -209,8 +209,7 @@ class MetalModelRunner(DeltaHooks):
         """Bytes per block and state bytes (kv_plan: the C++ geometry), for vLLM's block size."""
         return kv_plan.size(self.loaded, block_size=self.cache_config.block_size,
                             max_num_seqs=self.scheduler_config.max_num_seqs,
-                            speculative=self.speculation is not None,
-                            checkpoints=self._checkpoint_slots() > 0)
+                            speculative=self.speculation is not None)
 
     def _checkpoint_slots(self) -> int:
         """Hybrid models with prefix caching: the state checkpoint slots (hybrid.py)."""
@@ -228,7 +227,8 @@ class MetalModelRunner(DeltaHooks):
         """Memory the runner keeps outside vLLM's KV blocks (hybrid models' state slots)."""
         if self.loaded is None or self.loaded.hybrid is None:
             return 0
-        return self._kv_sizing().state_bytes
+        return self._kv_sizing().state_bytes + kv_plan.checkpoint_bytes(
+            self.loaded, block_size=self.cache_config.block_size, slots=self._checkpoint_slots())
 
     def initialize_kv_cache(self, kv_cache_config) -> None:
         """Paged KV for the attention layers, shaped by kv_plan for vLLM's block count; for
@@ -255,8 +255,7 @@ class MetalModelRunner(DeltaHooks):
             kv_groups = [_core.KvGroupSpec(block_size, num_blocks=num_blocks)]
         plan = kv_plan.plan(self.loaded, block_size=block_size, num_blocks=num_blocks,
                             max_num_seqs=self.scheduler_config.max_num_seqs,
-                            speculative=self.speculation is not None,
-                            checkpoints=self._checkpoint_slots() > 0)
+                            speculative=self.speculation is not None)
         # per model layer: (K, V) each [num_blocks, block_size, kv_heads, head_dim]; None for
         # linear-attention layers (their state is in self.hybrid)
         self.kv_caches = [None if layer.kind == "linear_attention" else
@@ -274,6 +273,11 @@ class MetalModelRunner(DeltaHooks):
         self.delta = SchedulerDelta(self.packer, use_v2_model_runner=self.use_v2, hooks=self,
                                     trim_outputs=False)
         self.kv_cache_description = plan.description
+        if self.hybrid is not None and self.hybrid.checkpoints is not None:
+            ckpt = kv_plan.checkpoint_bytes(self.loaded, block_size=block_size,
+                                            slots=self._checkpoint_slots())
+            self.kv_cache_description += (f"; {self._checkpoint_slots()} prefix-cache state "
+                                          f"checkpoints ({ckpt / 2**20:.1f} MiB)")
 
     def _packer_token_budget(self) -> int:
         """The scheduler's tokens per step, plus room for hybrid models' replays of kept

@@ -60,8 +60,8 @@ class _CoreBlocks:
     def shutdown(self) -> None:
         stats = self.kv_cache_manager.pool.stats
         logger.info("vllm-metal: the C++ block pool allocated %d blocks, cached %d, evicted %d; "
-                    "prefix lookups hit %d tokens", stats.allocated, stats.stored, stats.evicted,
-                    stats.hit_tokens)
+                    "prefix-cache hits adopted %d tokens", stats.allocated, stats.stored, stats.evicted,
+                    self.kv_cache_manager.hit_tokens)
         table = self.kv_cache_manager.state_table
         if table is not None:
             logger.info("vllm-metal: hybrid prefix caching wrote %(writes)d state checkpoints, "

@@ -134,6 +134,22 @@ def test_state_across_chunked_prefill_steps_equals_one_prefill(backend, method):
     assert_close(st[2], to_numpy(s_one[2]), "float32", "stepped state")
 
 
+@pytest.mark.parametrize("cut", [1, 8, 20])
+def test_recurrent_state_resumes_bit_exactly_at_any_cut(backend, cut):
+    # Hybrid prefix caching (hybrid.py) saves the state after `cut` tokens and resumes a
+    # later request from it: the rows and the final state must be the ones one pass gives,
+    # bit for bit (the recurrent kernel is the method "auto" runs and Metal's only one).
+    case = Case((21,), 2, 4, 64, 16)
+    inp, state, _, _ = make_inputs(case, "float32", seed=5, num_slots=2)
+    y_one, s_one = run(inp, state, [21], [1], [0])
+    first = {key: (val[:cut] if val.ndim > 1 else val) for key, val in inp.items()}
+    rest = {key: (val[cut:] if val.ndim > 1 else val) for key, val in inp.items()}
+    y_a, saved = run(first, state, [cut], [1], [0])
+    y_b, s_two = run(rest, saved, [21 - cut], [1], [1])
+    assert mx.array_equal(mx.concatenate([y_a, y_b]), y_one).item()
+    assert mx.array_equal(s_two[1], s_one[1]).item()
+
+
 def test_state_is_copied_unless_inplace(backend):
     case = Case((4, 2), 1, 2, 32, 8)
     inp, state, slots, _ = make_inputs(case, "float32", seed=5, num_slots=64)

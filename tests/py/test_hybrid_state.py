@@ -130,9 +130,13 @@ def test_state_memory_comes_out_of_the_budget(loaded):
     assert sizing.state_bytes == 8 * per_slot * 3
     assert kv_plan.size(loaded, block_size=32, max_num_seqs=8, speculative=True).state_bytes == 2 * 8 * per_slot * 3
     # the pools HybridState allocates are the ones the geometry counted
-    state = hybrid.HybridState(loaded, kv_cache_config(loaded), num_slots=8)
+    state = hybrid.HybridState(loaded, kv_cache_config(loaded), num_slots=8, checkpoint_slots=5)
     pools = [p for p in state.pools if p is not None]
     assert sum(p.conv.nbytes + p.ssm.nbytes for p in pools) == sizing.state_bytes
+    # prefix caching's checkpoints: counted the same way
+    checkpoints = [p for p in state.checkpoints if p is not None]
+    assert sum(p.conv.nbytes + p.ssm.nbytes for p in checkpoints) == 5 * per_slot * 3 \
+        == kv_plan.checkpoint_bytes(loaded, block_size=32, slots=5)
 
 
 def test_worker_budget_leaves_room_for_the_state():

@@ -176,6 +176,11 @@ def test_gguf_file_with_mtp_block_is_served(tmp_path, reference):
     try:
         for prompt, n in jobs(5, 3):
             assert complete_ids(s, prompt, n) == greedy(reference, prompt, n)
+        # prefix caching (on by default) resumes the GGUF model's state exactly too
+        before = prefix_hits(s)
+        for prompt, n in shared_prefix_jobs(8, 3):
+            assert complete_ids(s, prompt, n) == greedy(reference, prompt, n)
+        assert prefix_hits(s) >= before + 2 * 64
     finally:
         s.stop()
 
