@@ -38,23 +38,25 @@ def expected_block_bytes(cfg, dtype, block_size) -> int:
     return 2 * block_size * cfg["num_key_value_heads"] * head_dim(cfg) * ITEMSIZE[dtype] * attention_layers(cfg)
 
 
-def expected_state_bytes(cfg, dtype, speculative) -> int:
+def expected_state_bytes(cfg, dtype, speculative, slots=None) -> int:
     """Gated DeltaNet: conv [2*Hk*Dk + Hv*Dv, kernel - 1] in the model dtype and recurrent
     [Hv, Dv, Dk] float32 per slot and linear layer; max_num_seqs slots, twice when drafts
-    save a copy."""
+    save a copy (or `slots` slots)."""
     if "linear_num_value_heads" not in cfg:
         return 0
     hk, dk = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
     hv, dv = cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
     conv = (2 * hk * dk + hv * dv) * (cfg["linear_conv_kernel_dim"] - 1) * ITEMSIZE[dtype]
     linear = cfg["num_hidden_layers"] - attention_layers(cfg)
-    return (conv + hv * dv * dk * 4) * MAX_NUM_SEQS * linear * (2 if speculative else 1)
+    if slots is None:
+        slots = MAX_NUM_SEQS * (2 if speculative else 1)
+    return (conv + hv * dv * dk * 4) * slots * linear
 
 
-def runner_for(loaded, block_size, speculative=False) -> MetalModelRunner:
+def runner_for(loaded, block_size, speculative=False, caching=False) -> MetalModelRunner:
     config = SimpleNamespace(
         model_config=SimpleNamespace(model="tiny", dtype=loaded.spec.dtype, max_model_len=MAX_MODEL_LEN),
-        cache_config=SimpleNamespace(block_size=block_size),
+        cache_config=SimpleNamespace(block_size=block_size, enable_prefix_caching=caching),
         scheduler_config=SimpleNamespace(async_scheduling=True, max_num_seqs=MAX_NUM_SEQS,
                                          max_num_batched_tokens=64),
         speculative_config=None)
@@ -100,22 +102,27 @@ def models(tmp_path_factory):
     }
 
 
-CASES = [("llama-float32", 16, False), ("gemma3-bfloat16", 16, False), ("qwen3_5-float32", 32, False),
-         ("qwen3_5-float32", 32, True), ("qwen3_5-bfloat16", 48, True)]
+CASES = [("llama-float32", 16, False, True), ("gemma3-bfloat16", 16, False, False),
+         ("qwen3_5-float32", 32, False, False), ("qwen3_5-float32", 32, False, True),
+         ("qwen3_5-float32", 32, True, False), ("qwen3_5-bfloat16", 48, True, True)]
 
 
-@pytest.mark.parametrize("name, block_size, speculative", CASES,
-                         ids=[f"{n}-B{b}{'-spec' if s else ''}" for n, b, s in CASES])
-def test_worker_reports_and_allocates_what_the_config_implies(models, name, block_size, speculative):
+@pytest.mark.parametrize("name, block_size, speculative, caching", CASES,
+                         ids=[f"{n}-B{b}{'-spec' if s else ''}{'-cache' if c else ''}" for n, b, s, c in CASES])
+def test_worker_reports_and_allocates_what_the_config_implies(models, name, block_size, speculative, caching):
     cfg, loaded = models[name]
     dtype = loaded.spec.dtype
     if name.startswith("gemma3"):
         assert any(loaded.spec.sliding_window_per_layer)  # the case this model is here for
-    runner = runner_for(loaded, block_size, speculative)
+    runner = runner_for(loaded, block_size, speculative, caching)
     worker = SimpleNamespace(model_runner=runner,
                              cache_config=SimpleNamespace(kv_cache_memory_bytes=64 << 20, gpu_memory_utilization=0.9))
     per_block = expected_block_bytes(cfg, dtype, block_size)
-    state = expected_state_bytes(cfg, dtype, speculative)
+    slots_bytes = expected_state_bytes(cfg, dtype, speculative)
+    # hybrid prefix caching: VLLM_METAL_HYBRID_STATE_CHECKPOINTS (16) states more
+    checkpoints = 16 if caching and loaded.hybrid is not None else 0
+    checkpoint_bytes = expected_state_bytes(cfg, dtype, False, slots=checkpoints)
+    state = slots_bytes + checkpoint_bytes
 
     # what the worker reports to vLLM
     assert MetalWorker.get_cache_block_size_bytes(worker) == per_block
@@ -139,7 +146,10 @@ def test_worker_reports_and_allocates_what_the_config_implies(models, name, bloc
         linear = cfg["num_hidden_layers"] - attention_layers(cfg)
         want = (f"{NUM_BLOCKS} blocks of {block_size} tokens for {attention_layers(cfg)} attention layers "
                 f"({kv_mib:.1f} MiB), {MAX_NUM_SEQS} state slots for {linear} linear-attention layers "
-                f"({state / 2**20:.1f} MiB)")
+                f"({slots_bytes / 2**20:.1f} MiB)")
+        if checkpoints:
+            want += f"; {checkpoints} prefix-cache state checkpoints ({checkpoint_bytes / 2**20:.1f} MiB)"
         assert runner.hybrid.num_slots == MAX_NUM_SEQS and (runner.hybrid.saved is not None) == speculative
+        assert (runner.hybrid.checkpoints is not None) == bool(checkpoints)
     assert runner.kv_cache_description == want
     assert runner.packer is not None and runner.delta.packer is runner.packer
