@@ -262,11 +262,9 @@ class CoreKVCacheManager:
         if self.enable_kv_cache_events:
             self._record_events(request, first_cached)
         self.hit_tokens += num_new_computed_tokens
-        if self.state_table is not None and new_computed_blocks is not None:
-            if num_new_computed_tokens:
-                self.state_table.hit_adopted(rid, num_new_computed_tokens)
-            elif request.num_computed_tokens == 0:
-                self.state_table.admitted_without_hit(rid)
+        if self.state_table is not None and new_computed_blocks is not None and (
+                num_new_computed_tokens or request.num_computed_tokens == 0):
+            self.state_table.admitted(rid, num_new_computed_tokens)
         return IdBlocks(fresh) if any(fresh) else self.empty_kv_cache_blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:

@@ -81,16 +81,14 @@ class StateCheckpointTable:
                 return n
         return 0
 
-    def hit_adopted(self, request_id: str, num_tokens: int) -> None:
-        """The scheduler adopted a hit of num_tokens: the runner must load its state."""
-        self._hit[request_id] = num_tokens
+    def admitted(self, request_id: str, hit_tokens: int) -> None:
+        """The scheduler admitted the request with a hit of hit_tokens (0: none): the
+        runner loads that state, and the boundary where its attention hit ended, when
+        further, becomes a junction to checkpoint."""
+        if hit_tokens:
+            self._hit[request_id] = hit_tokens
         attention = self._attention_hit.pop(request_id, 0)
-        if attention > num_tokens:
-            self._junction[request_id] = attention
-
-    def admitted_without_hit(self, request_id: str) -> None:
-        attention = self._attention_hit.pop(request_id, 0)
-        if attention > 0:
+        if attention > hit_tokens:
             self._junction[request_id] = attention
 
     def forget(self, request_id: str) -> None:

@@ -49,7 +49,7 @@ def test_a_hit_is_loaded_before_the_step_writes_and_its_junction_is_checkpointed
     t.plan(output({"a": 40}), {"a": request("a", 40, computed=40)})  # state after 32
     b = request("b", 100, computed=0)
     assert t.usable_blocks(b, 3) == 1     # attention hit 96 tokens, state after 32
-    t.hit_adopted("b", 32)
+    t.admitted("b", 32)
     b.num_computed_tokens = 100           # scheduled [32, 100)
     plan = t.plan(output({"b": 68}), {"b": b})
     assert plan.loads == {"b": 0}
