@@ -66,3 +66,8 @@ __all__ += ["causal_conv1d", "gated_delta_rule", "mrope"]
 apply_token_bitmask = _core.apply_token_bitmask  # (logits, bitmask, rows) -> logits, -inf where disallowed
 
 __all__ += ["apply_token_bitmask"]
+
+# LoRA (issue 24): per-row adapters on a linear's output, one fused shrink+expand op.
+lora_apply = _core.lora_apply  # (y, x, *, lora_a, lora_b, scale, row_slot) -> y + scale*B@A@x per row
+
+__all__ += ["lora_apply"]

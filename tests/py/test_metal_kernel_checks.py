@@ -21,6 +21,7 @@ import pytest
 import test_apply_token_bitmask as bitmask
 import test_decoder_layer_metal as layer
 import test_hybrid_launches as hybrid
+import test_lora_ops as lora
 import test_metal_sources as sources
 import test_paged_attention as attention
 import test_rope as rope
@@ -204,6 +205,7 @@ CASES = {
         3, 45, 1, [2, 0], True)),
     "gated_delta": ({"gated_delta"}, lambda: hybrid.test_gated_delta_launches(True)),
     "causal_conv1d": ({"causal_conv1d"}, hybrid.test_causal_conv1d_launches),
+    "lora_apply": ({"lora"}, lora.test_launches_on_numpy),
     "paged_decode_split_kv": ({"paged_attention"}, attention.test_split_kv_launches_on_numpy_with_many_partitions),
     "paged_prefill": ({"paged_attention"}, paged_prefill),
     "paged_mixed_d128_f16_features": ({"paged_attention"}, lambda: paged(
