@@ -147,6 +147,7 @@ class MetalModelRunner(DeltaHooks):
         self.hybrid = None  # hybrid.HybridState for models with linear-attention layers
         self.attention_group = 0  # the KV-cache group of the attention layers
         self.kv_cache_description = "not allocated"  # for the startup summary
+        self.lora = None  # lora.manager.LoraManager with --enable-lora
 
     # ---- setup ------------------------------------------------------------------
     def load_model(self) -> None:
@@ -157,6 +158,11 @@ class MetalModelRunner(DeltaHooks):
         logger.info("vllm-metal loaded %s: %d layers, %d kv heads x %d, cache %s",
                     spec.architecture, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype)
         check_attention_head_size(self.model_config.model, spec.head_dim)
+        if self.vllm_config.lora_config is not None:
+            from vllm_metal.lora.manager import LoraManager
+
+            self.lora = LoraManager(self.model, self.vllm_config.lora_config,
+                                    self.model_config.max_model_len)
         self._init_sampling()
 
     def _init_sampling(self) -> None:
@@ -542,7 +548,13 @@ class MetalModelRunner(DeltaHooks):
             ctx = AttentionContext(**fields)
         if input_ids is None:
             input_ids = mx.array(p.input_ids[:t])
-        logits = self.model(input_ids, ctx)
+        if self.lora is not None:  # each row's adapter slot (lora/manager.py)
+            self.lora.begin_step(list(p.req_ids), np.array(p.cu_seqlens_q))
+        try:
+            logits = self.model(input_ids, ctx)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         self.kv_caches = ctx.kv_caches  # the updated caches
         return logits
 
@@ -560,9 +572,13 @@ class MetalModelRunner(DeltaHooks):
                 self.speculation.drop(removed)
         for r in removed | preempted:
             self._replay.pop(r, None)
+        if self.lora is not None and removed:
+            self.lora.requests_removed(removed)
 
     def request_added(self, new, row: int, tokens: list[int], prompt_len: int) -> None:
         self.prompt_logprobs.drop([new.req_id])
+        if self.lora is not None:
+            self.lora.request_added(new.req_id, getattr(new, "lora_request", None))
         self.sampling_table.add(row, new.req_id, new.sampling_params,
                                 new.prompt_token_ids or tokens, prompt_len,
                                 resumed=len(tokens) > prompt_len)
