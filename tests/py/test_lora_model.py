@@ -168,3 +168,35 @@ def _write_lm_head_adapter(out, w):
     t["base_model.model.lm_head.lora_A.weight"] = mx.zeros((4, 64))
     t["base_model.model.lm_head.lora_B.weight"] = mx.zeros((300, 4))
     mx.save_safetensors(str(out / "adapter_model.safetensors"), t)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_gguf_base_in_block_form_equals_the_merged_dequantized_weights(tmp_path, qtype):
+    """The base stays in GGUF blocks (the delta is added to gguf_matmul's output); the
+    reference is the same file dequantized at load (linear="mlx") with W + scale*B@A
+    written into the dense weights."""
+    from vllm_metal.lora.manager import LoraManager
+    from vllm_metal.models.testing import write_tiny_gguf
+
+    cfg = tiny_config("llama", num_hidden_layers=LAYERS, tie_word_embeddings=False)
+    path = tmp_path / "m.gguf"
+    dense = write_tiny_gguf(cfg, path, seed=3, qtype=qtype)
+    deltas = write_adapter(tmp_path / "a", dense, LAYERS, r=8, alpha=16, seed=5, magnitude=2.0)
+
+    loaded = load_model(str(path), "float32", int8_activations=False)
+    assert loaded.model.layers[0].self_attn.q_proj.is_blocks
+    lora = LoraManager(loaded.model, lora_config(max_loras=1))
+    lora.add(request(1, tmp_path / "a"))
+    lora.request_added("x", request(1, tmp_path / "a"))
+    got = _prefill_one(lora, loaded, PROMPTS[0])
+    base = prefill_logits(loaded, [PROMPTS[0]])[0]  # no row slot: the base model
+
+    ref = load_model(str(path), "float32", linear="mlx")
+    for module, (a, b, scale) in deltas.items():
+        _, layer, i, parent, proj = module.split(".")
+        lin = getattr(getattr(ref.model.layers[int(i)], parent), proj)
+        w = np.array(lin.weight).astype(np.float64) + scale * (b @ a)
+        lin.weight = mx.array(w.astype(np.float32))
+    want = prefill_logits(ref, [PROMPTS[0]])[0]
+    assert np.abs(want - base).max() > 1e-2  # the adapter matters beyond the tolerance
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)

@@ -118,3 +118,12 @@ def test_bad_adapters_and_unknown_names_are_refused_and_the_engine_lives(lora_se
     assert status == 404
     assert server.alive()
     assert tokens(server, "a1", PROMPTS["a1"]) == (200, want["a1"])
+
+
+def test_a_bad_lora_module_stops_the_start_naming_the_problem(lora_server):
+    _, tmp, _ = lora_server
+    with pytest.raises(RuntimeError, match="vllm serve exited") as e:
+        Server(str(tmp / "base"), "llama-tiny", [
+            "--dtype", "float32", "--max-model-len", "128", "--num-gpu-blocks-override", "64",
+            "--enable-lora", "--max-lora-rank", "16", "--lora-modules", f"big={tmp / 'too_big'}"])
+    assert "rank 32 exceeds --max-lora-rank 16" in str(e.value)
