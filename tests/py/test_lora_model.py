@@ -232,3 +232,23 @@ def test_mixed_batch_on_the_metal_kernels_in_the_emulator(tmp_path):
         ops.set_kernel_backend(previous)
     for g, w_, lid in zip(got, want, loras):
         np.testing.assert_allclose(g, w_, rtol=2e-4, atol=2e-4, err_msg=f"adapter {lid}")
+
+
+def test_steps_without_adapters_keep_the_fused_layers(setup):
+    """--enable-lora costs base-only steps nothing: they run the fused decoder layers on
+    the base projections; a step with an adapter runs the per-op path."""
+    from vllm_metal.lora.manager import LoraManager
+
+    plain = load_model(str(setup.base), "float32")
+    want = prefill_logits(plain, PROMPTS[:2])
+    assert plain.model.__dict__.get("_fused_plan")  # the fused path runs on this model
+    loaded = load_model(str(setup.base), "float32")
+    lora = LoraManager(loaded.model, lora_config())
+    lora.add(request(1, setup.tmp / "a1"))
+    got = prefill_logits(loaded, PROMPTS[:2], lora, [0, 0])
+    assert loaded.model.__dict__.get("_fused_plan")
+    for g, w_ in zip(got, want):
+        np.testing.assert_array_equal(g, w_)
+    mixed = prefill_logits(loaded, PROMPTS[:2], lora, [1, 0])
+    np.testing.assert_allclose(mixed[1], want[1], rtol=1e-4, atol=1e-4)  # the base row
+    np.testing.assert_allclose(mixed[0], merged_logits(setup, 1, PROMPTS[0]), rtol=1e-4, atol=1e-4)

@@ -70,6 +70,11 @@ class LoraLinear(nn.Module):
         return out.reshape(y.shape)
 
 
+def base_of(layer):
+    """The base projection of a LoraLinear, else `layer` itself."""
+    return layer.base if isinstance(layer, LoraLinear) else layer
+
+
 def _dims(layer: nn.Module) -> tuple[int, int]:
     """(in, out) of a projection (GGUFLinear, nn.Linear or QuantizedLinear)."""
     if hasattr(layer, "in_features") and hasattr(layer, "out_features"):
@@ -98,5 +103,8 @@ def install(model, slots: int, rank: int, step: LoraStep) -> dict:
     if not wrapped:
         raise ValueError("[vllm-metal] LoRA: the model has none of the projections "
                          f"{', '.join(TARGETS)}")
-    model.reset_fused_layers()  # the fused layers would bypass the wrappers
+    # steps with an adapter take the per-op path; steps without one keep the fused
+    # layers, rebuilt here from the base projections (paged_model.PagedCausalLM.__call__)
+    object.__setattr__(model, "_lora_step", step)
+    model.reset_fused_layers()
     return wrapped
