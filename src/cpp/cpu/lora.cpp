@@ -34,31 +34,55 @@ void lora_apply_rows(const LoraApplyRows& p) {
   const auto* a = static_cast<const char*>(p.a);
   const auto* b = static_cast<const char*>(p.b);
   auto* out = static_cast<char*>(p.out);
+  const int64_t in = p.in_dim, od = p.out_dim, rank = p.rank;
+
+  // The slots this step uses, each converted once: A as float [R, in], B transposed to
+  // float [R, out] so the expand step is R contiguous axpys per row.
+  std::vector<int32_t> used;
+  for (int64_t t = 0; t < p.rows; ++t) {
+    const int32_t s = p.row_slot[t];
+    if (s >= 0 && std::find(used.begin(), used.end(), s) == used.end()) used.push_back(s);
+  }
+  std::vector<int64_t> index_of_slot(used.empty() ? 0 : *std::max_element(used.begin(), used.end()) + 1, -1);
+  for (size_t i = 0; i < used.size(); ++i) index_of_slot[used[i]] = static_cast<int64_t>(i);
+  std::vector<float> af(used.size() * rank * in), bt(used.size() * rank * od);
+  parallel_for(static_cast<int64_t>(used.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(rank);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = used[i];
+      to_floats(p.elt, a + s * rank * in * es, rank * in, af.data() + i * rank * in);
+      float* bti = bt.data() + i * rank * od;
+      const char* bs = b + s * od * rank * es;
+      for (int64_t o = 0; o < od; ++o) {
+        to_floats(p.elt, bs + o * rank * es, rank, row.data());
+        for (int64_t r = 0; r < rank; ++r) bti[r * od + o] = row[r];
+      }
+    }
+  });
+
   parallel_for(p.rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> xf(p.in_dim), wf(std::max(p.in_dim, p.rank)), h(p.rank), yf(p.out_dim);
+    std::vector<float> xf(in), h(rank), yf(od);
     for (int64_t t = begin; t < end; ++t) {
       const int32_t s = p.row_slot[t];
-      const char* yr = y + t * p.out_dim * es;
-      char* outr = out + t * p.out_dim * es;
+      const char* yr = y + t * od * es;
+      char* outr = out + t * od * es;
       if (s < 0) {
-        std::memcpy(outr, yr, p.out_dim * es);
+        std::memcpy(outr, yr, od * es);
         continue;
       }
-      to_floats(p.elt, x + t * p.in_dim * es, p.in_dim, xf.data());
-      const char* as = a + s * p.rank * p.in_dim * es;
-      for (int64_t r = 0; r < p.rank; ++r) {
-        to_floats(p.elt, as + r * p.in_dim * es, p.in_dim, wf.data());
-        h[r] = dot(wf.data(), xf.data(), p.in_dim);
-      }
+      const int64_t i = index_of_slot[s];
+      to_floats(p.elt, x + t * in * es, in, xf.data());
+      const float* as = af.data() + i * rank * in;
       const float sc = p.scale[s];
-      for (int64_t r = 0; r < p.rank; ++r) h[r] *= sc;
-      to_floats(p.elt, yr, p.out_dim, yf.data());
-      const char* bs = b + s * p.out_dim * p.rank * es;
-      for (int64_t o = 0; o < p.out_dim; ++o) {
-        to_floats(p.elt, bs + o * p.rank * es, p.rank, wf.data());
-        yf[o] += dot(wf.data(), h.data(), p.rank);
+      for (int64_t r = 0; r < rank; ++r) h[r] = sc * dot(as + r * in, xf.data(), in);
+      to_floats(p.elt, yr, od, yf.data());
+      const float* bs = bt.data() + i * rank * od;
+      for (int64_t r = 0; r < rank; ++r) {
+        const float hr = h[r];
+        const float* br = bs + r * od;
+        for (int64_t o = 0; o < od; ++o) yf[o] += hr * br[o];
       }
-      from_floats(p.elt, yf.data(), p.out_dim, outr);
+      from_floats(p.elt, yf.data(), od, outr);
     }
   });
 }

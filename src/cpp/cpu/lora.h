@@ -23,8 +23,9 @@ struct LoraApplyRows {
   int64_t rank = 0;
 };
 
-// Threaded over rows; a row converts its x and its slot's weights to float32
-// rows on the fly.
+// Each slot the rows use is converted to float32 once (B transposed to [R, out]),
+// then threaded over rows: h = scale * A x (R dot products), y += B h as R
+// contiguous axpys. The summation order of an output is fixed: r = 0, 1, ...
 void lora_apply_rows(const LoraApplyRows& a);
 
 }  // namespace vllm_metal::cpu
