@@ -112,6 +112,9 @@ def test_bad_adapters_and_unknown_names_are_refused_and_the_engine_lives(lora_se
     r = server.client.post("/v1/load_lora_adapter",
                            json={"lora_name": "big", "lora_path": str(tmp / "too_big")})
     assert r.status_code >= 400 and "exceeds --max-lora-rank 16" in r.text, r.text
+    r = server.client.post("/v1/load_lora_adapter",
+                           json={"lora_name": "gone", "lora_path": str(tmp / "no-such-dir")})
+    assert r.status_code == 404, r.text
     status, _ = tokens(server, "big", PROMPTS["a1"])
     assert status == 404
     status, _ = tokens(server, "no-such-adapter", PROMPTS["a1"])

@@ -71,9 +71,13 @@ def load_peft_adapter(name: str, path: str, shapes: dict, max_rank: int,
     where = f"LoRA adapter '{name}' ({path})"
     config_path = os.path.join(path, "adapter_config.json")
     weights_path = os.path.join(path, "adapter_model.safetensors")
-    for p in (config_path, weights_path):
-        if not os.path.isfile(p):
-            raise ValueError(f"{where}: {os.path.basename(p)} not found")
+    if not os.path.isfile(config_path):
+        # vLLM's own error: its API server answers 404 for it
+        from vllm.exceptions import LoRAAdapterNotFoundError
+
+        raise LoRAAdapterNotFoundError(name, path)
+    if not os.path.isfile(weights_path):
+        raise ValueError(f"{where}: adapter_model.safetensors not found")
     try:
         peft = PEFTHelper.from_local_dir(path, max_position_embeddings)
     except (ValueError, TypeError) as e:
