@@ -22,6 +22,7 @@ LAYERS = 2
 PROMPTS = {"base": [5, 9, 30, 7, 2, 44, 61], "a1": [3, 3, 8, 200, 17], "a2": [100, 17, 56, 90, 12, 4],
            "a3": [7, 1, 2, 3, 250, 9, 9, 31]}
 MAX_TOKENS = 8
+LONG = 100  # tokens of the request that outlives its adapter's unload
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +42,11 @@ def lora_server(tmp_path_factory):
     want = {}
     for name, prompt in PROMPTS.items():
         ckpt = base if name == "base" else write_merged(base, tmp / f"merged_{name}", deltas[name])
-        want[name] = greedy_generate(load_model(str(ckpt), "float32"), [prompt], MAX_TOKENS,
-                                     stop_ids=[])[0]
-    assert len({tuple(v) for v in want.values()}) == 4  # each adapter changes the output
+        model = load_model(str(ckpt), "float32")
+        want[name] = greedy_generate(model, [prompt], MAX_TOKENS, stop_ids=[])[0]
+        if name == "a1":
+            want["a1_long"] = greedy_generate(model, [prompt], LONG, stop_ids=[])[0]
+    assert len({tuple(want[n]) for n in PROMPTS}) == 4  # each adapter changes the output
     big = write_adapter(tmp / "too_big", w, LAYERS, r=32, alpha=32, seed=24, targets=("q_proj",))
     assert big
     server = Server(str(base), "llama-tiny", [
@@ -58,9 +61,9 @@ def lora_server(tmp_path_factory):
         server.stop()
 
 
-def tokens(server, model: str, prompt: list[int]):
+def tokens(server, model: str, prompt: list[int], max_tokens: int = MAX_TOKENS):
     r = server.client.post("/v1/completions", json={
-        "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
         "ignore_eos": True, "return_token_ids": True})
     return r.status_code, (r.json()["choices"][0]["token_ids"] if r.status_code == 200 else r.text)
 
@@ -130,3 +133,28 @@ def test_a_bad_lora_module_stops_the_start_naming_the_problem(lora_server):
             "--dtype", "float32", "--max-model-len", "128", "--num-gpu-blocks-override", "64",
             "--enable-lora", "--max-lora-rank", "16", "--lora-modules", f"big={tmp / 'too_big'}"])
     assert "rank 32 exceeds --max-lora-rank 16" in str(e.value)
+
+
+def test_a_request_running_when_its_adapter_is_unloaded_finishes_with_it(lora_server):
+    """Streamed: the unload is sent after the first tokens arrived, while the request runs."""
+    import json
+
+    server, tmp, want = lora_server
+    got, unloaded = [], None
+    with server.client.stream("POST", "/v1/completions", json={
+            "model": "a1", "prompt": PROMPTS["a1"], "max_tokens": LONG, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            got += json.loads(line[6:])["choices"][0].get("token_ids") or []
+            if unloaded is None:
+                unloaded = server.client.post("/v1/unload_lora_adapter", json={"lora_name": "a1"})
+                assert unloaded.status_code == 200, unloaded.text
+                assert len(got) < LONG // 2  # the request is still running
+    assert got == want["a1_long"]
+    assert tokens(server, "a1", PROMPTS["a1"])[0] == 404
+    r = server.client.post("/v1/load_lora_adapter",
+                           json={"lora_name": "a1", "lora_path": str(tmp / "a1")})
+    assert r.status_code == 200, r.text
+    assert tokens(server, "a1", PROMPTS["a1"]) == (200, want["a1"])
