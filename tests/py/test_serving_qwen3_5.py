@@ -155,6 +155,52 @@ def test_prefix_caching_is_exact(server, reference):
     assert_preempted(server)
 
 
+async def _vanish(server, n: int) -> None:
+    """n streams dropped after their first chunk, n requests dropped during their chunked
+    prefill, at once (8 rows, 16 blocks: most wait in the queue or are preempted)."""
+    import asyncio
+
+    import httpx
+
+    rng = np.random.default_rng(9)
+
+    async def after_first_chunk(client):
+        async with client.stream("POST", "/v1/completions", json={
+                "model": server.name, "prompt": rng.integers(3, 320, 40).tolist(), "max_tokens": 80,
+                "ignore_eos": True, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    return  # leaving the block closes the connection
+
+    async def during_prefill(client):
+        try:
+            await asyncio.wait_for(client.post("/v1/completions", json={
+                "model": server.name, "prompt": rng.integers(3, 320, 100).tolist(),
+                "max_tokens": 20, "ignore_eos": True}), timeout=0.3)
+        except asyncio.TimeoutError:
+            pass
+
+    limits = httpx.Limits(max_connections=4 * n, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=server.base, timeout=120, limits=limits) as client:
+        await asyncio.gather(*(after_first_chunk(client) for _ in range(n)),
+                             *(during_prefill(client) for _ in range(n)))
+
+
+def test_vanished_clients_free_blocks_and_state_slots(server, reference):
+    """Clients that vanish mid-stream or mid-prefill (32 at once) are aborted in the engine;
+    their blocks and linear-attention state slots come back: the pool drains to empty and
+    a full wave afterwards still gives mlx-lm's tokens (a leaked or stale slot would not)."""
+    import asyncio
+
+    asyncio.run(_vanish(server, 16))
+    deadline = time.monotonic() + 60
+    while (metric(server, "vllm:num_requests_running") or metric(server, "vllm:num_requests_waiting")
+           or metric(server, "vllm:kv_cache_usage_perc")):
+        assert time.monotonic() < deadline, "requests or blocks left after the clients vanished"
+        time.sleep(0.25)
+    check_concurrent(server, reference, seed=3)
+
+
 def test_v1_runner_contract_with_preemption(checkpoint, reference):
     s = Server(str(checkpoint), "qwen3_5-tiny", SERVER_ARGS, env={"VLLM_USE_V2_MODEL_RUNNER": "0"})
     try:
