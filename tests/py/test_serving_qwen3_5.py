@@ -245,8 +245,8 @@ ORACLE_HOOK = runner_hook(
         jobs = json.load(open(os.environ["ORACLE_JOBS"]))
 
         def oracle(spec, propose):
-            def proposing(packer, req_ids, outputs):
-                propose(packer, req_ids, outputs)
+            def proposing(packer, req_ids, outputs, **kw):
+                propose(packer, req_ids, outputs, **kw)
                 for r in list(spec.drafts):
                     history = packer.token_ids(r)
                     for prompt, truth in jobs:
@@ -308,3 +308,29 @@ def test_speculative_decoding_matches_mlx_lm(tmp_path, reference, scheduling):
     drafts = total("vllm:spec_decode_num_draft_tokens_total")
     accepted = total("vllm:spec_decode_num_accepted_tokens_total")
     assert 0.2 * drafts < accepted < drafts, (accepted, drafts)  # kept, and rejected
+
+
+def test_a_draft_model_drafts_for_the_hybrid_model(tmp_path, reference):
+    """Method draft_model on the hybrid target: a tiny random Llama with the same
+    vocabulary drafts (its cache over the attention group's blocks, draft_model.py);
+    mostly rejected, every rejection takes the linear-attention state back, and the
+    tokens stay mlx-lm's."""
+    import json
+
+    from vllm_metal.models.testing import tiny_config, write_random_checkpoint
+
+    draft = write_random_checkpoint(tiny_config("llama", vocab_size=320), tmp_path / "draft", seed=5)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+    work = jobs(13, 6)
+    want = [greedy(reference, p, n) for p, n in work]
+    s = Server(str(write_checkpoint(tmp_path / "text", seed=0)), "qwen3_5-tiny",
+               [*SERVER_ARGS, "--speculative-config", json.dumps(spec)])
+    try:
+        with cf.ThreadPoolExecutor(len(work)) as pool:
+            got = list(pool.map(lambda j: complete_ids(s, *j), work))
+        drafts = metric(s, "vllm:spec_decode_num_draft_tokens_total")
+    finally:
+        s.stop()
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"request {i}"
+    assert drafts > 0
