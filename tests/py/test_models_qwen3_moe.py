@@ -22,8 +22,7 @@ def qwen3_moe_config(**overrides):
     kw = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
               decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
               rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    kw.update(overrides)
-    return transformers.Qwen3MoeConfig(**sizes, **kw)
+    return transformers.Qwen3MoeConfig(**{**sizes, **kw, **overrides})
 
 
 def write_checkpoint(path, seed=0, **overrides):
@@ -34,12 +33,15 @@ def write_checkpoint(path, seed=0, **overrides):
 
 
 def hf_greedy(hf, prompts, n):
+    """transformers' argmax, token by token over the whole sequence (no generate(): its
+    min_new_tokens would mask the eos token, which a served ignore_eos request may pick)."""
     out = []
     for p in prompts:
+        seq = list(p)
         with torch.no_grad():
-            g = hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                            attention_mask=torch.ones(1, len(p), dtype=torch.long), pad_token_id=0)
-        out.append(g[0, len(p):].tolist())
+            for _ in range(n):
+                seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+        out.append(seq[len(p):])
     return out
 
 
