@@ -24,3 +24,20 @@ struct MoeArgs {
 static_assert(sizeof(MoeArgs) == 32, "MoeArgs layout must match the shader");
 static_assert(offsetof(MoeArgs, sigmoid) == 24, "MoeArgs layout must match the shader");
 #endif
+
+// fused_moe_gguf: expert weights in GGUF block form, [E * rows] rows of `*_row_bytes`.
+struct MoeGgufArgs {
+  MoeArgs moe;
+  uint32_t gate_type;  // GGML type ids
+  uint32_t up_type;
+  uint32_t down_type;
+  uint32_t piece;      // weights per decode: 16, or 8 (gguf_matvec_core.h)
+  uint64_t gate_row_bytes;
+  uint64_t up_row_bytes;
+  uint64_t down_row_bytes;
+};
+
+#ifndef __METAL_VERSION__
+static_assert(sizeof(MoeGgufArgs) == 72, "MoeGgufArgs layout must match the shader");
+static_assert(offsetof(MoeGgufArgs, gate_row_bytes) == 48, "MoeGgufArgs layout must match the shader");
+#endif
