@@ -28,9 +28,8 @@ struct MoeRows {
   bool sigmoid = false;
 };
 
-// Routing per token, then the (token, slot) pairs grouped by expert; gate/up is
-// threaded over the rows of all active experts, down over the output columns,
-// so every active expert row is converted and read once.
+// Routing per token, then per active expert its slots' rows through gguf_matmul's
+// dense (F32 / F16 / BF16) kernels (cpu/moe_gguf.h): each expert's weights read once.
 void fused_moe_rows(const MoeRows& a);
 
 // The routing alone (what the Metal moe_route kernel computes), for one token.
