@@ -1,6 +1,7 @@
 """`vllm serve` on a tiny random-weight Qwen3-MoE checkpoint (2 layers, 8 experts, top-2,
-hidden 64, written by transformers), token-exact against transformers' greedy generate
-on the same files: requests one at a time, then a concurrent batch (equal to solo)."""
+hidden 64, written by transformers), token-exact against transformers' greedy decoding
+on the same weights: requests one at a time, then a concurrent batch (equal to solo);
+and the same weights as a llama.cpp qwen3moe GGUF file (F32 experts in block form)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 from qwen3_5_checkpoint import write_tokenizer  # noqa: E402
 from serving_harness import Server  # noqa: E402
 from test_models_qwen3_moe import hf_greedy, write_checkpoint  # noqa: E402
+from test_models_qwen3_moe_gguf import write_gguf  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.serving]
 
@@ -27,9 +29,9 @@ SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "128", "--max-num-seqs",
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_moe")
-    _, hf = write_checkpoint(path, seed=0, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2)
+    config, hf = write_checkpoint(path, seed=0, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2)
     write_tokenizer(path, VOCAB)
-    return path, hf
+    return path, hf, config
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +69,16 @@ def test_concurrent_batch_equals_solo(server, checkpoint):
         got = list(pool.map(lambda p: complete_ids(server, p, 12), ps))
     assert got == want, server.tail()
     assert server.alive()
+
+
+def test_served_gguf_tokens_match_transformers(checkpoint, tmp_path):
+    path, hf, config = checkpoint
+    gguf_path = write_gguf(path, config, tmp_path / "tiny-qwen3moe.gguf", "F32")
+    ps = prompts(3, 2)
+    want = hf_greedy(hf, ps, 12)
+    s = Server(str(gguf_path), "qwen3_moe-gguf", SERVER_ARGS)
+    try:
+        got = [complete_ids(s, p, 12) for p in ps]
+        assert got == want, s.tail()
+    finally:
+        s.stop()
