@@ -66,3 +66,10 @@ __all__ += ["causal_conv1d", "gated_delta_rule", "mrope"]
 apply_token_bitmask = _core.apply_token_bitmask  # (logits, bitmask, rows) -> logits, -inf where disallowed
 
 __all__ += ["apply_token_bitmask"]
+
+# Mixture-of-experts MLP (issue 25): routing + grouped SwiGLU experts (docs/kernels.md).
+fused_moe = _core.fused_moe  # (hidden, router_logits, w_gate, w_up, w_down, *, top_k, renormalize, scoring)
+
+fused_moe_gguf = _core.fused_moe_gguf  # the same, experts as GGUF blocks (llama.cpp ffn_*_exps)
+
+__all__ += ["fused_moe", "fused_moe_gguf"]

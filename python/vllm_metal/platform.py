@@ -32,6 +32,7 @@ SUPPORTED_ARCHITECTURES = {
     "Ministral3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",  # sparse MoE MLPs on ops.fused_moe (models/moe.py)
     "Gemma3ForCausalLM",
     "Qwen3_5ForCausalLM",  # hybrid: gated delta net + attention (hybrid.py)
     "Qwen3_5ForConditionalGeneration",  # the same, text-only (vision tower not loaded)
