@@ -66,3 +66,8 @@ __all__ += ["causal_conv1d", "gated_delta_rule", "mrope"]
 apply_token_bitmask = _core.apply_token_bitmask  # (logits, bitmask, rows) -> logits, -inf where disallowed
 
 __all__ += ["apply_token_bitmask"]
+
+# Encoder models (issue 23): attention within each packed sequence over contiguous q/k/v.
+varlen_attention = _core.varlen_attention  # (q, k, v, *, cu_seqlens, scale, causal=False)
+
+__all__ += ["varlen_attention"]
