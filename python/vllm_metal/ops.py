@@ -69,5 +69,6 @@ __all__ += ["apply_token_bitmask"]
 
 # Encoder models (issue 23): attention within each packed sequence over contiguous q/k/v.
 varlen_attention = _core.varlen_attention  # (q, k, v, *, cu_seqlens, scale, causal=False)
+gelu = _core.gelu  # gelu(x, *, approximate=False): erf GELU (MLX's CPU erf is scalar)
 
-__all__ += ["varlen_attention"]
+__all__ += ["varlen_attention", "gelu"]

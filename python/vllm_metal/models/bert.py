@@ -31,8 +31,9 @@ ENCODER_ARCHITECTURES = {
     "XLMRobertaModel", "XLMRobertaForSequenceClassification", "RobertaModel",
     "RobertaForSequenceClassification",
 }
-_ACTIVATIONS = {"gelu": nn.gelu, "gelu_new": nn.gelu_approx, "gelu_pytorch_tanh": nn.gelu_approx,
-                "relu": nn.relu}
+# ops.gelu: MLX's CPU erf / exp are scalar (GELU took a third of a MiniLM layer)
+_ACTIVATIONS = {"gelu": ops.gelu, "gelu_new": lambda x: ops.gelu(x, approximate=True),
+                "gelu_pytorch_tanh": lambda x: ops.gelu(x, approximate=True), "relu": nn.relu}
 
 
 @dataclass

@@ -1,4 +1,4 @@
-// Bindings of the encoder-model ops: varlen_attention and its planner.
+// Bindings of the encoder-model ops: varlen_attention, gelu and their planners.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
@@ -7,6 +7,7 @@
 #include "bindings/bindings.h"
 #include "bindings/common.h"
 #include "mlx/array.h"
+#include "ops/gelu.h"
 #include "ops/varlen_attention.h"
 
 namespace nb = nanobind;
@@ -25,6 +26,11 @@ constexpr const char* kVarlenAttentionDoc =
     "cu_seqlens int32 [N+1] (rows [cu[n], cu[n+1]) are sequence n). Row i attends to every\n"
     "row of its sequence (causal=False) or to rows up to itself (causal=True), softmax of\n"
     "scale * q.k in float32. Returns [T, Hq, D] in q's dtype.";
+
+constexpr const char* kGeluDoc =
+    "GELU element by element on a float array: x * Phi(x) (erf form, BERT's 'gelu'), or\n"
+    "with approximate=True the tanh form ('gelu_new'). float32 arithmetic; Phi from\n"
+    "Abramowitz & Stegun 7.1.26 (|erf error| <= 1.5e-7). Returns x's shape and dtype.";
 
 }  // namespace
 
@@ -57,6 +63,19 @@ void bind_encoder(nb::module_& m) {
       "dtype"_a, "num_tokens"_a, "num_seqs"_a, "num_q_heads"_a, "num_kv_heads"_a, "head_size"_a,
       "scale"_a, "causal"_a = false,
       "Kernel launches of varlen_attention. Slots: 0 q, 1 k, 2 v, 3 cu_seqlens, 4 out.");
+  m.def(
+      "gelu",
+      [](const mx::array& x, bool approximate, const StreamArg& s) {
+        return vm::gelu(x, approximate, to_stream_or_device(s));
+      },
+      "x"_a, nb::kw_only(), "approximate"_a = false, "stream"_a = nb::none(), kGeluDoc);
+  m.def(
+      "plan_gelu",
+      [](const std::string& dtype, int64_t count, bool approximate) {
+        return vm::plan_gelu(parse_float_dtype(dtype), count, approximate);
+      },
+      "dtype"_a, "count"_a, "approximate"_a = false,
+      "Kernel launches of gelu. Slots: 0 x, 1 out.");
 }
 
 }  // namespace vllm_metal::bindings

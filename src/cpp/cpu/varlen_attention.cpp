@@ -7,12 +7,13 @@
 
 #include "cpu/attention_vec.h"
 #include "cpu/parallel.h"
+#include "cpu/vec_exp.h"
 
 namespace vllm_metal::cpu {
 
 namespace {
 
-constexpr int64_t kQueryTile = 16;  // query rows sharing one pass over the keys
+constexpr int64_t kQueryTile = 32;  // query rows sharing the keys (converted once a tile)
 
 template <Elt E>
 using S = typename EltTraits<E>::Storage;
@@ -95,6 +96,89 @@ void attend_tile(const VarlenAttentionParams& p, const AttentionVecOps<E>& ops, 
   }
 }
 
+#if defined(__x86_64__)
+// The AVX2 tile (head_size % 8 == 0): the tile's keys are converted once to a float K^T
+// [d][nk8] and V [nk][d]; each (row, q head) pair gets its scores for all keys in
+// registers 8 keys at a time (no horizontal sums), an exact softmax over them with a
+// vectorized exp, then P . V 8 dims at a time. Same math as attend_tile, other order.
+template <Elt E>
+VLLM_METAL_AVX2 void attend_tile_avx2(const VarlenAttentionParams& p, const Task& t,
+                                      std::vector<float>& work) {
+  const int64_t d = p.head_size;
+  const int64_t groups = p.num_q_heads / p.num_kv_heads;
+  const int64_t start = p.cu_seqlens[t.seq];
+  const int64_t nk = p.causal ? t.row_end : p.cu_seqlens[t.seq + 1] - start;
+  const int64_t nk8 = (nk + 7) / 8 * 8;
+  work.resize(size_t(d * nk8 + nk * d + d + nk8));
+  float* kt = work.data();
+  float* vf = kt + d * nk8;
+  float* q = vf + nk * d;
+  float* s = q + d;
+  const auto* ksrc = static_cast<const S<E>*>(p.k);
+  const auto* vsrc = static_cast<const S<E>*>(p.v);
+  for (int64_t j = 0; j < nk; ++j) {
+    const int64_t at = ((start + j) * p.num_kv_heads + t.kv_head) * d;
+    alignas(32) float tmp[8];
+    for (int64_t i = 0; i < d; i += 8) {
+      _mm256_store_ps(tmp, load8<E>(ksrc + at + i));
+      for (int u = 0; u < 8; ++u) kt[(i + u) * nk8 + j] = tmp[u];
+      _mm256_storeu_ps(vf + j * d + i, load8<E>(vsrc + at + i));
+    }
+  }
+  for (int64_t i = 0; i < d; ++i) std::fill(kt + i * nk8 + nk, kt + (i + 1) * nk8, 0.0f);
+
+  const auto* qsrc = static_cast<const S<E>*>(p.q);
+  auto* out = static_cast<S<E>*>(p.out);
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t r = t.row_begin; r < t.row_end; ++r) {
+    const int64_t visible = p.causal ? r + 1 : nk;  // keys [0, visible) of the sequence
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t head = t.kv_head * groups + g;
+      const int64_t row_at = ((start + r) * p.num_q_heads + head) * d;
+      const __m256 scale = _mm256_set1_ps(p.scale);
+      for (int64_t i = 0; i < d; i += 8) {
+        _mm256_storeu_ps(q + i, _mm256_mul_ps(load8<E>(qsrc + row_at + i), scale));
+      }
+      __m256 vmax = ninf;
+      for (int64_t c = 0; c < nk8; c += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; ++i) {
+          acc = _mm256_fmadd_ps(_mm256_broadcast_ss(q + i), _mm256_loadu_ps(kt + i * nk8 + c), acc);
+        }
+        // keys at or past `visible` (padding, causal mask) -> -inf
+        const __m256 idx = _mm256_add_ps(lane, _mm256_set1_ps(float(c)));
+        acc = _mm256_blendv_ps(acc, ninf, _mm256_cmp_ps(idx, _mm256_set1_ps(float(visible)), _CMP_GE_OQ));
+        _mm256_storeu_ps(s + c, acc);
+        vmax = _mm256_max_ps(vmax, acc);
+      }
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, vmax);
+      const float m = *std::max_element(tmp, tmp + 8);
+      const __m256 mv = _mm256_set1_ps(m);
+      __m256 vsum = _mm256_setzero_ps();
+      for (int64_t c = 0; c < nk8; c += 8) {
+        const __m256 x = _mm256_loadu_ps(s + c);
+        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, mv)), _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ));
+        _mm256_storeu_ps(s + c, e);
+        vsum = _mm256_add_ps(vsum, e);
+      }
+      _mm256_store_ps(tmp, vsum);
+      float l = 0.0f;
+      for (float v : tmp) l += v;
+      const __m256 inv = _mm256_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
+      for (int64_t i = 0; i < d; i += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t j = 0; j < visible; ++j) {
+          acc = _mm256_fmadd_ps(_mm256_broadcast_ss(s + j), _mm256_loadu_ps(vf + j * d + i), acc);
+        }
+        store8<E>(out + row_at + i, _mm256_mul_ps(acc, inv));
+      }
+    }
+  }
+}
+#endif
+
 template <Elt E>
 void run(const VarlenAttentionParams& p) {
   std::vector<Task> tasks;
@@ -116,9 +200,21 @@ void run(const VarlenAttentionParams& p) {
   const int64_t grain =
       std::max<int64_t>(1, kMinTaskMacs * num_tasks / std::max<int64_t>(1, macs));
   const auto ops = attention_vec_ops<E>(static_cast<int>(p.head_size));
+  bool avx2 = false;
+#if defined(__x86_64__)
+  avx2 = has_avx2_fma() && p.head_size % 8 == 0;
+#endif
   parallel_for(num_tasks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> work;
-    for (int64_t i = begin; i < end; ++i) attend_tile<E>(p, ops, tasks[i], work);
+    for (int64_t i = begin; i < end; ++i) {
+#if defined(__x86_64__)
+      if (avx2) {
+        attend_tile_avx2<E>(p, tasks[i], work);
+        continue;
+      }
+#endif
+      attend_tile<E>(p, ops, tasks[i], work);
+    }
   });
 }
 
