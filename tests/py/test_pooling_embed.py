@@ -111,6 +111,7 @@ def test_pooling_endpoint_score_and_rerank(server, model_dir):
     ({"input": "hello", "dimensions": 1000}, "/v1/embeddings"),
     ({"input": "hello"}, "/classify"),  # not a classification model
     ({"input": "hello", "task": "classify"}, "/pooling"),
+    ({"input": "hello", "task": "token_embed"}, "/pooling"),  # not the served --pooler-config task
 ])
 def test_bad_input_is_a_4xx_and_the_engine_lives(server, body, path):
     r = server.client.post(path, json={"model": server.name, **body})
