@@ -1,4 +1,5 @@
-"""Tiny random-weight Qwen3 checkpoints saved by transformers, for the pooling tests:
+"""Tiny random-weight Qwen3 checkpoints saved by transformers, for the pooling tests
+(head size 64: one the Metal kernels take, so they also serve on the emulator):
 a Qwen3-Embedding-style embedder (Qwen3ForCausalLM, last-token pooling, Matryoshka)
 and a Qwen3ForSequenceClassification cross-encoder (one label: a relevance score),
 each with the byte-level test tokenizer."""
@@ -12,7 +13,7 @@ from qwen3_5_checkpoint import write_tokenizer
 
 VOCAB = 320
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=512,
+             num_key_value_heads=2, head_dim=64, vocab_size=VOCAB, max_position_embeddings=512,
              bos_token_id=1, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
              rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
