@@ -3,8 +3,8 @@ torch, on the same model, in one run.
 
 The model is the offline SmolLM2-135M Q4_1 GGUF served as a last-token embedder (vLLM's
 `--convert embed` of a causal LM; normalised embeddings). Ours reads the GGUF blocks;
-transformers loads the same file dequantized to float32 (`gguf_file=`) and pools the last
-hidden state of each input itself, a batch per forward, on the same thread count.
+transformers loads the same file dequantized to float32 (compare/mlx_checkpoint.py) and
+pools the last hidden state of each input itself, a batch per forward, on the same thread count.
 
 For each input length (default 16 and 512 tokens of random ids) and batch size (default
 1, 8, 32), one /v1/embeddings request carries the whole batch; the cell's time is the
@@ -70,10 +70,12 @@ def transformers_cells(gguf: str, cells: list[tuple[int, int, list]], threads: i
     import torch
     import transformers
 
+    import mlx.core as mx
+    from mlx_checkpoint import mlx_checkpoint
+
     torch.set_num_threads(threads)
-    path = Path(gguf)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    dense = mlx_checkpoint(gguf, mx.float32)  # the GGUF dequantized, HF names and layout
+    model = transformers.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
     out = {}
     for length, size, batch in cells:
         ids = torch.tensor(batch)

@@ -161,7 +161,7 @@ class MetalModelRunner(DeltaHooks):
         check_attention_head_size(self.model_config.model, spec.head_dim)
         self._init_sampling()
         if self.model_config.runner_type == "pooling":
-            self.pooler = build_pooler(self.model_config, self.loaded)
+            self.pooler = build_pooler(self.model_config, self.scheduler_config, self.loaded)
 
     def _init_sampling(self) -> None:
         mode = str(getattr(self.model_config, "logprobs_mode", "raw_logprobs"))
@@ -642,21 +642,25 @@ class _AsyncStepOutput(AsyncModelRunnerOutput):
         return None
 
 
-def build_pooler(model_config, loaded):
+def build_pooler(model_config, scheduler_config, loaded):
     """The pooling.Pooler of a `--runner pooling` model: a classifier (score layer) for
     *ForSequenceClassification checkpoints and `--convert classify`, else an embedder."""
     from vllm_metal.models.loader import is_sequence_classifier, score_weights
     from vllm_metal.pooling import Pooler, score_classifier
 
+    causal = getattr(loaded.model, "causal", True)  # pooling.HiddenStateSource
+    if not causal and scheduler_config.enable_chunked_prefill:
+        raise ValueError(f"[vllm-metal] {model_config.model} attends both ways: chunked prefill cannot "
+                         "serve it (--no-enable-chunked-prefill)")
     classify = is_sequence_classifier(loaded.hf_config) or model_config.convert_type == "classify"
     if not classify:
-        return Pooler(model_config)
+        return Pooler(model_config, causal=causal)
     score = score_weights(model_config.model)
     if score is None:
         raise ValueError(f"[vllm-metal] {model_config.model}: a classification model needs a score "
                          "layer (score.weight) in its safetensors checkpoint")
     weight, bias = score
-    return Pooler(model_config, score_classifier(weight, bias, model_config.head_dtype))
+    return Pooler(model_config, score_classifier(weight, bias, model_config.head_dtype), causal=causal)
 
 
 def check_attention_head_size(model: str, head_dim: int) -> None:

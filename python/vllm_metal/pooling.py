@@ -89,7 +89,7 @@ class Pooler:
     classifier: the score layer (torch [n, hidden] -> [n, num_labels]) of a
     classification model, None for an embedding model."""
 
-    def __init__(self, model_config, classifier: Callable | None = None):
+    def __init__(self, model_config, classifier: Callable | None = None, *, causal: bool = True):
         from vllm.model_executor.layers.pooler.activations import (PoolerNormalize,
                                                                    resolve_classifier_act_fn)
         from vllm.model_executor.layers.pooler.seqwise.heads import (ClassifierPoolerHead,
@@ -101,6 +101,7 @@ class Pooler:
         self.seq_method = config.seq_pooling_type or "LAST"
         self.tok_method = config.tok_pooling_type or "ALL"
         self.head_dtype = model_config.head_dtype
+        self.causal = causal  # False: every prompt must come whole in one step
         if classifier is None:
             self.heads = {
                 "embed": EmbeddingPoolerHead(head_dtype=self.head_dtype, activation=PoolerNormalize()),
@@ -147,6 +148,9 @@ class Pooler:
                 continue
             start = int(positions[a])
             final = start + (b - a) >= req.prompt_len
+            if not self.causal and (start != 0 or not final):
+                raise PoolingError(f"[vllm-metal] request {req_id}: a bidirectional model pools a "
+                                   "prompt in one step; serve it with --no-enable-chunked-prefill")
             if req.method != "LAST" and start != req.pooled_tokens:
                 # a prefix-cache hit skipped tokens a MEAN/CLS/ALL pooling needs
                 raise PoolingError(f"[vllm-metal] request {req_id}: {req.method} pooling needs every "

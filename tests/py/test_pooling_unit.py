@@ -93,3 +93,11 @@ def test_a_task_the_model_does_not_serve_and_skipped_tokens_are_refused():
     pooler.add("y", PoolingParams(task="embed", use_activation=True), 8)
     with pytest.raises(PoolingError, match="needs every prompt token"):  # a prefix-cache hit
         pooler.plan(["y"], np.array([0, 4]), np.arange(4, 8))
+
+
+def test_a_bidirectional_source_refuses_a_chunked_prompt():
+    pooler = Pooler(_config("CLS"), causal=False)
+    pooler.add("z", PoolingParams(task="embed", use_activation=True), 8)
+    with pytest.raises(PoolingError, match="one step"):
+        pooler.plan(["z"], np.array([0, 4]), np.arange(0, 4))
+    pooler.plan(["z"], np.array([0, 8]), np.arange(0, 8))  # whole: fine
