@@ -148,6 +148,8 @@ class MetalModelRunner(DeltaHooks):
         self.hybrid = None  # hybrid.HybridState for models with linear-attention layers
         self.attention_group = 0  # the KV-cache group of the attention layers
         self.kv_cache_description = "not allocated"  # for the startup summary
+        # --runner pooling: pooling.Pooler (embeddings, classification); None: generation
+        self.pooler = None
 
     # ---- setup ------------------------------------------------------------------
     def load_model(self) -> None:
@@ -161,6 +163,8 @@ class MetalModelRunner(DeltaHooks):
         if self.speculation is not None and self.speculation.method == "draft_model":
             self._load_draft_model(dtype)
         self._init_sampling()
+        if self.model_config.runner_type == "pooling":
+            self.pooler = build_pooler(self.model_config, self.scheduler_config, self.loaded)
 
     def _load_draft_model(self, dtype: str | None) -> None:
         from vllm_metal.draft_model import DraftModel
@@ -319,6 +323,9 @@ class MetalModelRunner(DeltaHooks):
             budget += self.scheduler_config.max_num_seqs * (1 + self.speculation.num_speculative_tokens)
         return budget
 
+    def supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",) if self.pooler is None else self.pooler.supported_tasks()
+
     def warm_up(self) -> None:
         """One tiny forward so the first request does not pay one-time costs."""
         if self.packer is None:
@@ -327,8 +334,8 @@ class MetalModelRunner(DeltaHooks):
         self.packer.add_request("__warmup__", [0, 1], block_ids=[[0]] * num_groups)
         try:
             self.packer.pack({"__warmup__": 2})
-            logits = self._forward()
-            mx.eval(logits, self.kv_caches, self._draft_caches())
+            out = self._forward(hidden_rows=np.arange(2, dtype=np.int32) if self.pooler else None)
+            mx.eval(out, self.kv_caches, self._draft_caches())
         finally:
             self.packer.remove_requests(["__warmup__"])
             if self.hybrid is not None:
@@ -338,6 +345,8 @@ class MetalModelRunner(DeltaHooks):
     def execute_model(self, scheduler_output):
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
+        if self.pooler is not None:
+            return self._execute_pooling(scheduler_output)
         if self._unread_spec_step is not None:  # async: this step's drafts come from it
             # requests this schedule ended or preempted get none: a draft model would
             # write its cache into blocks the scheduler may have handed on already
@@ -409,6 +418,26 @@ class MetalModelRunner(DeltaHooks):
         else:
             self._submit(step)
         return None
+
+    def _execute_pooling(self, scheduler_output):
+        """A pooling step: the forward's final hidden states at the rows the pooler asks
+        for, pooled at once; the output carries each finished request's pooled tensor
+        (vLLM then finishes the request). Returned from execute_model, as vLLM's GPU
+        runner does, so sample_tokens is not called."""
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+        self.delta.update(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        p = self.packer
+        p.pack(dict(scheduler_output.num_scheduled_tokens))
+        req_ids = list(p.req_ids)
+        plan = self.pooler.plan(req_ids, np.array(p.cu_seqlens_q), p.positions[:p.num_tokens])
+        hidden = self._forward(hidden_rows=plan.rows)
+        mx.eval(hidden, self.kv_caches)
+        outputs = self.pooler.pool(plan, np.array(hidden.astype(mx.float32)))
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 pooler_output=outputs)
 
     def _submit(self, u: _UnsampledStep, grammar_output=None) -> None:
         """Samples the step (lazily; the grammar's bitmask applied first) and submits it."""
@@ -550,9 +579,11 @@ class MetalModelRunner(DeltaHooks):
         return mx.array(ids).at[mx.array(rows)].add(sampled)  # placeholders are 0
 
     def _forward(self, extra_logits_indices: np.ndarray | None = None,
-                 input_ids: mx.array | None = None) -> mx.array:
+                 input_ids: mx.array | None = None, hidden_rows: np.ndarray | None = None) -> mx.array:
         """extra_logits_indices: packed tokens whose logits are also wanted,
-        returned after the sampled rows; input_ids: default the packer's."""
+        returned after the sampled rows; input_ids: default the packer's.
+        hidden_rows (pooling): return the final hidden states of these packed rows
+        instead of logits."""
         p = self.packer
         t = p.num_tokens
         logits_indices = p.logits_indices
@@ -585,6 +616,10 @@ class MetalModelRunner(DeltaHooks):
             ctx = AttentionContext(**fields)
         if input_ids is None:
             input_ids = mx.array(p.input_ids[:t])
+        if hidden_rows is not None:
+            out = self.model.hidden_states(input_ids, ctx, mx.array(hidden_rows))
+            self.kv_caches = ctx.kv_caches
+            return out
         logits = self.model(input_ids, ctx)
         self.kv_caches = ctx.kv_caches  # the updated caches
         if self.draft is not None:  # the same tokens into the draft's cache (draft_model.py)
@@ -593,6 +628,9 @@ class MetalModelRunner(DeltaHooks):
 
     # ---- the scheduler's deltas (SchedulerDelta applies them; these hooks follow) --------
     def requests_removed(self, removed: set[str], preempted: set[str]) -> None:
+        if self.pooler is not None:  # preempted ones come back from token 0 (re-added)
+            self.pooler.drop(removed | preempted)
+            return
         if self.hybrid is not None:
             # V1 keeps preempted requests, but they restart from token 0: state recomputed
             self.hybrid.release(removed | preempted)
@@ -607,6 +645,9 @@ class MetalModelRunner(DeltaHooks):
             self._replay.pop(r, None)
 
     def request_added(self, new, row: int, tokens: list[int], prompt_len: int) -> None:
+        if self.pooler is not None:
+            self.pooler.add(new.req_id, new.pooling_params, prompt_len)
+            return
         self.prompt_logprobs.drop([new.req_id])
         self.sampling_table.add(row, new.req_id, new.sampling_params,
                                 new.prompt_token_ids or tokens, prompt_len,
@@ -644,6 +685,27 @@ class _AsyncStepOutput(AsyncModelRunnerOutput):
 
     def get_kv_connector_output(self):
         return None
+
+
+def build_pooler(model_config, scheduler_config, loaded):
+    """The pooling.Pooler of a `--runner pooling` model: a classifier (score layer) for
+    *ForSequenceClassification checkpoints and `--convert classify`, else an embedder."""
+    from vllm_metal.models.loader import is_sequence_classifier, score_weights
+    from vllm_metal.pooling import Pooler, score_classifier
+
+    causal = getattr(loaded.model, "causal", True)  # pooling.HiddenStateSource
+    if not causal and scheduler_config.enable_chunked_prefill:
+        raise ValueError(f"[vllm-metal] {model_config.model} attends both ways: chunked prefill cannot "
+                         "serve it (--no-enable-chunked-prefill)")
+    classify = is_sequence_classifier(loaded.hf_config) or model_config.convert_type == "classify"
+    if not classify:
+        return Pooler(model_config, causal=causal)
+    score = score_weights(model_config.model)
+    if score is None:
+        raise ValueError(f"[vllm-metal] {model_config.model}: a classification model needs a score "
+                         "layer (score.weight) in its safetensors checkpoint")
+    weight, bias = score
+    return Pooler(model_config, score_classifier(weight, bias, model_config.head_dtype), causal=causal)
 
 
 def check_attention_head_size(model: str, head_dim: int) -> None:

@@ -162,7 +162,7 @@ class MetalWorker(WorkerBase):
         return CompilationTimes(language_model=0.0, encoder=0.0)
 
     def get_supported_tasks(self):
-        return ("generate",)
+        return self.model_runner.supported_tasks()
 
     def execute_model(self, scheduler_output):
         if self._fail_at_step and scheduler_output.total_num_scheduled_tokens:
