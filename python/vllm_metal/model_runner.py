@@ -150,6 +150,7 @@ class MetalModelRunner(DeltaHooks):
         self.kv_cache_description = "not allocated"  # for the startup summary
         # --runner pooling: pooling.Pooler (embeddings, classification); None: generation
         self.pooler = None
+        self.lora = None  # lora.manager.LoraManager with --enable-lora
 
     # ---- setup ------------------------------------------------------------------
     def load_model(self) -> None:
@@ -162,6 +163,11 @@ class MetalModelRunner(DeltaHooks):
         check_attention_head_size(self.model_config.model, spec.head_dim)
         if self.speculation is not None and self.speculation.method == "draft_model":
             self._load_draft_model(dtype)
+        if self.vllm_config.lora_config is not None:
+            from vllm_metal.lora.manager import LoraManager
+
+            self.lora = LoraManager(self.model, self.vllm_config.lora_config,
+                                    self.model_config.max_model_len)
         self._init_sampling()
         if self.model_config.runner_type == "pooling":
             self.pooler = build_pooler(self.model_config, self.scheduler_config, self.loaded)
@@ -620,7 +626,13 @@ class MetalModelRunner(DeltaHooks):
             out = self.model.hidden_states(input_ids, ctx, mx.array(hidden_rows))
             self.kv_caches = ctx.kv_caches
             return out
-        logits = self.model(input_ids, ctx)
+        if self.lora is not None:  # each row's adapter slot (lora/manager.py)
+            self.lora.begin_step(list(p.req_ids), np.array(p.cu_seqlens_q))
+        try:
+            logits = self.model(input_ids, ctx)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         self.kv_caches = ctx.kv_caches  # the updated caches
         if self.draft is not None:  # the same tokens into the draft's cache (draft_model.py)
             self.draft.forward_step(input_ids, fields)
@@ -643,12 +655,16 @@ class MetalModelRunner(DeltaHooks):
                 self.speculation.drop(removed)
         for r in removed | preempted:
             self._replay.pop(r, None)
+        if self.lora is not None and removed:
+            self.lora.requests_removed(removed)
 
     def request_added(self, new, row: int, tokens: list[int], prompt_len: int) -> None:
         if self.pooler is not None:
             self.pooler.add(new.req_id, new.pooling_params, prompt_len)
             return
         self.prompt_logprobs.drop([new.req_id])
+        if self.lora is not None:
+            self.lora.request_added(new.req_id, getattr(new, "lora_request", None))
         self.sampling_table.add(row, new.req_id, new.sampling_params,
                                 new.prompt_token_ids or tokens, prompt_len,
                                 resumed=len(tokens) > prompt_len)

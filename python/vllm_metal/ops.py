@@ -79,3 +79,8 @@ varlen_attention = _core.varlen_attention  # (q, k, v, *, cu_seqlens, scale, cau
 gelu = _core.gelu  # gelu(x, *, approximate=False): erf GELU (MLX's CPU erf is scalar)
 
 __all__ += ["varlen_attention", "gelu"]
+
+# LoRA (issue 24): per-row adapters on a linear's output, one fused shrink+expand op.
+lora_apply = _core.lora_apply  # (y, x, *, lora_a, lora_b, scale, row_slot) -> y + scale*B@A@x per row
+
+__all__ += ["lora_apply"]

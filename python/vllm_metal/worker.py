@@ -198,17 +198,25 @@ class MetalWorker(WorkerBase):
     def shutdown(self) -> None:
         self.model_runner = None
 
+    # LoRA (--enable-lora): the runner's lora.manager.LoraManager
+    def _lora(self):
+        lora = self.model_runner.lora if self.model_runner is not None else None
+        if lora is None:
+            raise ValueError("[vllm-metal] LoRA is not enabled: start with --enable-lora")
+        return lora
+
     def add_lora(self, lora_request) -> bool:
-        raise ValueError("[vllm-metal] LoRA is not supported")
+        return self._lora().add(lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
-        return False
+        return self._lora().remove(lora_id)
 
     def pin_lora(self, lora_id: int) -> bool:
-        return False
+        return self._lora().pin(lora_id)
 
     def list_loras(self) -> set[int]:
-        return set()
+        lora = self.model_runner.lora if self.model_runner is not None else None
+        return lora.list() if lora is not None else set()
 
     def sleep(self, level: int = 1) -> None:
         logger.warning("sleep mode is not supported by vllm-metal; ignored")

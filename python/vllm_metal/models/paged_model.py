@@ -118,7 +118,8 @@ class PagedCausalLM(nn.Module):
         if self.embed_scale is not None:
             h = h * mx.array(self.embed_scale, mx.bfloat16).astype(h.dtype)
         query_scale = self._llama4_query_scale(ctx.positions)
-        fused = self._fused_layers()
+        lora = self.__dict__.get("_lora_step")  # vllm_metal.lora: rows with adapters this step
+        fused = None if lora is not None and lora.row_slot is not None else self._fused_layers()
         if fused:
             for layer in fused:
                 h = layer(h, ctx)
