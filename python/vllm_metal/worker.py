@@ -143,6 +143,12 @@ class MetalWorker(WorkerBase):
         source = "--kv-cache-memory-bytes" if cache.kv_cache_memory_bytes else (
             f"--gpu-memory-utilization {cache.gpu_memory_utilization} of {memory}")
         self._kv_budget = f"{budget / 2**30:.2f} GiB ({source})"
+        # a draft model's cache uses the same blocks: vLLM is offered the target's share
+        share = self.model_runner.kv_budget_share()
+        if share < 1.0:
+            logger.info("vllm-metal: %.1f%% of the KV-cache budget goes to the draft model's cache",
+                        100 * (1 - share))
+            budget = int(budget * share)
         return budget
 
     def initialize_from_config(self, kv_cache_config) -> None:
@@ -156,7 +162,7 @@ class MetalWorker(WorkerBase):
         return CompilationTimes(language_model=0.0, encoder=0.0)
 
     def get_supported_tasks(self):
-        return ("generate",)
+        return self.model_runner.supported_tasks()
 
     def execute_model(self, scheduler_output):
         if self._fail_at_step and scheduler_output.total_num_scheduled_tokens:
