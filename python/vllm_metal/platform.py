@@ -230,9 +230,12 @@ def _refuse_unsupported_kv_cache(vllm_config: VllmConfig) -> None:
 
 def _refuse_unsupported_lora(vllm_config: VllmConfig) -> None:
     """LoRA runs on the llama-family / qwen3 paged models (vllm_metal/lora); not with
-    speculative decoding, pooling or the hybrid (Qwen3.5) models yet."""
+    speculative decoding or pooling yet (hybrid Qwen3.5 and MoE models are refused when
+    the runner installs the adapters: lora/manager.py)."""
     if vllm_config.speculative_config is not None:
         _refuse("LoRA with speculative decoding")
+    if getattr(vllm_config.model_config, "runner_type", "generate") == "pooling":
+        _refuse("LoRA with --runner pooling")
     lora = vllm_config.lora_config
     if getattr(lora, "fully_sharded_loras", False):
         _refuse("--fully-sharded-loras")

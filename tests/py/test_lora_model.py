@@ -252,3 +252,17 @@ def test_steps_without_adapters_keep_the_fused_layers(setup):
     mixed = prefill_logits(loaded, PROMPTS[:2], lora, [1, 0])
     np.testing.assert_allclose(mixed[1], want[1], rtol=1e-4, atol=1e-4)  # the base row
     np.testing.assert_allclose(mixed[0], merged_logits(setup, 1, PROMPTS[0]), rtol=1e-4, atol=1e-4)
+
+
+def test_an_adapter_for_a_projection_the_layer_lacks_is_refused(setup, tmp_path):
+    """A layer without a dense MLP (sparse MoE) has no gate/up/down to adapt."""
+    from vllm_metal.lora.manager import LoraManager
+
+    loaded = load_model(str(setup.base), "float32")
+    mlp = loaded.model.layers[1].mlp
+    del mlp["gate_proj"]  # stands in for a MoE block: no dense gate_proj in layer 1
+    lora = LoraManager(loaded.model, lora_config())
+    write_adapter(tmp_path / "a", base_weights(setup.base), LAYERS, r=4, alpha=8, seed=0,
+                  targets=("gate_proj",))
+    with pytest.raises(ValueError, match="layer 1 has no dense gate_proj"):
+        lora.add(request(1, tmp_path / "a"))

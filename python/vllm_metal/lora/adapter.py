@@ -107,6 +107,9 @@ def load_peft_adapter(name: str, path: str, shapes: dict, max_rank: int,
             raise ValueError(f"{where}: target module {module}: the model has {num_layers} layers")
         if "A" not in ab or "B" not in ab:
             raise ValueError(f"{where}: {module} lacks its lora_{'B' if 'A' in ab else 'A'} weight")
+        if (layer, proj) not in shapes:  # e.g. a sparse-MoE layer has no dense gate/up/down
+            raise ValueError(f"{where}: target module {module} is not one the model has "
+                             f"(layer {layer} has no dense {proj})")
         a, b = ab["A"], ab["B"]
         in_dim, out_dim = shapes[(layer, proj)]
         rank, scale = peft.get_rank_and_scaling(module.removeprefix("base_model.model."))
