@@ -140,24 +140,45 @@ VLLM_METAL_AVX2 void attend_tile_avx2(const VarlenAttentionParams& p, const Task
       for (int64_t i = 0; i < d; i += 8) {
         _mm256_storeu_ps(q + i, _mm256_mul_ps(load8<E>(qsrc + row_at + i), scale));
       }
-      __m256 vmax = ninf;
-      for (int64_t c = 0; c < nk8; c += 8) {
+      // scores of 32 keys at a time (4 independent FMA chains), then 8 at a time
+      int64_t c = 0;
+      for (; c + 32 <= nk8; c += 32) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t i = 0; i < d; ++i) {
+          const __m256 qi = _mm256_broadcast_ss(q + i);
+          const float* row = kt + i * nk8 + c;
+          a0 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(row), a0);
+          a1 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(row + 8), a1);
+          a2 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(row + 16), a2);
+          a3 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(row + 24), a3);
+        }
+        _mm256_storeu_ps(s + c, a0);
+        _mm256_storeu_ps(s + c + 8, a1);
+        _mm256_storeu_ps(s + c + 16, a2);
+        _mm256_storeu_ps(s + c + 24, a3);
+      }
+      for (; c < nk8; c += 8) {
         __m256 acc = _mm256_setzero_ps();
         for (int64_t i = 0; i < d; ++i) {
           acc = _mm256_fmadd_ps(_mm256_broadcast_ss(q + i), _mm256_loadu_ps(kt + i * nk8 + c), acc);
         }
+        _mm256_storeu_ps(s + c, acc);
+      }
+      __m256 vmax = ninf;
+      for (c = 0; c < nk8; c += 8) {
         // keys at or past `visible` (padding, causal mask) -> -inf
         const __m256 idx = _mm256_add_ps(lane, _mm256_set1_ps(float(c)));
-        acc = _mm256_blendv_ps(acc, ninf, _mm256_cmp_ps(idx, _mm256_set1_ps(float(visible)), _CMP_GE_OQ));
-        _mm256_storeu_ps(s + c, acc);
-        vmax = _mm256_max_ps(vmax, acc);
+        const __m256 x = _mm256_blendv_ps(_mm256_loadu_ps(s + c), ninf,
+                                          _mm256_cmp_ps(idx, _mm256_set1_ps(float(visible)), _CMP_GE_OQ));
+        _mm256_storeu_ps(s + c, x);
+        vmax = _mm256_max_ps(vmax, x);
       }
       alignas(32) float tmp[8];
       _mm256_store_ps(tmp, vmax);
       const float m = *std::max_element(tmp, tmp + 8);
       const __m256 mv = _mm256_set1_ps(m);
       __m256 vsum = _mm256_setzero_ps();
-      for (int64_t c = 0; c < nk8; c += 8) {
+      for (c = 0; c < nk8; c += 8) {
         const __m256 x = _mm256_loadu_ps(s + c);
         const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, mv)), _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ));
         _mm256_storeu_ps(s + c, e);
@@ -168,10 +189,20 @@ VLLM_METAL_AVX2 void attend_tile_avx2(const VarlenAttentionParams& p, const Task
       for (float v : tmp) l += v;
       const __m256 inv = _mm256_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
       for (int64_t i = 0; i < d; i += 8) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t j = 0; j < visible; ++j) {
-          acc = _mm256_fmadd_ps(_mm256_broadcast_ss(s + j), _mm256_loadu_ps(vf + j * d + i), acc);
+        // four independent chains over the keys
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        int64_t j = 0;
+        for (; j + 4 <= visible; j += 4) {
+          const float* vr = vf + j * d + i;
+          a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + j), _mm256_loadu_ps(vr), a0);
+          a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + j + 1), _mm256_loadu_ps(vr + d), a1);
+          a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + j + 2), _mm256_loadu_ps(vr + 2 * d), a2);
+          a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + j + 3), _mm256_loadu_ps(vr + 3 * d), a3);
         }
+        for (; j < visible; ++j) {
+          a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + j), _mm256_loadu_ps(vf + j * d + i), a0);
+        }
+        const __m256 acc = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
         store8<E>(out + row_at + i, _mm256_mul_ps(acc, inv));
       }
     }
