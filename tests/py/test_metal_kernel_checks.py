@@ -22,6 +22,7 @@ import test_apply_token_bitmask as bitmask
 import test_gelu as gelu
 import test_decoder_layer_metal as layer
 import test_hybrid_launches as hybrid
+import test_lora_ops as lora
 import test_metal_sources as sources
 import test_paged_attention as attention
 import test_rope as rope
@@ -209,6 +210,7 @@ CASES = {
     "gelu": ({"gelu"}, lambda: (gelu.test_launches_on_numpy(False), gelu.test_launches_on_numpy(True))),
     "varlen_attention": ({"varlen_attention"}, lambda: (varlen.test_launches_on_numpy(False),
                                                         varlen.test_launches_on_numpy(True))),
+    "lora_apply": ({"lora"}, lora.test_launches_on_numpy),
     "paged_decode_split_kv": ({"paged_attention"}, attention.test_split_kv_launches_on_numpy_with_many_partitions),
     "paged_prefill": ({"paged_attention"}, paged_prefill),
     "paged_mixed_d128_f16_features": ({"paged_attention"}, lambda: paged(
