@@ -41,7 +41,7 @@ from vllm_metal.models.linear_choice import model_runs_on_gpu
 from vllm_metal.sampling import Sampler, SamplingTable, custom_processors, gather_batch
 from vllm_metal.sampling.batch import gather_draft_batch
 from vllm_metal.sampling.verify import kept_tokens
-from vllm_metal.speculative import NgramSpeculation
+from vllm_metal.speculative import Speculation
 from vllm_metal.sampling.prompt_logprobs import PromptLogprobs
 from vllm_metal.sampling.thinking_budget import ThinkingBudget
 from vllm_metal.log import get_logger
@@ -139,14 +139,18 @@ class MetalModelRunner(DeltaHooks):
         self.prompt_logprobs: PromptLogprobs | None = None
         self.sampler = None
         self.custom_processors = None  # sampling.custom_processors: --logits-processors
-        self.speculation = NgramSpeculation.from_config(vllm_config)  # None: no drafts
+        self.speculation = Speculation.from_config(vllm_config)  # None: no drafts
         self._unread_spec_step: _SubmittedStep | None = None  # its tokens not yet appended
+        self._gone: set[str] = set()  # requests the schedule being executed ended (no drafts)
         # hybrid models with drafts rejected: request -> the tokens its restored state
         # covers; its next step starts there (replays the kept tokens)
         self._replay: dict[str, int] = {}
         self.hybrid = None  # hybrid.HybridState for models with linear-attention layers
         self.attention_group = 0  # the KV-cache group of the attention layers
         self.kv_cache_description = "not allocated"  # for the startup summary
+        # --runner pooling: pooling.Pooler (embeddings, classification); None: generation
+        self.pooler = None
+        self.lora = None  # lora.manager.LoraManager with --enable-lora
 
     # ---- setup ------------------------------------------------------------------
     def load_model(self) -> None:
@@ -157,7 +161,42 @@ class MetalModelRunner(DeltaHooks):
         logger.info("vllm-metal loaded %s: %d layers, %d kv heads x %d, cache %s",
                     spec.architecture, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype)
         check_attention_head_size(self.model_config.model, spec.head_dim)
+        if self.speculation is not None and self.speculation.method == "draft_model":
+            self._load_draft_model(dtype)
+        if self.vllm_config.lora_config is not None:
+            from vllm_metal.lora.manager import LoraManager
+
+            self.lora = LoraManager(self.model, self.vllm_config.lora_config,
+                                    self.model_config.max_model_len)
         self._init_sampling()
+        if self.model_config.runner_type == "pooling":
+            self.pooler = build_pooler(self.model_config, self.scheduler_config, self.loaded)
+
+    def _load_draft_model(self, dtype: str | None) -> None:
+        from vllm_metal.draft_model import DraftModel
+
+        path = self.vllm_config.speculative_config.draft_model_config.model
+        draft = DraftModel(path, dtype, self.speculation.num_speculative_tokens,
+                           self.model_config.max_model_len)
+        check_attention_head_size(path, draft.loaded.spec.head_dim)
+        self.speculation.draft = draft
+        logger.info("vllm-metal loaded draft model %s: %d layers", draft.loaded.spec.architecture,
+                    draft.loaded.spec.num_layers)
+
+    @property
+    def draft(self):
+        return None if self.speculation is None else self.speculation.draft
+
+    def kv_budget_share(self) -> float:
+        """The part of the KV budget for the target's blocks (the rest: a draft model's
+        cache over the same blocks, draft_model.py); 1 without a draft model."""
+        if self.draft is None:
+            return 1.0
+        from vllm_metal.draft_model import draft_share
+
+        return draft_share(self.cache_block_size_bytes(),
+                           self.draft.bytes_per_block(self.cache_config.block_size,
+                                                      self.scheduler_config.max_num_seqs))
 
     def _init_sampling(self) -> None:
         mode = str(getattr(self.model_config, "logprobs_mode", "raw_logprobs"))
@@ -273,6 +312,9 @@ class MetalModelRunner(DeltaHooks):
         self.delta = SchedulerDelta(self.packer, use_v2_model_runner=self.use_v2, hooks=self,
                                     trim_outputs=False)
         self.kv_cache_description = plan.description
+        if self.draft is not None:
+            self.kv_cache_description += "; draft model: " + self.draft.allocate(
+                block_size, num_blocks, self.scheduler_config.max_num_seqs)
         if self.hybrid is not None and self.hybrid.checkpoints is not None:
             ckpt = kv_plan.checkpoint_bytes(self.loaded, block_size=block_size,
                                             slots=self._checkpoint_slots())
@@ -287,6 +329,9 @@ class MetalModelRunner(DeltaHooks):
             budget += self.scheduler_config.max_num_seqs * (1 + self.speculation.num_speculative_tokens)
         return budget
 
+    def supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",) if self.pooler is None else self.pooler.supported_tasks()
+
     def warm_up(self) -> None:
         """One tiny forward so the first request does not pay one-time costs."""
         if self.packer is None:
@@ -295,8 +340,8 @@ class MetalModelRunner(DeltaHooks):
         self.packer.add_request("__warmup__", [0, 1], block_ids=[[0]] * num_groups)
         try:
             self.packer.pack({"__warmup__": 2})
-            logits = self._forward()
-            mx.eval(logits, self.kv_caches)
+            out = self._forward(hidden_rows=np.arange(2, dtype=np.int32) if self.pooler else None)
+            mx.eval(out, self.kv_caches, self._draft_caches())
         finally:
             self.packer.remove_requests(["__warmup__"])
             if self.hybrid is not None:
@@ -306,8 +351,15 @@ class MetalModelRunner(DeltaHooks):
     def execute_model(self, scheduler_output):
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
+        if self.pooler is not None:
+            return self._execute_pooling(scheduler_output)
         if self._unread_spec_step is not None:  # async: this step's drafts come from it
+            # requests this schedule ended or preempted get none: a draft model would
+            # write its cache into blocks the scheduler may have handed on already
+            self._gone = set(scheduler_output.finished_req_ids) | set(
+                getattr(scheduler_output, "preempted_req_ids", None) or ())
             self._wait(self._unread_spec_step)
+            self._gone = set()
         # the request table (both runner contracts: scheduler_delta.py), then the hooks above
         self.delta.update(scheduler_output)
         if self.hybrid is not None:  # prefix caching's state loads and saves (hybrid.py)
@@ -366,11 +418,32 @@ class MetalModelRunner(DeltaHooks):
         if table.structured[rows].any() or batch.custom is not None:
             # the grammars' bitmask for this step comes with sample_tokens: start the
             # forward now, sample then
-            mx.async_eval(sampled_logits, self.kv_caches, self._checkpoint_arrays())
+            mx.async_eval(sampled_logits, self.kv_caches, self._checkpoint_arrays(),
+                          self._draft_caches())
             self._pending = step
         else:
             self._submit(step)
         return None
+
+    def _execute_pooling(self, scheduler_output):
+        """A pooling step: the forward's final hidden states at the rows the pooler asks
+        for, pooled at once; the output carries each finished request's pooled tensor
+        (vLLM then finishes the request). Returned from execute_model, as vLLM's GPU
+        runner does, so sample_tokens is not called."""
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+        self.delta.update(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        p = self.packer
+        p.pack(dict(scheduler_output.num_scheduled_tokens))
+        req_ids = list(p.req_ids)
+        plan = self.pooler.plan(req_ids, np.array(p.cu_seqlens_q), p.positions[:p.num_tokens])
+        hidden = self._forward(hidden_rows=plan.rows)
+        mx.eval(hidden, self.kv_caches)
+        outputs = self.pooler.pool(plan, np.array(hidden.astype(mx.float32)))
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 pooler_output=outputs)
 
     def _submit(self, u: _UnsampledStep, grammar_output=None) -> None:
         """Samples the step (lazily; the grammar's bitmask applied first) and submits it."""
@@ -390,7 +463,7 @@ class MetalModelRunner(DeltaHooks):
         # (models/fused_layers.py); evaluated now, they hold their buffers alone next step
         mx.async_eval(result.tokens, *(result.logprobs or ()), *((result.kept,) if u.cu_num_logits is not None else ()),
                       *self.prompt_logprobs.arrays(prompt_scores), self.kv_caches,
-                      self._checkpoint_arrays())
+                      self._checkpoint_arrays(), self._draft_caches())
         step = _SubmittedStep(u.req_ids, u.discard, result, prompt_scores, cu_num_logits=u.cu_num_logits)
         if self.speculation is not None:
             # appended when read (next step's drafts come from them), never deferred
@@ -481,7 +554,8 @@ class MetalModelRunner(DeltaHooks):
                 self._replay.update({r: self.hybrid.state_len[r] for r in rejected})
         if self._unread_spec_step is step:
             self._unread_spec_step = None
-        self.speculation.propose(self.packer, step.req_ids, outputs)
+        self.speculation.propose(self.packer, step.req_ids, outputs, group=self.attention_group,
+                                 skip=self._gone)
         return tokens
 
     def _checkpoint_arrays(self) -> list:
@@ -489,6 +563,10 @@ class MetalModelRunner(DeltaHooks):
         if self.hybrid is None or self.hybrid.checkpoints is None:
             return []
         return [(c.conv, c.ssm) for c in self.hybrid.checkpoints if c is not None]
+
+    def _draft_caches(self) -> list:
+        """A draft model's caches, evaluated with the step that writes them."""
+        return [] if self.draft is None else self.draft.kv_caches
 
     def _input_ids(self, source_step: _SubmittedStep | None) -> mx.array:
         """This step's token ids; where a row's input is the previous step's sample
@@ -507,9 +585,11 @@ class MetalModelRunner(DeltaHooks):
         return mx.array(ids).at[mx.array(rows)].add(sampled)  # placeholders are 0
 
     def _forward(self, extra_logits_indices: np.ndarray | None = None,
-                 input_ids: mx.array | None = None) -> mx.array:
+                 input_ids: mx.array | None = None, hidden_rows: np.ndarray | None = None) -> mx.array:
         """extra_logits_indices: packed tokens whose logits are also wanted,
-        returned after the sampled rows; input_ids: default the packer's."""
+        returned after the sampled rows; input_ids: default the packer's.
+        hidden_rows (pooling): return the final hidden states of these packed rows
+        instead of logits."""
         p = self.packer
         t = p.num_tokens
         logits_indices = p.logits_indices
@@ -542,12 +622,27 @@ class MetalModelRunner(DeltaHooks):
             ctx = AttentionContext(**fields)
         if input_ids is None:
             input_ids = mx.array(p.input_ids[:t])
-        logits = self.model(input_ids, ctx)
+        if hidden_rows is not None:
+            out = self.model.hidden_states(input_ids, ctx, mx.array(hidden_rows))
+            self.kv_caches = ctx.kv_caches
+            return out
+        if self.lora is not None:  # each row's adapter slot (lora/manager.py)
+            self.lora.begin_step(list(p.req_ids), np.array(p.cu_seqlens_q))
+        try:
+            logits = self.model(input_ids, ctx)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         self.kv_caches = ctx.kv_caches  # the updated caches
+        if self.draft is not None:  # the same tokens into the draft's cache (draft_model.py)
+            self.draft.forward_step(input_ids, fields)
         return logits
 
     # ---- the scheduler's deltas (SchedulerDelta applies them; these hooks follow) --------
     def requests_removed(self, removed: set[str], preempted: set[str]) -> None:
+        if self.pooler is not None:  # preempted ones come back from token 0 (re-added)
+            self.pooler.drop(removed | preempted)
+            return
         if self.hybrid is not None:
             # V1 keeps preempted requests, but they restart from token 0: state recomputed
             self.hybrid.release(removed | preempted)
@@ -560,9 +655,16 @@ class MetalModelRunner(DeltaHooks):
                 self.speculation.drop(removed)
         for r in removed | preempted:
             self._replay.pop(r, None)
+        if self.lora is not None and removed:
+            self.lora.requests_removed(removed)
 
     def request_added(self, new, row: int, tokens: list[int], prompt_len: int) -> None:
+        if self.pooler is not None:
+            self.pooler.add(new.req_id, new.pooling_params, prompt_len)
+            return
         self.prompt_logprobs.drop([new.req_id])
+        if self.lora is not None:
+            self.lora.request_added(new.req_id, getattr(new, "lora_request", None))
         self.sampling_table.add(row, new.req_id, new.sampling_params,
                                 new.prompt_token_ids or tokens, prompt_len,
                                 resumed=len(tokens) > prompt_len)
@@ -599,6 +701,27 @@ class _AsyncStepOutput(AsyncModelRunnerOutput):
 
     def get_kv_connector_output(self):
         return None
+
+
+def build_pooler(model_config, scheduler_config, loaded):
+    """The pooling.Pooler of a `--runner pooling` model: a classifier (score layer) for
+    *ForSequenceClassification checkpoints and `--convert classify`, else an embedder."""
+    from vllm_metal.models.loader import is_sequence_classifier, score_weights
+    from vllm_metal.pooling import Pooler, score_classifier
+
+    causal = getattr(loaded.model, "causal", True)  # pooling.HiddenStateSource
+    if not causal and scheduler_config.enable_chunked_prefill:
+        raise ValueError(f"[vllm-metal] {model_config.model} attends both ways: chunked prefill cannot "
+                         "serve it (--no-enable-chunked-prefill)")
+    classify = is_sequence_classifier(loaded.hf_config) or model_config.convert_type == "classify"
+    if not classify:
+        return Pooler(model_config, causal=causal)
+    score = score_weights(model_config.model)
+    if score is None:
+        raise ValueError(f"[vllm-metal] {model_config.model}: a classification model needs a score "
+                         "layer (score.weight) in its safetensors checkpoint")
+    weight, bias = score
+    return Pooler(model_config, score_classifier(weight, bias, model_config.head_dtype), causal=causal)
 
 
 def check_attention_head_size(model: str, head_dim: int) -> None:

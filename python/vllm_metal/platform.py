@@ -38,6 +38,14 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3_5ForConditionalGeneration",  # the same, text-only (vision tower not loaded)
 }
 
+# --runner pooling only: the decoder body plus a score layer (pooling.py)
+SEQUENCE_CLASSIFIERS = {
+    "LlamaForSequenceClassification",
+    "MistralForSequenceClassification",
+    "Qwen2ForSequenceClassification",
+    "Qwen3ForSequenceClassification",
+}
+
 
 class UnsupportedConfiguration(ValueError):
     """Raised at startup for settings the Metal runner does not support."""
@@ -220,6 +228,16 @@ def _refuse_unsupported_kv_cache(vllm_config: VllmConfig) -> None:
         _refuse("--kv-cache-metrics (block residency sampling)")
 
 
+def _refuse_unsupported_lora(vllm_config: VllmConfig) -> None:
+    """LoRA runs on the llama-family / qwen3 paged models (vllm_metal/lora); not with
+    speculative decoding, pooling or the hybrid (Qwen3.5) models yet."""
+    if vllm_config.speculative_config is not None:
+        _refuse("LoRA with speculative decoding")
+    lora = vllm_config.lora_config
+    if getattr(lora, "fully_sharded_loras", False):
+        _refuse("--fully-sharded-loras")
+
+
 def _refuse_unsupported(vllm_config: VllmConfig) -> None:
     _refuse_unsupported_kv_cache(vllm_config)
     parallel = vllm_config.parallel_config
@@ -228,7 +246,7 @@ def _refuse_unsupported(vllm_config: VllmConfig) -> None:
     if parallel.data_parallel_size > 1:
         _refuse("data parallelism", "run one server per device")
     if vllm_config.lora_config is not None:
-        _refuse("LoRA")
+        _refuse_unsupported_lora(vllm_config)
     model = vllm_config.model_config
     if model is None:
         return
@@ -242,13 +260,38 @@ def _refuse_unsupported(vllm_config: VllmConfig) -> None:
         # the runner feeds token ids only: embeddings would be replaced by placeholder ids
         _refuse("--enable-prompt-embeds (prompt embeddings as input)",
                 "send prompts as text or token ids")
-    if model.runner_type != "generate":
-        _refuse(f"the '{model.runner_type}' runner (pooling/embedding)", "only text generation is served")
     archs = set(getattr(model.hf_config, "architectures", None) or [])
-    if not archs & SUPPORTED_ARCHITECTURES:
+    if model.runner_type == "pooling":
+        _refuse_unsupported_pooling(vllm_config, archs)
+    elif model.runner_type != "generate":
+        _refuse(f"the '{model.runner_type}' runner", "use --runner generate or --runner pooling")
+    elif not archs & SUPPORTED_ARCHITECTURES:
         _refuse(f"architecture {sorted(archs) or 'unknown'}",
                 f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
     if vllm_config.cache_config.cache_dtype not in ("auto", None):
         _refuse(f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype}", "use auto")
     if model.quantization not in (None, "gguf"):
         _refuse(f"quantization '{model.quantization}'", "serve safetensors in float16/bfloat16 or a GGUF file")
+
+
+def _refuse_unsupported_pooling(vllm_config: VllmConfig, archs: set[str]) -> None:
+    """What the pooling runner (pooling.py) does not do."""
+    model = vllm_config.model_config
+    decoders = SUPPORTED_ARCHITECTURES - {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"}
+    if not archs & (decoders | SEQUENCE_CLASSIFIERS):
+        _refuse(f"architecture {sorted(archs) or 'unknown'} with --runner pooling",
+                f"supported: {', '.join(sorted(decoders | SEQUENCE_CLASSIFIERS))}")
+    if vllm_config.scheduler_config.async_scheduling:
+        _refuse("--async-scheduling with --runner pooling", "pooling steps are synchronous")
+    if vllm_config.speculative_config is not None:
+        _refuse("speculative decoding with --runner pooling")
+    pooler = model.pooler_config
+    if pooler.tok_pooling_type not in (None, "ALL"):
+        _refuse(f"token pooling type {pooler.tok_pooling_type}", "supported: ALL")
+    if pooler.seq_pooling_type not in (None, "LAST", "MEAN", "CLS"):
+        _refuse(f"pooling type {pooler.seq_pooling_type}", "supported: LAST, MEAN, CLS, ALL")
+    if pooler.seq_pooling_type in ("MEAN", "CLS") and vllm_config.cache_config.enable_prefix_caching:
+        # a prefix-cache hit skips the hidden states of the cached tokens
+        _refuse(f"prefix caching with {pooler.seq_pooling_type} pooling", "drop --enable-prefix-caching")
+    if model.embedding_size != model.get_hidden_size():
+        _refuse("Sentence-Transformers Dense projection layers")

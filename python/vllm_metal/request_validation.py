@@ -33,12 +33,27 @@ def unsupported_sampling_parameters(params) -> list[tuple[str, str]]:
 
 
 def validate_sampling_params(params) -> None:
-    from vllm import SamplingParams
+    from vllm import PoolingParams, SamplingParams
     from vllm.exceptions import VLLMValidationError
 
+    if isinstance(params, PoolingParams):
+        validate_pooling_params(params)
+        return
     if not isinstance(params, SamplingParams):
-        raise VLLMValidationError("[vllm-metal] only text generation requests are supported")
+        raise VLLMValidationError("[vllm-metal] only generation and pooling requests are supported")
     problems = unsupported_sampling_parameters(params)
     if problems:
         raise VLLMValidationError(
             "[vllm-metal] " + "; ".join(why for _, why in problems), parameter=problems[0][0])
+
+
+def validate_pooling_params(params) -> None:
+    """What the pooling runner (pooling.py) does not do: late-interaction scoring (query
+    token embeddings cached in the worker) and step pooling."""
+    from vllm.exceptions import VLLMValidationError
+
+    if params.late_interaction_params is not None:
+        raise VLLMValidationError("[vllm-metal] late-interaction scoring is not supported",
+                                  parameter="late_interaction_params")
+    if params.step_tag_id is not None or params.returned_token_ids is not None:
+        raise VLLMValidationError("[vllm-metal] step pooling is not supported", parameter="step_tag_id")

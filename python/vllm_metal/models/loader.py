@@ -84,11 +84,36 @@ def _load_safetensors(path: Path, dtype: str | None, linear: str):
     hf_config = json.loads((path / "config.json").read_text())
     config = load_config(path)  # config.json + generation_config's eos_token_id
     arch = architecture_of(config)
-    lm, _ = mlx_lm_load_model(path, lazy=True, model_config=mlx_lm_config(config),
+    # a *ForSequenceClassification checkpoint holds a score layer instead of lm_head:
+    # the body loads into the causal LM, the score layer comes from score_weights()
+    lm, _ = mlx_lm_load_model(path, lazy=True, strict=not is_sequence_classifier(hf_config),
+                              model_config=mlx_lm_config(config),
                               get_model_classes=lambda config: mlx_lm_classes(arch))
     stored = _stored_dtype(lm)
     target = _dtype(dtype) if dtype else stored
     return _finish(lm, config, hf_config, target, _eos_ids(config.get("eos_token_id")), linear)
+
+
+def is_sequence_classifier(hf_config: dict) -> bool:
+    return any(a.endswith("ForSequenceClassification") for a in hf_config.get("architectures") or [])
+
+
+def score_weights(model_path: str):
+    """(weight [num_labels, hidden], bias or None) of a checkpoint's score layer as
+    float32 NumPy arrays, or None when it has none (safetensors checkpoints only)."""
+    from safetensors import safe_open
+
+    path = Path(model_path).expanduser()
+    if not path.is_dir():
+        return None
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:  # reads only the tensors asked for
+            names = set(f.keys())
+            if "score.weight" in names:
+                weight = f.get_tensor("score.weight").float().numpy()
+                bias = f.get_tensor("score.bias").float().numpy() if "score.bias" in names else None
+                return weight, bias
+    return None
 
 
 def _load_gguf(gguf_path: Path, directory: Path | None, dtype: str | None, linear: str):

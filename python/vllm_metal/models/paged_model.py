@@ -96,13 +96,30 @@ class PagedCausalLM(nn.Module):
     def layers(self) -> list:
         return self.lm.model.layers
 
+    # a decoder: a token's hidden state depends only on the tokens before it (pooling.py)
+    causal = True
+
     def __call__(self, input_ids: mx.array, ctx: AttentionContext) -> mx.array:
+        body = self.lm.model
+        out = self.hidden_states(input_ids, ctx, ctx.logits_indices)
+        if "lm_head" in self.lm:
+            logits = self.lm.lm_head(out)
+        else:
+            logits = body.embed_tokens.as_linear(out)
+        if self.final_softcap:
+            logits = mx.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    def hidden_states(self, input_ids: mx.array, ctx: AttentionContext, rows: mx.array) -> mx.array:
+        """The final hidden states (after the last norm, before lm_head) at packed rows
+        `rows`: what the pooling runner pools (pooling.HiddenStateSource)."""
         body = self.lm.model
         h = body.embed_tokens(input_ids)  # [T, hidden]
         if self.embed_scale is not None:
             h = h * mx.array(self.embed_scale, mx.bfloat16).astype(h.dtype)
         query_scale = self._llama4_query_scale(ctx.positions)
-        fused = self._fused_layers()
+        lora = self.__dict__.get("_lora_step")  # vllm_metal.lora: rows with adapters this step
+        fused = None if lora is not None and lora.row_slot is not None else self._fused_layers()
         if fused:
             for layer in fused:
                 h = layer(h, ctx)
@@ -118,20 +135,13 @@ class PagedCausalLM(nn.Module):
         else:
             h, residual = self._pre_norm_layers(h, ctx, query_scale)
 
-        # Only the rows whose logits are wanted go through the final norm and lm_head.
-        h = h[ctx.logits_indices]
+        # Only the rows wanted go through the final norm (and lm_head).
+        h = h[rows]
         norm = body.norm
         if residual is None:
-            out = ops.rms_norm(h, norm.multiplier(), norm.eps)
-        else:
-            out, _ = ops.add_rms_norm(h, residual[ctx.logits_indices], norm.multiplier(), norm.eps)
-        if "lm_head" in self.lm:
-            logits = self.lm.lm_head(out)
-        else:
-            logits = body.embed_tokens.as_linear(out)
-        if self.final_softcap:
-            logits = mx.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits
+            return ops.rms_norm(h, norm.multiplier(), norm.eps)
+        out, _ = ops.add_rms_norm(h, residual[rows], norm.multiplier(), norm.eps)
+        return out
 
     def _fused_layers(self):
         """The layers as fused C++ ops (fused_layers.py), built on the first forward

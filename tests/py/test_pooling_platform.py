@@ -1,0 +1,40 @@
+"""The platform's startup checks for --runner pooling (platform.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_metal.platform import UnsupportedConfiguration, _refuse_unsupported_pooling
+
+
+def _config(archs=("Qwen3ForCausalLM",), *, seq="LAST", tok="ALL", async_scheduling=False,
+            prefix_caching=False, embedding_size=64, speculative=None):
+    model = SimpleNamespace(pooler_config=SimpleNamespace(seq_pooling_type=seq, tok_pooling_type=tok),
+                            embedding_size=embedding_size, get_hidden_size=lambda: 64)
+    return SimpleNamespace(model_config=model, speculative_config=speculative,
+                           scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+                           cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching)), set(archs)
+
+
+def test_served_pooling_configurations_pass():
+    _refuse_unsupported_pooling(*_config())
+    _refuse_unsupported_pooling(*_config(("Qwen3ForSequenceClassification",)))
+    _refuse_unsupported_pooling(*_config(seq="MEAN"))
+    _refuse_unsupported_pooling(*_config(prefix_caching=True))  # LAST: a hit still computes the last token
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(archs=("Qwen3_5ForCausalLM",)), "architecture"),
+    (dict(archs=("BertModel",)), "architecture"),
+    (dict(async_scheduling=True), "async"),
+    (dict(tok="STEP"), "STEP"),
+    (dict(seq="MEAN", prefix_caching=True), "prefix caching"),
+    (dict(seq="CLS", prefix_caching=True), "prefix caching"),
+    (dict(embedding_size=32), "Dense"),
+    (dict(speculative=object()), "speculative"),
+])
+def test_unsupported_pooling_configurations_are_refused(kw, words):
+    with pytest.raises(UnsupportedConfiguration, match=words):
+        _refuse_unsupported_pooling(*_config(**kw))
