@@ -132,3 +132,48 @@ def test_bad_input(change, match):
     with pytest.raises(ValueError, match=match):
         ops.fused_moe(kw["x"], kw["logits"], kw["wg"], kw["wu"], kw["wd"], top_k=kw["top_k"],
                       scoring=kw["scoring"])
+
+
+def launches_on_numpy(t=7, h=40, e=6, i=24, k=2, dtype="float16", gguf_type=None, seed=4):
+    """The planner's launches run on NumPy arrays (emulation.run_plan: the kernel checks of
+    test_metal_kernel_checks run them on the checked builds); out against the reference.
+    gguf_type: experts as blocks of that type (fused_moe_gguf's plan)."""
+    from vllm_metal import emulation
+    from test_gguf_fixtures import random_blocks, reference_dequantize
+
+    rng = np.random.default_rng(seed)
+    np_dtype = {"float32": np.float32, "float16": np.float16}[dtype]
+    x = (rng.standard_normal((t, h)) / h).astype(np_dtype)
+    logits = (rng.standard_normal((t, e)) - 0.5 * np.arange(e)).astype(np.float32)
+    if gguf_type is None:
+        ws = [(rng.standard_normal(s) / np.sqrt(s[2])).astype(np.float32)
+              for s in ((e, i, h), (e, i, h), (e, h, i))]
+        arrays, dense = ws, [w.astype(np.float64) for w in ws]
+        plan = _core.plan_fused_moe(dtype, "float32", num_tokens=t, hidden=h, num_experts=e,
+                                    inter=i, top_k=k)
+    else:
+        arrays, dense = [], []
+        for n, (rows, cols) in enumerate(((i, h), (i, h), (h, i))):
+            b = random_blocks(gguf_type, e * rows, cols, seed + n)
+            arrays.append(np.ascontiguousarray(b).reshape(-1))
+            dense.append(reference_dequantize(b, gguf_type, (e * rows, cols)).astype(np.float64)
+                         .reshape(e, rows, cols))
+        plan = _core.plan_fused_moe_gguf(dtype, gguf_type.name, gguf_type.name, gguf_type.name,
+                                         num_tokens=t, hidden=h, num_experts=e, inter=i, top_k=k)
+    out = np.zeros((t, h), np_dtype)
+    outputs = [out, np.zeros((t, k), np.int32), np.zeros((t, k), np.float32),
+               np.zeros((t * k, i), np.float32), np.zeros((t * k, h), np.float32)]
+    emulation.run_plan(plan, [x, logits, *arrays, *outputs])
+    want = reference(x.astype(np.float64), logits.astype(np.float64), *dense, k)
+    err = np.abs(out.astype(np.float64) - want).max() / max(np.abs(want).max(), 1e-30)
+    assert err < (1e-5 if dtype == "float32" else 2e-3), err
+
+
+@pytest.mark.parametrize("gguf_type", [None, "Q4_K"])
+def test_launches_on_numpy(gguf_type):
+    from test_gguf_fixtures import T
+
+    if gguf_type is None:
+        launches_on_numpy()
+    else:
+        launches_on_numpy(t=9, h=256, e=4, i=256, k=3, dtype="float32", gguf_type=T[gguf_type])

@@ -21,6 +21,7 @@ import pytest
 import test_apply_token_bitmask as bitmask
 import test_gelu as gelu
 import test_decoder_layer_metal as layer
+import test_fused_moe as moe
 import test_hybrid_launches as hybrid
 import test_lora_ops as lora
 import test_metal_sources as sources
@@ -256,6 +257,11 @@ for _t in SUPPORTED:  # mat-vec (up to 8 rows) and mat-mat, every type
     _k = 2 * block_size(_t) if block_size(_t) > 1 else 13
     CASES[f"gguf_{_t.name.lower()}"] = ({"gguf_dequantize", "gguf_matmul"},
                                        lambda t=_t, k=_k: (gguf(t, 3, 9, k), gguf(t, 9, 7, k)))
+# fused MoE: uneven loads (an expert with no tokens), odd sizes, 9 slots of Q4_K experts
+# routed in groups of up to 8 per weight decode
+CASES["fused_moe"] = ({"moe"}, lambda: moe.launches_on_numpy(t=7, h=40, e=6, i=24, k=2))
+CASES["fused_moe_gguf"] = ({"moe", "moe_gguf"}, lambda: moe.launches_on_numpy(
+    t=9, h=256, e=4, i=256, k=3, dtype="float32", gguf_type=T.Q4_K))
 CASES["gguf_matvec_lane_shapes"] = ({"gguf_dequantize", "gguf_matmul"}, gguf_matvec_lane_shapes)
 CASES["gguf_q4_0_two_row_tiles"] = ({"gguf_dequantize", "gguf_matmul"}, lambda: gguf(SUPPORTED[0], 33, 37, 64))
 

@@ -28,9 +28,9 @@ _NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
 _EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 
 
-def write_gguf(checkpoint_dir, config, path, expert_type: str):
+def write_gguf(checkpoint_dir, config, path, expert_type: str, extra: dict | None = None):
     """The checkpoint's weights as llama.cpp's converter lays out a qwen3moe file; experts
-    in `expert_type`, everything else F32."""
+    in `expert_type`, everything else F32; `extra`: more tensors {name: float32 array}."""
     st = load_file(str(checkpoint_dir / "model.safetensors"))
     w = gguf.GGUFWriter(str(path), "qwen3moe")
     w.add_block_count(config.num_hidden_layers)
@@ -63,6 +63,8 @@ def write_gguf(checkpoint_dir, config, path, expert_type: str):
                 w.add_tensor(f"blk.{layer}.{g}.weight", stacked)
             else:
                 w.add_tensor(f"blk.{layer}.{g}.weight", gguf.quants.quantize(stacked, qt), raw_dtype=qt)
+    for name, value in (extra or {}).items():
+        w.add_tensor(name, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -99,3 +101,13 @@ def test_q8_0_experts_in_block_form_match_dequantized(tmp_path):
     err = np.abs(got - want).max() / np.abs(want).max()
     assert 0 < err < 3e-2, err
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+
+
+def test_unknown_expert_tensor_is_refused_naming_it(tmp_path):
+    """A shared expert (Qwen2-MoE style ffn_*_shexp) is not part of qwen3moe: refused at load."""
+    config, _ = write_checkpoint(tmp_path / "hf", vocab_size=VOCAB)
+    shexp = np.zeros((config.moe_intermediate_size, config.hidden_size), np.float32)
+    path = write_gguf(tmp_path / "hf", config, tmp_path / "bad.gguf", "F32",
+                      extra={"blk.1.ffn_gate_shexp.weight": shexp})
+    with pytest.raises(ValueError, match="blk.1.ffn_gate_shexp.weight"):
+        load_model(str(path), "float32")

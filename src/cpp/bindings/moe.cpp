@@ -110,7 +110,7 @@ void bind_moe(nb::module_& m) {
       "plan_fused_moe_gguf",
       [](const std::string& dtype, const TypeArg& gate_type, const TypeArg& up_type,
          const TypeArg& down_type, int64_t num_tokens, int64_t hidden, int64_t num_experts,
-         int64_t inter, int64_t top_k) {
+         int64_t inter, int64_t top_k, bool renormalize, bool sigmoid) {
         vm::MoeGgufProblem p;
         p.dtype = parse_float_dtype(dtype);
         p.gate_type = parse_type(gate_type);
@@ -121,10 +121,13 @@ void bind_moe(nb::module_& m) {
         p.num_experts = num_experts;
         p.inter = inter;
         p.top_k = top_k;
+        p.renormalize = renormalize;
+        p.sigmoid = sigmoid;
         return vm::plan_fused_moe_gguf(p);
       },
       "dtype"_a, "gate_type"_a, "up_type"_a, "down_type"_a, "num_tokens"_a, "hidden"_a,
-      "num_experts"_a, "inter"_a, "top_k"_a, "Kernel launches of fused_moe_gguf.");
+      "num_experts"_a, "inter"_a, "top_k"_a, "renormalize"_a = true, "sigmoid"_a = false,
+      "Kernel launches of fused_moe_gguf.");
 }
 
 }  // namespace vllm_metal::bindings

@@ -97,10 +97,77 @@ void attend_tile(const VarlenAttentionParams& p, const AttentionVecOps<E>& ops, 
 }
 
 #if defined(__x86_64__)
+constexpr int kPairs = 4;  // (row, q head) pairs sharing each K^T / V load
+
+// Scores, softmax and P . V of up to kPairs (row, q head) pairs at once: each load of K^T
+// (8 keys) or of V (8 dims) feeds one FMA chain per pair. q [kPairs][d] (scaled), s
+// [kPairs][nk8] scratch; visible[pr] = keys [0, visible) the pair sees.
+template <Elt E, int NP>
+VLLM_METAL_AVX2 void attend_pairs(const float* kt, const float* vf, int64_t d, int64_t nk8,
+                                  const float* q, float* s, const int64_t* visible,
+                                  typename EltTraits<E>::Storage* const* dst) {
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 vmax[NP];
+  for (int pr = 0; pr < NP; ++pr) vmax[pr] = ninf;
+  for (int64_t c = 0; c < nk8; c += 8) {
+    __m256 acc[NP];
+    for (int pr = 0; pr < NP; ++pr) acc[pr] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; ++i) {
+      const __m256 kv = _mm256_loadu_ps(kt + i * nk8 + c);
+      for (int pr = 0; pr < NP; ++pr) {
+        acc[pr] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + pr * d + i), kv, acc[pr]);
+      }
+    }
+    const __m256 idx = _mm256_add_ps(lane, _mm256_set1_ps(float(c)));
+    for (int pr = 0; pr < NP; ++pr) {
+      // keys at or past `visible` (padding, causal mask) -> -inf
+      const __m256 x = _mm256_blendv_ps(
+          acc[pr], ninf, _mm256_cmp_ps(idx, _mm256_set1_ps(float(visible[pr])), _CMP_GE_OQ));
+      _mm256_storeu_ps(s + pr * nk8 + c, x);
+      vmax[pr] = _mm256_max_ps(vmax[pr], x);
+    }
+  }
+  float inv[NP];
+  int64_t most = 0;
+  for (int pr = 0; pr < NP; ++pr) {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, vmax[pr]);
+    const __m256 mv = _mm256_set1_ps(*std::max_element(tmp, tmp + 8));
+    __m256 vsum = _mm256_setzero_ps();
+    float* sp = s + pr * nk8;
+    for (int64_t c = 0; c < nk8; c += 8) {
+      const __m256 x = _mm256_loadu_ps(sp + c);
+      // masked keys get exactly 0 (exp8 clamps, it never returns 0 itself)
+      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, mv)), _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ));
+      _mm256_storeu_ps(sp + c, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    _mm256_store_ps(tmp, vsum);
+    float l = 0.0f;
+    for (float v : tmp) l += v;
+    inv[pr] = l > 0.0f ? 1.0f / l : 0.0f;
+    most = std::max(most, visible[pr]);
+  }
+  for (int64_t i = 0; i < d; i += 8) {
+    __m256 acc[NP];
+    for (int pr = 0; pr < NP; ++pr) acc[pr] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < most; ++j) {  // a pair's keys past its `visible` have p = 0
+      const __m256 vv = _mm256_loadu_ps(vf + j * d + i);
+      for (int pr = 0; pr < NP; ++pr) {
+        acc[pr] = _mm256_fmadd_ps(_mm256_broadcast_ss(s + pr * nk8 + j), vv, acc[pr]);
+      }
+    }
+    for (int pr = 0; pr < NP; ++pr) {
+      store8<E>(dst[pr] + i, _mm256_mul_ps(acc[pr], _mm256_set1_ps(inv[pr])));
+    }
+  }
+}
+
 // The AVX2 tile (head_size % 8 == 0): the tile's keys are converted once to a float K^T
-// [d][nk8] and V [nk][d]; each (row, q head) pair gets its scores for all keys in
-// registers 8 keys at a time (no horizontal sums), an exact softmax over them with a
-// vectorized exp, then P . V 8 dims at a time. Same math as attend_tile, other order.
+// [d][nk8] and V [nk][d]; (row, q head) pairs then go kPairs at a time through
+// attend_pairs: scores 8 keys a vector (no horizontal sums), an exact softmax with the
+// AVX2 exp, P . V 8 dims a vector. Same math as attend_tile, other summation order.
 template <Elt E>
 VLLM_METAL_AVX2 void attend_tile_avx2(const VarlenAttentionParams& p, const Task& t,
                                       std::vector<float>& work) {
@@ -109,11 +176,11 @@ VLLM_METAL_AVX2 void attend_tile_avx2(const VarlenAttentionParams& p, const Task
   const int64_t start = p.cu_seqlens[t.seq];
   const int64_t nk = p.causal ? t.row_end : p.cu_seqlens[t.seq + 1] - start;
   const int64_t nk8 = (nk + 7) / 8 * 8;
-  work.resize(size_t(d * nk8 + nk * d + d + nk8));
+  work.resize(size_t(d * nk8 + nk * d + kPairs * (d + nk8)));
   float* kt = work.data();
   float* vf = kt + d * nk8;
   float* q = vf + nk * d;
-  float* s = q + d;
+  float* s = q + kPairs * d;
   const auto* ksrc = static_cast<const S<E>*>(p.k);
   const auto* vsrc = static_cast<const S<E>*>(p.v);
   for (int64_t j = 0; j < nk; ++j) {
@@ -129,51 +196,27 @@ VLLM_METAL_AVX2 void attend_tile_avx2(const VarlenAttentionParams& p, const Task
 
   const auto* qsrc = static_cast<const S<E>*>(p.q);
   auto* out = static_cast<S<E>*>(p.out);
-  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int64_t r = t.row_begin; r < t.row_end; ++r) {
-    const int64_t visible = p.causal ? r + 1 : nk;  // keys [0, visible) of the sequence
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t head = t.kv_head * groups + g;
+  const __m256 scale = _mm256_set1_ps(p.scale);
+  const int64_t pairs = (t.row_end - t.row_begin) * groups;
+  for (int64_t p0 = 0; p0 < pairs; p0 += kPairs) {
+    const int np = static_cast<int>(std::min<int64_t>(kPairs, pairs - p0));
+    int64_t visible[kPairs];
+    S<E>* dst[kPairs];
+    for (int pr = 0; pr < np; ++pr) {
+      const int64_t r = t.row_begin + (p0 + pr) / groups;
+      const int64_t head = t.kv_head * groups + (p0 + pr) % groups;
       const int64_t row_at = ((start + r) * p.num_q_heads + head) * d;
-      const __m256 scale = _mm256_set1_ps(p.scale);
       for (int64_t i = 0; i < d; i += 8) {
-        _mm256_storeu_ps(q + i, _mm256_mul_ps(load8<E>(qsrc + row_at + i), scale));
+        _mm256_storeu_ps(q + pr * d + i, _mm256_mul_ps(load8<E>(qsrc + row_at + i), scale));
       }
-      __m256 vmax = ninf;
-      for (int64_t c = 0; c < nk8; c += 8) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t i = 0; i < d; ++i) {
-          acc = _mm256_fmadd_ps(_mm256_broadcast_ss(q + i), _mm256_loadu_ps(kt + i * nk8 + c), acc);
-        }
-        // keys at or past `visible` (padding, causal mask) -> -inf
-        const __m256 idx = _mm256_add_ps(lane, _mm256_set1_ps(float(c)));
-        acc = _mm256_blendv_ps(acc, ninf, _mm256_cmp_ps(idx, _mm256_set1_ps(float(visible)), _CMP_GE_OQ));
-        _mm256_storeu_ps(s + c, acc);
-        vmax = _mm256_max_ps(vmax, acc);
-      }
-      alignas(32) float tmp[8];
-      _mm256_store_ps(tmp, vmax);
-      const float m = *std::max_element(tmp, tmp + 8);
-      const __m256 mv = _mm256_set1_ps(m);
-      __m256 vsum = _mm256_setzero_ps();
-      for (int64_t c = 0; c < nk8; c += 8) {
-        const __m256 x = _mm256_loadu_ps(s + c);
-        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, mv)), _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ));
-        _mm256_storeu_ps(s + c, e);
-        vsum = _mm256_add_ps(vsum, e);
-      }
-      _mm256_store_ps(tmp, vsum);
-      float l = 0.0f;
-      for (float v : tmp) l += v;
-      const __m256 inv = _mm256_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
-      for (int64_t i = 0; i < d; i += 8) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t j = 0; j < visible; ++j) {
-          acc = _mm256_fmadd_ps(_mm256_broadcast_ss(s + j), _mm256_loadu_ps(vf + j * d + i), acc);
-        }
-        store8<E>(out + row_at + i, _mm256_mul_ps(acc, inv));
-      }
+      visible[pr] = p.causal ? r + 1 : nk;
+      dst[pr] = out + row_at;
+    }
+    switch (np) {
+      case 4: attend_pairs<E, 4>(kt, vf, d, nk8, q, s, visible, dst); break;
+      case 3: attend_pairs<E, 3>(kt, vf, d, nk8, q, s, visible, dst); break;
+      case 2: attend_pairs<E, 2>(kt, vf, d, nk8, q, s, visible, dst); break;
+      default: attend_pairs<E, 1>(kt, vf, d, nk8, q, s, visible, dst); break;
     }
   }
 }
