@@ -50,10 +50,11 @@ def first_token_seconds(base: str, prompt: list[int], max_tokens: int) -> float:
             "ignore_eos": True, "stream": True}
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
+        lines = r.iter_lines()
+        for line in lines:
             if line.startswith("data: ") and line != "data: [DONE]":
                 ttft = time.perf_counter() - t0
-                for _ in r.iter_lines():  # drain
+                for _ in lines:  # drain the rest of this one stream
                     pass
                 return ttft
     raise RuntimeError("no token streamed")

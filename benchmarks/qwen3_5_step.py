@@ -44,7 +44,9 @@ def write_model(out: Path) -> None:
     mx.random.seed(0)
     model = qwen3_5.TextModel(qwen3_5.TextModelArgs.from_dict(CONFIG))
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (out / "config.json").write_text(json.dumps(CONFIG))
+    # vLLM reads the dtype from config.json; without it, it reads mlx's safetensors header
+    # and fails on the metadata entry
+    (out / "config.json").write_text(json.dumps({**CONFIG, "torch_dtype": "bfloat16"}))
 
 
 def step(model, kv, pools, chunks, slots, has_init):

@@ -41,7 +41,7 @@ from vllm_metal.models.linear_choice import model_runs_on_gpu
 from vllm_metal.sampling import Sampler, SamplingTable, custom_processors, gather_batch
 from vllm_metal.sampling.batch import gather_draft_batch
 from vllm_metal.sampling.verify import kept_tokens
-from vllm_metal.speculative import NgramSpeculation
+from vllm_metal.speculative import Speculation
 from vllm_metal.sampling.prompt_logprobs import PromptLogprobs
 from vllm_metal.sampling.thinking_budget import ThinkingBudget
 from vllm_metal.log import get_logger
@@ -139,8 +139,9 @@ class MetalModelRunner(DeltaHooks):
         self.prompt_logprobs: PromptLogprobs | None = None
         self.sampler = None
         self.custom_processors = None  # sampling.custom_processors: --logits-processors
-        self.speculation = NgramSpeculation.from_config(vllm_config)  # None: no drafts
+        self.speculation = Speculation.from_config(vllm_config)  # None: no drafts
         self._unread_spec_step: _SubmittedStep | None = None  # its tokens not yet appended
+        self._gone: set[str] = set()  # requests the schedule being executed ended (no drafts)
         # hybrid models with drafts rejected: request -> the tokens its restored state
         # covers; its next step starts there (replays the kept tokens)
         self._replay: dict[str, int] = {}
@@ -149,6 +150,7 @@ class MetalModelRunner(DeltaHooks):
         self.kv_cache_description = "not allocated"  # for the startup summary
         # --runner pooling: pooling.Pooler (embeddings, classification); None: generation
         self.pooler = None
+        self.lora = None  # lora.manager.LoraManager with --enable-lora
 
     # ---- setup ------------------------------------------------------------------
     def load_model(self) -> None:
@@ -159,9 +161,42 @@ class MetalModelRunner(DeltaHooks):
         logger.info("vllm-metal loaded %s: %d layers, %d kv heads x %d, cache %s",
                     spec.architecture, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype)
         check_attention_head_size(self.model_config.model, spec.head_dim)
+        if self.speculation is not None and self.speculation.method == "draft_model":
+            self._load_draft_model(dtype)
+        if self.vllm_config.lora_config is not None:
+            from vllm_metal.lora.manager import LoraManager
+
+            self.lora = LoraManager(self.model, self.vllm_config.lora_config,
+                                    self.model_config.max_model_len)
         self._init_sampling()
         if self.model_config.runner_type == "pooling":
             self.pooler = build_pooler(self.model_config, self.scheduler_config, self.loaded)
+
+    def _load_draft_model(self, dtype: str | None) -> None:
+        from vllm_metal.draft_model import DraftModel
+
+        path = self.vllm_config.speculative_config.draft_model_config.model
+        draft = DraftModel(path, dtype, self.speculation.num_speculative_tokens,
+                           self.model_config.max_model_len)
+        check_attention_head_size(path, draft.loaded.spec.head_dim)
+        self.speculation.draft = draft
+        logger.info("vllm-metal loaded draft model %s: %d layers", draft.loaded.spec.architecture,
+                    draft.loaded.spec.num_layers)
+
+    @property
+    def draft(self):
+        return None if self.speculation is None else self.speculation.draft
+
+    def kv_budget_share(self) -> float:
+        """The part of the KV budget for the target's blocks (the rest: a draft model's
+        cache over the same blocks, draft_model.py); 1 without a draft model."""
+        if self.draft is None:
+            return 1.0
+        from vllm_metal.draft_model import draft_share
+
+        return draft_share(self.cache_block_size_bytes(),
+                           self.draft.bytes_per_block(self.cache_config.block_size,
+                                                      self.scheduler_config.max_num_seqs))
 
     def _init_sampling(self) -> None:
         mode = str(getattr(self.model_config, "logprobs_mode", "raw_logprobs"))
@@ -277,6 +312,9 @@ class MetalModelRunner(DeltaHooks):
         self.delta = SchedulerDelta(self.packer, use_v2_model_runner=self.use_v2, hooks=self,
                                     trim_outputs=False)
         self.kv_cache_description = plan.description
+        if self.draft is not None:
+            self.kv_cache_description += "; draft model: " + self.draft.allocate(
+                block_size, num_blocks, self.scheduler_config.max_num_seqs)
         if self.hybrid is not None and self.hybrid.checkpoints is not None:
             ckpt = kv_plan.checkpoint_bytes(self.loaded, block_size=block_size,
                                             slots=self._checkpoint_slots())
@@ -303,7 +341,7 @@ class MetalModelRunner(DeltaHooks):
         try:
             self.packer.pack({"__warmup__": 2})
             out = self._forward(hidden_rows=np.arange(2, dtype=np.int32) if self.pooler else None)
-            mx.eval(out, self.kv_caches)
+            mx.eval(out, self.kv_caches, self._draft_caches())
         finally:
             self.packer.remove_requests(["__warmup__"])
             if self.hybrid is not None:
@@ -316,7 +354,12 @@ class MetalModelRunner(DeltaHooks):
         if self.pooler is not None:
             return self._execute_pooling(scheduler_output)
         if self._unread_spec_step is not None:  # async: this step's drafts come from it
+            # requests this schedule ended or preempted get none: a draft model would
+            # write its cache into blocks the scheduler may have handed on already
+            self._gone = set(scheduler_output.finished_req_ids) | set(
+                getattr(scheduler_output, "preempted_req_ids", None) or ())
             self._wait(self._unread_spec_step)
+            self._gone = set()
         # the request table (both runner contracts: scheduler_delta.py), then the hooks above
         self.delta.update(scheduler_output)
         if self.hybrid is not None:  # prefix caching's state loads and saves (hybrid.py)
@@ -375,7 +418,8 @@ class MetalModelRunner(DeltaHooks):
         if table.structured[rows].any() or batch.custom is not None:
             # the grammars' bitmask for this step comes with sample_tokens: start the
             # forward now, sample then
-            mx.async_eval(sampled_logits, self.kv_caches, self._checkpoint_arrays())
+            mx.async_eval(sampled_logits, self.kv_caches, self._checkpoint_arrays(),
+                          self._draft_caches())
             self._pending = step
         else:
             self._submit(step)
@@ -419,7 +463,7 @@ class MetalModelRunner(DeltaHooks):
         # (models/fused_layers.py); evaluated now, they hold their buffers alone next step
         mx.async_eval(result.tokens, *(result.logprobs or ()), *((result.kept,) if u.cu_num_logits is not None else ()),
                       *self.prompt_logprobs.arrays(prompt_scores), self.kv_caches,
-                      self._checkpoint_arrays())
+                      self._checkpoint_arrays(), self._draft_caches())
         step = _SubmittedStep(u.req_ids, u.discard, result, prompt_scores, cu_num_logits=u.cu_num_logits)
         if self.speculation is not None:
             # appended when read (next step's drafts come from them), never deferred
@@ -510,7 +554,8 @@ class MetalModelRunner(DeltaHooks):
                 self._replay.update({r: self.hybrid.state_len[r] for r in rejected})
         if self._unread_spec_step is step:
             self._unread_spec_step = None
-        self.speculation.propose(self.packer, step.req_ids, outputs)
+        self.speculation.propose(self.packer, step.req_ids, outputs, group=self.attention_group,
+                                 skip=self._gone)
         return tokens
 
     def _checkpoint_arrays(self) -> list:
@@ -518,6 +563,10 @@ class MetalModelRunner(DeltaHooks):
         if self.hybrid is None or self.hybrid.checkpoints is None:
             return []
         return [(c.conv, c.ssm) for c in self.hybrid.checkpoints if c is not None]
+
+    def _draft_caches(self) -> list:
+        """A draft model's caches, evaluated with the step that writes them."""
+        return [] if self.draft is None else self.draft.kv_caches
 
     def _input_ids(self, source_step: _SubmittedStep | None) -> mx.array:
         """This step's token ids; where a row's input is the previous step's sample
@@ -577,8 +626,16 @@ class MetalModelRunner(DeltaHooks):
             out = self.model.hidden_states(input_ids, ctx, mx.array(hidden_rows))
             self.kv_caches = ctx.kv_caches
             return out
-        logits = self.model(input_ids, ctx)
+        if self.lora is not None:  # each row's adapter slot (lora/manager.py)
+            self.lora.begin_step(list(p.req_ids), np.array(p.cu_seqlens_q))
+        try:
+            logits = self.model(input_ids, ctx)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         self.kv_caches = ctx.kv_caches  # the updated caches
+        if self.draft is not None:  # the same tokens into the draft's cache (draft_model.py)
+            self.draft.forward_step(input_ids, fields)
         return logits
 
     # ---- the scheduler's deltas (SchedulerDelta applies them; these hooks follow) --------
@@ -598,12 +655,16 @@ class MetalModelRunner(DeltaHooks):
                 self.speculation.drop(removed)
         for r in removed | preempted:
             self._replay.pop(r, None)
+        if self.lora is not None and removed:
+            self.lora.requests_removed(removed)
 
     def request_added(self, new, row: int, tokens: list[int], prompt_len: int) -> None:
         if self.pooler is not None:
             self.pooler.add(new.req_id, new.pooling_params, prompt_len)
             return
         self.prompt_logprobs.drop([new.req_id])
+        if self.lora is not None:
+            self.lora.request_added(new.req_id, getattr(new, "lora_request", None))
         self.sampling_table.add(row, new.req_id, new.sampling_params,
                                 new.prompt_token_ids or tokens, prompt_len,
                                 resumed=len(tokens) > prompt_len)

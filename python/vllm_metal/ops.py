@@ -66,3 +66,21 @@ __all__ += ["causal_conv1d", "gated_delta_rule", "mrope"]
 apply_token_bitmask = _core.apply_token_bitmask  # (logits, bitmask, rows) -> logits, -inf where disallowed
 
 __all__ += ["apply_token_bitmask"]
+
+# Mixture-of-experts MLP (issue 25): routing + grouped SwiGLU experts (docs/kernels.md).
+fused_moe = _core.fused_moe  # (hidden, router_logits, w_gate, w_up, w_down, *, top_k, renormalize, scoring)
+
+fused_moe_gguf = _core.fused_moe_gguf  # the same, experts as GGUF blocks (llama.cpp ffn_*_exps)
+
+__all__ += ["fused_moe", "fused_moe_gguf"]
+
+# Encoder models (issue 23): attention within each packed sequence over contiguous q/k/v.
+varlen_attention = _core.varlen_attention  # (q, k, v, *, cu_seqlens, scale, causal=False)
+gelu = _core.gelu  # gelu(x, *, approximate=False): erf GELU (MLX's CPU erf is scalar)
+
+__all__ += ["varlen_attention", "gelu"]
+
+# LoRA (issue 24): per-row adapters on a linear's output, one fused shrink+expand op.
+lora_apply = _core.lora_apply  # (y, x, *, lora_a, lora_b, scale, row_slot) -> y + scale*B@A@x per row
+
+__all__ += ["lora_apply"]

@@ -32,6 +32,7 @@ SUPPORTED_ARCHITECTURES = {
     "Ministral3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",  # sparse MoE MLPs on ops.fused_moe (models/moe.py)
     "Gemma3ForCausalLM",
     "Qwen3_5ForCausalLM",  # hybrid: gated delta net + attention (hybrid.py)
     "Qwen3_5ForConditionalGeneration",  # the same, text-only (vision tower not loaded)
@@ -227,6 +228,16 @@ def _refuse_unsupported_kv_cache(vllm_config: VllmConfig) -> None:
         _refuse("--kv-cache-metrics (block residency sampling)")
 
 
+def _refuse_unsupported_lora(vllm_config: VllmConfig) -> None:
+    """LoRA runs on the llama-family / qwen3 paged models (vllm_metal/lora); not with
+    speculative decoding, pooling or the hybrid (Qwen3.5) models yet."""
+    if vllm_config.speculative_config is not None:
+        _refuse("LoRA with speculative decoding")
+    lora = vllm_config.lora_config
+    if getattr(lora, "fully_sharded_loras", False):
+        _refuse("--fully-sharded-loras")
+
+
 def _refuse_unsupported(vllm_config: VllmConfig) -> None:
     _refuse_unsupported_kv_cache(vllm_config)
     parallel = vllm_config.parallel_config
@@ -235,7 +246,7 @@ def _refuse_unsupported(vllm_config: VllmConfig) -> None:
     if parallel.data_parallel_size > 1:
         _refuse("data parallelism", "run one server per device")
     if vllm_config.lora_config is not None:
-        _refuse("LoRA")
+        _refuse_unsupported_lora(vllm_config)
     model = vllm_config.model_config
     if model is None:
         return

@@ -1,4 +1,5 @@
-"""Speculative decoding in the runner: n-gram proposals, and what they change in a step.
+"""Speculative decoding in the runner: n-gram or draft-model proposals, and what they
+change in a step.
 
 vLLM's scheduler schedules each decoding request's last token plus its draft tokens;
 the forward scores all of them at once (several query tokens per sequence, as a
@@ -6,7 +7,8 @@ prefill chunk), and sampling/verify.py keeps the drafts the target agrees with.
 
 Where drafts come from. After a step's tokens are on the host, the C++ packer's
 n-gram matcher proposes each request's next drafts from its token history
-(BatchPacker.propose_ngram). With sync scheduling the engine reads them with
+(BatchPacker.propose_ngram), or a draft model decodes them greedily (draft_model.py).
+With sync scheduling the engine reads them with
 take_draft_token_ids and schedules them. With async scheduling (vLLM's default) the
 scheduler plans step N+1 before step N's tokens exist, with placeholder drafts; the
 runner then waits for step N's tokens (as it does for penalties), proposes, and
@@ -25,13 +27,16 @@ from __future__ import annotations
 import numpy as np
 
 
-class NgramSpeculation:
-    """The n-gram proposer's configuration and the drafts between steps."""
+class Speculation:
+    """The proposer's configuration and the drafts between steps."""
 
     def __init__(self, speculative_config, max_model_len: int, async_scheduling: bool) -> None:
+        self.method = speculative_config.method
         self.num_speculative_tokens = int(speculative_config.num_speculative_tokens)
-        self.min_n = int(speculative_config.prompt_lookup_min)
-        self.max_n = int(speculative_config.prompt_lookup_max)
+        if self.method == "ngram":
+            self.min_n = int(speculative_config.prompt_lookup_min)
+            self.max_n = int(speculative_config.prompt_lookup_max)
+        self.draft = None  # draft_model.DraftModel (method draft_model), set at load
         self.max_model_len = max_model_len
         self.async_scheduling = async_scheduling
         self.drafts: dict[str, list[int]] = {}  # the latest proposals, by request
@@ -40,7 +45,7 @@ class NgramSpeculation:
         self.stop_ids: dict[str, frozenset[int]] = {}
 
     @classmethod
-    def from_config(cls, vllm_config) -> "NgramSpeculation | None":
+    def from_config(cls, vllm_config) -> "Speculation | None":
         spec = getattr(vllm_config, "speculative_config", None)
         if spec is None:
             return None
@@ -87,20 +92,35 @@ class NgramSpeculation:
         else:
             self.stop_ids.pop(req_id, None)
 
-    def propose(self, packer, req_ids: list[str], outputs: list[list[int]]) -> None:
+    def propose(self, packer, req_ids: list[str], outputs: list[list[int]], *, group: int = 0,
+                skip=frozenset()) -> None:
         """New drafts for the requests that just sampled (outputs non-empty), from their
-        histories in the packer; none for a request whose last token stops it."""
+        histories in the packer or from the draft model; none for a request whose last
+        token stops it, nor for those in skip (finished or preempted since the step).
+        group: the KV-cache group of the attention layers (the draft model's blocks)."""
         self.drafts = {}
         self.proposed = []
         ids = [r for r, out in zip(req_ids, outputs)
-               if out and r in self.stop_ids and out[-1] not in self.stop_ids[r]]
+               if out and r in self.stop_ids and out[-1] not in self.stop_ids[r] and r not in skip]
         if not ids:
             return
-        rows = np.array([packer.row_of(r) for r in ids], np.int32)
-        drafts, counts = packer.propose_ngram(rows, self.min_n, self.max_n,
-                                              self.num_speculative_tokens, self.max_model_len)
+        if self.draft is not None:
+            last = np.array([packer.token_ids(r)[-1] for r in ids], np.int64)
+            positions = np.array([len(packer.token_ids(r)) - 1 for r in ids], np.int64)
+            # every block the request holds: the step's own table stops at its tokens,
+            # the drafts go into the lookahead blocks after them
+            held = [packer.block_ids(r)[group] for r in ids]
+            tables = np.zeros((len(ids), max(len(b) for b in held)), np.int32)
+            for i, b in enumerate(held):
+                tables[i, :len(b)] = b
+            drafts = self.draft.propose(last, positions, tables)
+            counts = (drafts >= 0).sum(axis=1)
+        else:
+            rows = np.array([packer.row_of(r) for r in ids], np.int32)
+            drafts, counts = packer.propose_ngram(rows, self.min_n, self.max_n,
+                                                  self.num_speculative_tokens, self.max_model_len)
         for r, d, n in zip(ids, drafts, counts):
-            self.drafts[r] = d[:n].tolist()
+            self.drafts[r] = [int(t) for t in d[:n]]
             self.proposed.append(r)
 
     def take(self):
@@ -124,9 +144,14 @@ def unsupported_reason(vllm_config) -> str | None:
     spec = vllm_config.speculative_config
     if spec is None:
         return None
-    if spec.method != "ngram":
+    if spec.method not in ("ngram", "draft_model"):
         return (f"speculative method {spec.method!r} is not supported yet "
-                "(supported: ngram)")
+                "(supported: ngram, draft_model)")
+    if spec.method == "draft_model":
+        if getattr(spec, "parallel_drafting", False):
+            return "parallel drafting (PARD) with a draft model is not supported yet"
+        if getattr(spec, "draft_tensor_parallel_size", None) not in (None, 1):
+            return "a draft model with tensor parallelism is not supported"
     if vllm_config.model_config.logits_processors:
         return "--logits-processors together with speculative decoding is not supported yet"
     return None

@@ -143,6 +143,12 @@ class MetalWorker(WorkerBase):
         source = "--kv-cache-memory-bytes" if cache.kv_cache_memory_bytes else (
             f"--gpu-memory-utilization {cache.gpu_memory_utilization} of {memory}")
         self._kv_budget = f"{budget / 2**30:.2f} GiB ({source})"
+        # a draft model's cache uses the same blocks: vLLM is offered the target's share
+        share = self.model_runner.kv_budget_share()
+        if share < 1.0:
+            logger.info("vllm-metal: %.1f%% of the KV-cache budget goes to the draft model's cache",
+                        100 * (1 - share))
+            budget = int(budget * share)
         return budget
 
     def initialize_from_config(self, kv_cache_config) -> None:
@@ -192,17 +198,25 @@ class MetalWorker(WorkerBase):
     def shutdown(self) -> None:
         self.model_runner = None
 
+    # LoRA (--enable-lora): the runner's lora.manager.LoraManager
+    def _lora(self):
+        lora = self.model_runner.lora if self.model_runner is not None else None
+        if lora is None:
+            raise ValueError("[vllm-metal] LoRA is not enabled: start with --enable-lora")
+        return lora
+
     def add_lora(self, lora_request) -> bool:
-        raise ValueError("[vllm-metal] LoRA is not supported")
+        return self._lora().add(lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
-        return False
+        return self._lora().remove(lora_id)
 
     def pin_lora(self, lora_id: int) -> bool:
-        return False
+        return self._lora().pin(lora_id)
 
     def list_loras(self) -> set[int]:
-        return set()
+        lora = self.model_runner.lora if self.model_runner is not None else None
+        return lora.list() if lora is not None else set()
 
     def sleep(self, level: int = 1) -> None:
         logger.warning("sleep mode is not supported by vllm-metal; ignored")

@@ -62,8 +62,8 @@ def runner_for(loaded, block_size, speculative=False, caching=False) -> MetalMod
         speculative_config=None)
     runner = MetalModelRunner(config)
     runner.loaded, runner.model = loaded, loaded.model
-    if speculative:  # what the hybrid sizing reads of NgramSpeculation
-        runner.speculation = SimpleNamespace(num_speculative_tokens=2)
+    if speculative:  # what the hybrid sizing reads of Speculation
+        runner.speculation = SimpleNamespace(num_speculative_tokens=2, draft=None)
     return runner
 
 

@@ -19,11 +19,14 @@ import numpy as np
 import pytest
 
 import test_apply_token_bitmask as bitmask
+import test_gelu as gelu
 import test_decoder_layer_metal as layer
 import test_hybrid_launches as hybrid
+import test_lora_ops as lora
 import test_metal_sources as sources
 import test_paged_attention as attention
 import test_rope as rope
+import test_varlen_attention as varlen
 from decoder_layer_case import make_case
 from paged_attention_reference import paged_attention_reference
 from test_gguf_fixtures import SUPPORTED, T, block_size, random_blocks, reference_dequantize
@@ -204,6 +207,10 @@ CASES = {
         3, 45, 1, [2, 0], True)),
     "gated_delta": ({"gated_delta"}, lambda: hybrid.test_gated_delta_launches(True)),
     "causal_conv1d": ({"causal_conv1d"}, hybrid.test_causal_conv1d_launches),
+    "gelu": ({"gelu"}, lambda: (gelu.test_launches_on_numpy(False), gelu.test_launches_on_numpy(True))),
+    "varlen_attention": ({"varlen_attention"}, lambda: (varlen.test_launches_on_numpy(False),
+                                                        varlen.test_launches_on_numpy(True))),
+    "lora_apply": ({"lora"}, lora.test_launches_on_numpy),
     "paged_decode_split_kv": ({"paged_attention"}, attention.test_split_kv_launches_on_numpy_with_many_partitions),
     "paged_prefill": ({"paged_attention"}, paged_prefill),
     "paged_mixed_d128_f16_features": ({"paged_attention"}, lambda: paged(

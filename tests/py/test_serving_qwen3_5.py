@@ -155,6 +155,52 @@ def test_prefix_caching_is_exact(server, reference):
     assert_preempted(server)
 
 
+async def _vanish(server, n: int) -> None:
+    """n streams dropped after their first chunk, n requests dropped during their chunked
+    prefill, at once (8 rows, 16 blocks: most wait in the queue or are preempted)."""
+    import asyncio
+
+    import httpx
+
+    rng = np.random.default_rng(9)
+
+    async def after_first_chunk(client):
+        async with client.stream("POST", "/v1/completions", json={
+                "model": server.name, "prompt": rng.integers(3, 320, 40).tolist(), "max_tokens": 80,
+                "ignore_eos": True, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    return  # leaving the block closes the connection
+
+    async def during_prefill(client):
+        try:
+            await asyncio.wait_for(client.post("/v1/completions", json={
+                "model": server.name, "prompt": rng.integers(3, 320, 100).tolist(),
+                "max_tokens": 20, "ignore_eos": True}), timeout=0.3)
+        except asyncio.TimeoutError:
+            pass
+
+    limits = httpx.Limits(max_connections=4 * n, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=server.base, timeout=120, limits=limits) as client:
+        await asyncio.gather(*(after_first_chunk(client) for _ in range(n)),
+                             *(during_prefill(client) for _ in range(n)))
+
+
+def test_vanished_clients_free_blocks_and_state_slots(server, reference):
+    """Clients that vanish mid-stream or mid-prefill (32 at once) are aborted in the engine;
+    their blocks and linear-attention state slots come back: the pool drains to empty and
+    a full wave afterwards still gives mlx-lm's tokens (a leaked or stale slot would not)."""
+    import asyncio
+
+    asyncio.run(_vanish(server, 16))
+    deadline = time.monotonic() + 60
+    while (metric(server, "vllm:num_requests_running") or metric(server, "vllm:num_requests_waiting")
+           or metric(server, "vllm:kv_cache_usage_perc")):
+        assert time.monotonic() < deadline, "requests or blocks left after the clients vanished"
+        time.sleep(0.25)
+    check_concurrent(server, reference, seed=3)
+
+
 def test_v1_runner_contract_with_preemption(checkpoint, reference):
     s = Server(str(checkpoint), "qwen3_5-tiny", SERVER_ARGS, env={"VLLM_USE_V2_MODEL_RUNNER": "0"})
     try:
@@ -199,8 +245,8 @@ ORACLE_HOOK = runner_hook(
         jobs = json.load(open(os.environ["ORACLE_JOBS"]))
 
         def oracle(spec, propose):
-            def proposing(packer, req_ids, outputs):
-                propose(packer, req_ids, outputs)
+            def proposing(packer, req_ids, outputs, **kw):
+                propose(packer, req_ids, outputs, **kw)
                 for r in list(spec.drafts):
                     history = packer.token_ids(r)
                     for prompt, truth in jobs:
@@ -262,3 +308,29 @@ def test_speculative_decoding_matches_mlx_lm(tmp_path, reference, scheduling):
     drafts = total("vllm:spec_decode_num_draft_tokens_total")
     accepted = total("vllm:spec_decode_num_accepted_tokens_total")
     assert 0.2 * drafts < accepted < drafts, (accepted, drafts)  # kept, and rejected
+
+
+def test_a_draft_model_drafts_for_the_hybrid_model(tmp_path, reference):
+    """Method draft_model on the hybrid target: a tiny random Llama with the same
+    vocabulary drafts (its cache over the attention group's blocks, draft_model.py);
+    mostly rejected, every rejection takes the linear-attention state back, and the
+    tokens stay mlx-lm's."""
+    import json
+
+    from vllm_metal.models.testing import tiny_config, write_random_checkpoint
+
+    draft = write_random_checkpoint(tiny_config("llama", vocab_size=320), tmp_path / "draft", seed=5)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+    work = jobs(13, 6)
+    want = [greedy(reference, p, n) for p, n in work]
+    s = Server(str(write_checkpoint(tmp_path / "text", seed=0)), "qwen3_5-tiny",
+               [*SERVER_ARGS, "--speculative-config", json.dumps(spec)])
+    try:
+        with cf.ThreadPoolExecutor(len(work)) as pool:
+            got = list(pool.map(lambda j: complete_ids(s, *j), work))
+        drafts = metric(s, "vllm:spec_decode_num_draft_tokens_total")
+    finally:
+        s.stop()
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"request {i}"
+    assert drafts > 0

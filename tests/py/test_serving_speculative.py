@@ -1,4 +1,5 @@
-"""Speculative decoding (n-gram) through `vllm serve` on the offline SmolLM2 model.
+"""Speculative decoding (n-gram, and a draft model) through `vllm serve` on the offline
+SmolLM2 model.
 
 The reference is the same model served without speculation: greedy requests, alone
 and concurrent (in a KV pool they overflow: preemption with drafts in flight), with penalties, min_tokens, stop strings and EOS, give the same text
@@ -184,7 +185,8 @@ def _config(method="ngram", processors=None):
 def test_unsupported_speculative_configurations_are_named():
     assert _config() is None
     assert "'eagle3' is not supported yet" in _config("eagle3")
-    assert "'draft_model' is not supported yet" in _config("draft_model")
+    assert _config("draft_model") is None
+    assert "'mtp' is not supported yet" in _config("mtp")
     assert "--logits-processors" in _config(processors=["x.Y"])
 
 
@@ -203,3 +205,90 @@ def test_structured_outputs_with_speculation(reference, any_speculative):
     for p, w, g in zip(prompts, want, got):
         assert (g["text"], g["finish_reason"]) == (w["text"], w["finish_reason"]), p
         json.loads(g["text"])
+
+
+# ---- a draft model (method "draft_model", draft_model.py) ----------------------------
+
+def _draft_server(draft_dir: str, extra: list[str], common: list[str] = COMMON) -> Server:
+    spec = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 3}
+    return Server(smollm2_gguf(), "smollm2", common + ["--speculative-config", json.dumps(spec)] + extra,
+                  env=ENV)
+
+
+@pytest.fixture(scope="module")
+def self_draft():
+    """SmolLM2 drafting for itself (its GGUF's directory), async scheduling: with
+    batch-invariant logits every draft is the target's own greedy token, so all must be
+    kept: a draft cache missing or misplacing a token would show as a rejection."""
+    from vllm_metal.models import prepare_gguf_dir
+
+    s = _draft_server(prepare_gguf_dir(smollm2_gguf()), [])
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory):
+    """A tiny random-weight Llama with SmolLM2's vocabulary as the draft (mostly wrong:
+    drafts rejected at every position), sync scheduling."""
+    from vllm_metal.models.testing import tiny_config, write_random_checkpoint
+
+    draft = write_random_checkpoint(tiny_config("llama", vocab_size=49152, max_position_embeddings=8192),
+                                    tmp_path_factory.mktemp("draft"), seed=3)
+    s = _draft_server(str(draft), ["--no-async-scheduling"])
+    yield s
+    s.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.serving
+def test_a_self_drafting_model_keeps_every_draft_and_the_reference_output(reference, self_draft):
+    drafts_before = _counter(self_draft, "vllm:spec_decode_num_draft_tokens_total")
+    accepted_before = _counter(self_draft, "vllm:spec_decode_num_accepted_tokens_total")
+    preempted_before = _counter(self_draft, "vllm:num_preemptions_total")
+    want = _all(reference, PROMPTS)
+    got = _all(self_draft, PROMPTS)  # concurrent, overflowing the pool: preempted with drafts
+    for p, w, g in zip(PROMPTS, want, got):
+        assert (g["text"], g["finish_reason"]) == (w["text"], w["finish_reason"]), p
+    drafts = _counter(self_draft, "vllm:spec_decode_num_draft_tokens_total") - drafts_before
+    accepted = _counter(self_draft, "vllm:spec_decode_num_accepted_tokens_total") - accepted_before
+    assert drafts > 0 and accepted == drafts, (drafts, accepted)
+    assert _counter(self_draft, "vllm:num_preemptions_total") > preempted_before
+    # sampling parameters hold: penalties change the target's choice, drafts follow it
+    kw = dict(frequency_penalty=0.4, presence_penalty=0.2, repetition_penalty=1.1)
+    want = _all(reference, PROMPTS[:3], **kw)
+    got = _all(self_draft, PROMPTS[:3], **kw)
+    assert [g["text"] for g in got] == [w["text"] for w in want]
+
+
+@pytest.mark.slow
+@pytest.mark.serving
+def test_a_wrong_draft_model_changes_nothing(reference, random_draft):
+    drafts_before = _counter(random_draft, "vllm:spec_decode_num_draft_tokens_total")
+    want = _all(reference, PROMPTS)
+    got = _all(random_draft, PROMPTS)
+    for p, w, g in zip(PROMPTS, want, got):
+        assert (g["text"], g["finish_reason"]) == (w["text"], w["finish_reason"]), p
+    assert _counter(random_draft, "vllm:spec_decode_num_draft_tokens_total") > drafts_before
+
+
+@pytest.mark.slow
+@pytest.mark.serving
+def test_the_draft_cache_comes_out_of_the_same_budget(tmp_path):
+    """--kv-cache-memory-bytes covers the target's blocks and the draft's together."""
+    from vllm_metal.models import prepare_gguf_dir
+
+    budget = 64 << 20
+    s = _draft_server(prepare_gguf_dir(smollm2_gguf()), ["--kv-cache-memory-bytes", str(budget)],
+                      common=COMMON[:4])  # no block-count override
+    try:
+        assert _complete(s, PROMPTS[0], max_tokens=4)["text"]
+        log = open(s.log_path).read()
+    finally:
+        s.stop()
+    m = re.search(r"KV cache +(\d+) blocks of 16 tokens \(\d+ tokens, ([0-9.]+) MiB\); draft model: "
+                  r"(\d+) blocks of 16 tokens \(\d+ tokens, ([0-9.]+) MiB\)", log)
+    assert m, log[-3000:]
+    assert m.group(1) == m.group(3)  # one block count: the draft is indexed by the target's ids
+    total = (float(m.group(2)) + float(m.group(4))) * 2**20
+    assert 0.9 * budget < total <= budget, (total, budget)

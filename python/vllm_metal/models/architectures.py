@@ -30,6 +30,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("ministral3", "ministral3", "Ministral3ForCausalLM", "pre_norm"),
         Architecture("qwen2", "qwen2", "Qwen2ForCausalLM", "pre_norm"),
         Architecture("qwen3", "qwen3", "Qwen3ForCausalLM", "pre_norm"),
+        # sparse MoE MLPs on ops.fused_moe (models/moe.py)
+        Architecture("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", "pre_norm"),
         Architecture("gemma3_text", "gemma3_text", "Gemma3ForCausalLM", "sandwich"),
     ]
 }
@@ -81,6 +83,12 @@ def mlx_lm_config(config: dict) -> dict:
             out["rope_scaling"] = _scaling_only(rope_parameters)
     if arch.mlx_lm_module == "llama":
         out["layer_types"] = None
+    if arch.model_type == "qwen3_moe":
+        # transformers >= 5 writes num_local_experts; mlx-lm reads num_experts
+        if out.get("num_experts") is None and "num_local_experts" in out:
+            out["num_experts"] = out["num_local_experts"]
+        out.setdefault("mlp_only_layers", [])
+        out.setdefault("decoder_sparse_step", 1)
     return out
 
 
@@ -124,7 +132,7 @@ def layer_sliding_windows(config: dict) -> list[int]:
         return [window if t == "sliding_attention" else 0 for t in layer_types]
     if arch.model_type == "mistral" and window:
         return [window] * n
-    if arch.model_type in ("qwen2", "qwen3") and config.get("use_sliding_window") and window:
+    if arch.model_type in ("qwen2", "qwen3", "qwen3_moe") and config.get("use_sliding_window") and window:
         first = config.get("max_window_layers", 0)
         return [window if i >= first else 0 for i in range(n)]
     return [0] * n

@@ -24,6 +24,7 @@ from vllm_metal import _core, envs, ops
 from vllm_metal.models.context import AttentionContext
 from vllm_metal.models.gguf_linear import GGUFLinear
 from vllm_metal.models.layers import PagedAttention, RMSNorm
+from vllm_metal.lora.layers import base_of  # LoRA wrappers: steps without adapters run fused
 
 # GGML type ids of dense weights (gguf_linear names them by string)
 _DENSE_TYPE_IDS = {"F32": 0, "F16": 1, "BF16": 30}
@@ -42,13 +43,13 @@ class FusedDecoderLayer:
         attn: PagedAttention = layer.self_attn
         mlp = layer.mlp
         spec = _core.DecoderLayerSpec()
-        q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
-        projections = [q, k, v, o, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        q, k, v, o = (base_of(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+        projections = [q, k, v, o] + [base_of(p) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
         spec.hidden = q.in_features
         spec.num_heads = attn.num_heads
         spec.num_kv_heads = attn.num_kv_heads
         spec.head_dim = attn.head_dim
-        spec.intermediate = mlp.gate_proj.out_features
+        spec.intermediate = projections[4].out_features
         n1, n2 = _mlp_input_norms(layer, sandwich)
         spec.norm_eps = n1.eps
         spec.sandwich = sandwich
@@ -130,11 +131,11 @@ def why_not_fused(model) -> str | None:
             return f"layer {i}: its rope runs on the mlx-lm fallback"
         if metal and _core.paged_attention_head_size_problem(attn.head_dim, metal=True):
             return f"layer {i}: no Metal attention kernel for head size {attn.head_dim}"
-        mlp_linears = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        mlp_linears = [base_of(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")]
         if type(mlp).__module__ not in _GATED_MLP_MODULES or not all(
                 isinstance(m, GGUFLinear) for m in mlp_linears):
             return f"layer {i}: the MLP is not a gated MLP of GGUFLinear layers"
-        projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+        projections = [base_of(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)]
         if not all(isinstance(p, GGUFLinear) for p in projections):
             return f"layer {i}: attention projections are not GGUFLinear"
         biases = ["bias" in p for p in projections[:3]]

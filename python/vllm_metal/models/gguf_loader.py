@@ -50,6 +50,8 @@ GGUF_ARCHS = {
     "llama": _GGUFArch("llama", "LlamaForCausalLM", permuted_qk=True),
     "qwen2": _GGUFArch("qwen2", "Qwen2ForCausalLM", permuted_qk=False, default_rope_base=1_000_000.0),
     "qwen3": _GGUFArch("qwen3", "Qwen3ForCausalLM", permuted_qk=False, default_rope_base=1_000_000.0),
+    "qwen3moe": _GGUFArch("qwen3_moe", "Qwen3MoeForCausalLM", permuted_qk=False,
+                          default_rope_base=1_000_000.0),
     "gemma3": _GGUFArch("gemma3_text", "Gemma3ForCausalLM", permuted_qk=False, norm_shift=1.0,
                         default_rope_base=1_000_000.0),
 }
@@ -72,6 +74,11 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # sparse MoE (qwen3moe): the router and the experts stacked [E, rows, cols]
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
 }
 _GEMMA3_BLOCK_NAMES = dict(
     _BLOCK_NAMES,
@@ -130,7 +137,8 @@ class GGUFCheckpoint:
         """The matrix `name` in block form (the file's bytes), or None when our
         kernels do not decode its type (or this build has no reader)."""
         t = self.tensors[name]
-        if self._core_file is None or len(t.shape) != 2 or not self._core.gguf_type_info(t.type_id)[3]:
+        # 2-D matrices, and 3-D stacks of expert matrices (MoE ffn_*_exps)
+        if self._core_file is None or len(t.shape) not in (2, 3) or not self._core.gguf_type_info(t.type_id)[3]:
             return None
         return GGUFWeight(self._core_file.tensor_data(name), t.type_id, tuple(t.shape))
 
@@ -220,7 +228,7 @@ def hf_config(ckpt: GGUFCheckpoint) -> dict:
         "architectures": [arch.hf_architecture],
         "model_type": arch.model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": int(get("feed_forward_length") or get("expert_feed_forward_length")),
         "num_hidden_layers": n_layers,
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(n_kv),
@@ -239,8 +247,13 @@ def hf_config(ckpt: GGUFCheckpoint) -> dict:
     if arch.model_type == "llama":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in ckpt.tensors
         cfg["hidden_act"] = "silu"
-    if arch.model_type in ("qwen2", "qwen3"):
+    if arch.model_type in ("qwen2", "qwen3", "qwen3_moe"):
         cfg["hidden_act"] = "silu"
+    if arch.model_type == "qwen3_moe":
+        # llama.cpp's qwen3moe graph: softmax router, top-k weights renormalized
+        cfg.update(num_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")),
+                   moe_intermediate_size=int(get("expert_feed_forward_length")), norm_topk_prob=True,
+                   decoder_sparse_step=1, mlp_only_layers=[])
     scaling = _rope_scaling(ckpt, get, head_dim, cfg["rope_theta"])
     if scaling:
         cfg["rope_scaling"] = scaling

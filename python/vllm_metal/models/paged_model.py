@@ -21,6 +21,7 @@ from vllm_metal.models.architectures import (Architecture, architecture_of, laye
 from vllm_metal.models.context import AttentionContext
 from vllm_metal.models.gguf_linear import GGUFEmbedding
 from vllm_metal.models.layers import PagedAttention, RMSNorm
+from vllm_metal.models.moe import swap_moe_blocks
 from vllm_metal.models.rope import rope_config
 
 _NORM_NAMES = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -69,6 +70,7 @@ class PagedCausalLM(nn.Module):
                 if name in layer:
                     setattr(layer, name, RMSNorm.replacing(layer[name], offset))
         body.norm = RMSNorm.replacing(body.norm, offset)
+        swap_moe_blocks(lm)
         return cls(lm, arch, config)
 
     def set_dtype(self, dtype: mx.Dtype, predicate=lambda t: mx.issubdtype(t, mx.floating)) -> None:
@@ -116,7 +118,8 @@ class PagedCausalLM(nn.Module):
         if self.embed_scale is not None:
             h = h * mx.array(self.embed_scale, mx.bfloat16).astype(h.dtype)
         query_scale = self._llama4_query_scale(ctx.positions)
-        fused = self._fused_layers()
+        lora = self.__dict__.get("_lora_step")  # vllm_metal.lora: rows with adapters this step
+        fused = None if lora is not None and lora.row_slot is not None else self._fused_layers()
         if fused:
             for layer in fused:
                 h = layer(h, ctx)

@@ -15,5 +15,8 @@ void bind_decoder_layer(nanobind::module_& m);
 void bind_step_recording(nanobind::module_& m);
 void bind_structured_outputs(nanobind::module_& m);
 void bind_runtime_kv_manager(nanobind::module_& m);
+void bind_moe(nanobind::module_& m);
+void bind_encoder(nanobind::module_& m);
+void bind_lora(nanobind::module_& m);
 
 }  // namespace vllm_metal::bindings

@@ -16,4 +16,7 @@ NB_MODULE(_core, m) {
   vllm_metal::bindings::bind_step_recording(m);
   vllm_metal::bindings::bind_structured_outputs(m);
   vllm_metal::bindings::bind_runtime_kv_manager(m);
+  vllm_metal::bindings::bind_moe(m);
+  vllm_metal::bindings::bind_encoder(m);
+  vllm_metal::bindings::bind_lora(m);
 }

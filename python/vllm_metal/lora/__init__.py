@@ -1,0 +1,10 @@
+"""LoRA adapters (issue 24): PEFT adapters applied per request on the q/k/v/o and
+gate/up/down projections through ops.lora_apply, many adapters in one batch.
+
+- adapter.py: reads a PEFT adapter directory into per-module (A, B, scale), checked
+  against the model (rank, target modules, shapes);
+- layers.py: LoraLinear, the wrapper around a base projection, and the slot buffers;
+- manager.py: the worker-side LoRA manager (vLLM's add/remove/pin/list_loras), the CPU
+  LRU of parsed adapters (--max-cpu-loras), the slots (--max-loras) and each step's
+  row -> slot mapping.
+"""

@@ -1,0 +1,122 @@
+"""A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) read
+into float32 NumPy (A, B, scale) per target projection, checked against the model.
+
+vLLM's PEFTHelper parses the config (lora_alpha / r, rsLoRA, rank_pattern,
+alpha_pattern, unsupported features); the tensors are read with safetensors'
+NumPy reader. Every problem is a ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# projection -> its parent module in mlx-lm's llama/qwen3 layers
+TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+# base_model.model.model.layers.3.self_attn.q_proj.lora_A[.default].weight
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.*?)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
+_LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\.(?P<proj>\w+)$")
+
+
+@dataclass
+class LoraAdapter:
+    name: str
+    path: str
+    # (layer, projection) -> (A float32 [r, in], B float32 [out, r], scale)
+    weights: dict = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return max((a.shape[0] for a, _, _ in self.weights.values()), default=0)
+
+
+def _read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """The file's tensors as float32 NumPy (bfloat16 widened by hand: NumPy has none)."""
+    import json
+    import struct
+
+    with open(path, "rb") as f:
+        header_len = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(header_len))
+        data = f.read()
+    kinds = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+    out = {}
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        begin, end = meta["data_offsets"]
+        raw = data[begin:end]
+        dt = meta["dtype"]
+        if dt == "BF16":
+            bits = np.frombuffer(raw, np.uint16).astype(np.uint32) << 16
+            arr = bits.view(np.float32)
+        elif dt in kinds:
+            arr = np.frombuffer(raw, kinds[dt]).astype(np.float32)
+        else:
+            raise ValueError(f"tensor {key} has dtype {dt}; adapters must be F32, F16 or BF16")
+        out[key] = arr.reshape(meta["shape"])
+    return out
+
+
+def load_peft_adapter(name: str, path: str, shapes: dict, max_rank: int,
+                      max_position_embeddings: int | None = None) -> LoraAdapter:
+    """shapes: (layer, projection) -> (in, out) of the model's projections."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    where = f"LoRA adapter '{name}' ({path})"
+    config_path = os.path.join(path, "adapter_config.json")
+    weights_path = os.path.join(path, "adapter_model.safetensors")
+    for p in (config_path, weights_path):
+        if not os.path.isfile(p):
+            raise ValueError(f"{where}: {os.path.basename(p)} not found")
+    try:
+        peft = PEFTHelper.from_local_dir(path, max_position_embeddings)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: bad adapter_config.json: {e}") from e
+    problems = peft._validate_features()
+    if peft.bias != "none":
+        problems.append("adapter bias is not supported")
+    if problems:
+        raise ValueError(f"{where}: {' '.join(problems)}")
+    tensors = _read_safetensors(weights_path)
+    pairs: dict[str, dict[str, np.ndarray]] = {}
+    for key, value in tensors.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise ValueError(f"{where}: unexpected tensor {key} (only lora_A / lora_B weights "
+                             f"of {', '.join(TARGETS)} are supported)")
+        pairs.setdefault(m["module"], {})[m["ab"]] = value
+    adapter = LoraAdapter(name=name, path=path)
+    num_layers = 1 + max((l for l, _ in shapes), default=-1)
+    for module, ab in sorted(pairs.items()):
+        m = _LAYER.search(module)
+        if m is None or TARGETS.get(m["proj"]) != m["parent"]:
+            raise ValueError(f"{where}: target module {module} is not one the model has "
+                             f"(supported: {', '.join(TARGETS)} of each layer)")
+        layer, proj = int(m["layer"]), m["proj"]
+        if layer >= num_layers:
+            raise ValueError(f"{where}: target module {module}: the model has {num_layers} layers")
+        if "A" not in ab or "B" not in ab:
+            raise ValueError(f"{where}: {module} lacks its lora_{'B' if 'A' in ab else 'A'} weight")
+        a, b = ab["A"], ab["B"]
+        in_dim, out_dim = shapes[(layer, proj)]
+        rank, scale = peft.get_rank_and_scaling(module.removeprefix("base_model.model."))
+        if a.ndim != 2 or b.ndim != 2 or a.shape != (a.shape[0], in_dim) \
+                or b.shape != (out_dim, a.shape[0]):
+            raise ValueError(f"{where}: {module}: lora_A {list(a.shape)} / lora_B {list(b.shape)} "
+                             f"do not match the model's projection [in={in_dim}, out={out_dim}] "
+                             f"(expected lora_A [r, {in_dim}], lora_B [{out_dim}, r])")
+        if a.shape[0] != rank:
+            raise ValueError(f"{where}: {module}: rank {a.shape[0]} in the weights, "
+                             f"{rank} in adapter_config.json")
+        if rank > max_rank:
+            raise ValueError(f"{where}: {module}: rank {rank} exceeds --max-lora-rank {max_rank}")
+        adapter.weights[(layer, proj)] = (a, b, float(scale))
+    if not adapter.weights:
+        raise ValueError(f"{where}: no LoRA weights in adapter_model.safetensors")
+    return adapter

@@ -1,0 +1,81 @@
+// Bindings of the encoder-model ops: varlen_attention, gelu and their planners.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include "bindings/bindings.h"
+#include "bindings/common.h"
+#include "mlx/array.h"
+#include "ops/gelu.h"
+#include "ops/varlen_attention.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+namespace mx = mlx::core;
+namespace vm = vllm_metal;
+using vllm_metal::bindings::parse_float_dtype;
+using vllm_metal::bindings::StreamArg;
+using vllm_metal::bindings::to_stream_or_device;
+
+namespace {
+
+constexpr const char* kVarlenAttentionDoc =
+    "Attention within each sequence of a packed variable-length batch (encoders).\n\n"
+    "q [T, Hq, D]; k, v [T, Hkv, D] (q's float dtype, Hq a multiple of Hkv, D <= 256);\n"
+    "cu_seqlens int32 [N+1] (rows [cu[n], cu[n+1]) are sequence n). Row i attends to every\n"
+    "row of its sequence (causal=False) or to rows up to itself (causal=True), softmax of\n"
+    "scale * q.k in float32. Returns [T, Hq, D] in q's dtype.";
+
+constexpr const char* kGeluDoc =
+    "GELU element by element on a float array: x * Phi(x) (erf form, BERT's 'gelu'), or\n"
+    "with approximate=True the tanh form ('gelu_new'). float32 arithmetic; Phi from\n"
+    "Abramowitz & Stegun 7.1.26 (|erf error| <= 1.5e-7). Returns x's shape and dtype.";
+
+}  // namespace
+
+namespace vllm_metal::bindings {
+
+void bind_encoder(nb::module_& m) {
+  m.def(
+      "varlen_attention",
+      [](const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& cu_seqlens,
+         float scale, bool causal, const StreamArg& s) {
+        return vm::varlen_attention(q, k, v, cu_seqlens, scale, causal, to_stream_or_device(s));
+      },
+      "q"_a, "k"_a, "v"_a, nb::kw_only(), "cu_seqlens"_a, "scale"_a, "causal"_a = false,
+      "stream"_a = nb::none(), kVarlenAttentionDoc);
+  m.def(
+      "plan_varlen_attention",
+      [](const std::string& dtype, int64_t num_tokens, int64_t num_seqs, int64_t num_q_heads,
+         int64_t num_kv_heads, int64_t head_size, float scale, bool causal) {
+        vm::VarlenAttentionProblem p;
+        p.dtype = parse_float_dtype(dtype);
+        p.num_tokens = num_tokens;
+        p.num_seqs = num_seqs;
+        p.num_q_heads = num_q_heads;
+        p.num_kv_heads = num_kv_heads;
+        p.head_size = head_size;
+        p.scale = scale;
+        p.causal = causal;
+        return vm::plan_varlen_attention(p);
+      },
+      "dtype"_a, "num_tokens"_a, "num_seqs"_a, "num_q_heads"_a, "num_kv_heads"_a, "head_size"_a,
+      "scale"_a, "causal"_a = false,
+      "Kernel launches of varlen_attention. Slots: 0 q, 1 k, 2 v, 3 cu_seqlens, 4 out.");
+  m.def(
+      "gelu",
+      [](const mx::array& x, bool approximate, const StreamArg& s) {
+        return vm::gelu(x, approximate, to_stream_or_device(s));
+      },
+      "x"_a, nb::kw_only(), "approximate"_a = false, "stream"_a = nb::none(), kGeluDoc);
+  m.def(
+      "plan_gelu",
+      [](const std::string& dtype, int64_t count, bool approximate) {
+        return vm::plan_gelu(parse_float_dtype(dtype), count, approximate);
+      },
+      "dtype"_a, "count"_a, "approximate"_a = false,
+      "Kernel launches of gelu. Slots: 0 x, 1 out.");
+}
+
+}  // namespace vllm_metal::bindings

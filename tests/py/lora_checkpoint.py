@@ -1,0 +1,64 @@
+"""Random PEFT LoRA adapters for the tiny test checkpoints, and the merged
+checkpoints they are checked against (W + scale * B @ A computed in NumPy)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+               "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def base_weights(checkpoint) -> dict[str, np.ndarray]:
+    w = mx.load(str(Path(checkpoint) / "model.safetensors"))
+    return {k: np.array(v.astype(mx.float32)) for k, v in w.items()}
+
+
+def write_adapter(out_dir, weights: dict, num_layers: int, *, r: int, alpha: float, seed: int,
+                  targets=tuple(PROJECTIONS), layers=None, rank_pattern=None, alpha_pattern=None,
+                  magnitude: float = 1.0) -> dict:
+    """adapter_config.json + adapter_model.safetensors with PEFT's key names. Returns
+    module name ("model.layers.0.self_attn.q_proj") -> (A [r, in], B [out, r], scale),
+    float64, the scale as PEFT defines it (alpha / r, per-module patterns)."""
+    rng = np.random.default_rng(seed)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rank_pattern, alpha_pattern = rank_pattern or {}, alpha_pattern or {}
+    tensors, deltas = {}, {}
+    for layer in (range(num_layers) if layers is None else layers):
+        for proj in targets:
+            module = f"model.layers.{layer}.{PROJECTIONS[proj]}.{proj}"
+            w = weights[module + ".weight"]
+            rank = next((v for k, v in rank_pattern.items() if module.endswith(k)), r)
+            a_ = next((v for k, v in alpha_pattern.items() if module.endswith(k)), alpha)
+            a = rng.standard_normal((rank, w.shape[1])) / np.sqrt(w.shape[1])
+            b = rng.standard_normal((w.shape[0], rank)) * magnitude * np.abs(w).mean()
+            a, b = a.astype(np.float32), b.astype(np.float32)
+            tensors[f"base_model.model.{module}.lora_A.weight"] = a
+            tensors[f"base_model.model.{module}.lora_B.weight"] = b
+            deltas[module] = (a.astype(np.float64), b.astype(np.float64), a_ / rank)
+    config = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(targets),
+              "bias": "none", "task_type": "CAUSAL_LM", "rank_pattern": rank_pattern,
+              "alpha_pattern": alpha_pattern}
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(out / "adapter_model.safetensors"),
+                        {k: mx.array(v) for k, v in tensors.items()})
+    return deltas
+
+
+def write_merged(base_dir, out_dir, deltas: dict) -> Path:
+    """The base checkpoint with W + scale * B @ A in place of each adapted W (NumPy,
+    float64, stored float32); config and tokenizer copied."""
+    base, out = Path(base_dir), Path(out_dir)
+    shutil.copytree(base, out, ignore=shutil.ignore_patterns("model.safetensors"))
+    weights = base_weights(base)
+    for module, (a, b, scale) in deltas.items():
+        key = module + ".weight"
+        weights[key] = (weights[key].astype(np.float64) + scale * (b @ a)).astype(np.float32)
+    mx.save_safetensors(str(out / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()})
+    return out

@@ -1,0 +1,163 @@
+"""varlen_attention (encoder attention over packed variable-length sequences, contiguous
+q/k/v) against a float64 NumPy reference on both backends; bidirectional and causal; a
+sequence's rows unaffected by its neighbours; against MLX's own scaled_dot_product_attention;
+the errors."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from op_harness import DTYPES, assert_close, to_numpy
+from vllm_metal import _core, emulation, ops
+
+CASES = [
+    # (lengths, num_q_heads, num_kv_heads, head_size)
+    ((1,), 1, 1, 8),                 # one row
+    ((5, 1, 13), 4, 4, 32),          # BERT-like: heads = kv heads
+    ((3, 0, 9, 2), 6, 2, 20),        # grouped heads, an empty sequence, head_size not /32
+    ((17, 33), 2, 1, 64),            # rows past a query tile
+    ((4,), 2, 2, 256),               # the widest head
+]
+
+
+def case_id(c):
+    lengths, hq, hkv, d = c
+    return f"len={list(lengths)},hq={hq},hkv={hkv},d={d}"
+
+
+def cu_of(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def reference(q, k, v, cu, scale, causal):
+    """float64 softmax(scale q k^T) v per sequence, per head."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    t, hq, d = q.shape
+    group = hq // k.shape[1]
+    out = np.zeros((t, hq, d))
+    for s, e in zip(cu[:-1], cu[1:]):
+        if s == e:
+            continue
+        for h in range(hq):
+            scores = scale * q[s:e, h] @ k[s:e, h // group].T
+            if causal:
+                scores = np.where(np.tril(np.ones_like(scores, bool)), scores, -np.inf)
+            p = np.exp(scores - scores.max(axis=1, keepdims=True))
+            out[s:e, h] = (p / p.sum(axis=1, keepdims=True)) @ v[s:e, h // group]
+    return out
+
+
+def make(lengths, hq, hkv, d, dtype, seed):
+    rng = np.random.default_rng(seed)
+    t = sum(lengths)
+    cast = lambda a: mx.array(a.astype(np.float32)).astype(DTYPES[dtype])  # noqa: E731
+    q = cast(rng.standard_normal((t, hq, d)) * 1.5)
+    k = cast(rng.standard_normal((t, hkv, d)))
+    v = cast(rng.standard_normal((t, hkv, d)))
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_matches_reference(backend, case, dtype, causal):
+    lengths, hq, hkv, d = case
+    q, k, v = make(lengths, hq, hkv, d, dtype, seed=d + hq)
+    cu = cu_of(lengths)
+    scale = d ** -0.5
+    out = ops.varlen_attention(q, k, v, cu_seqlens=mx.array(cu), scale=scale, causal=causal)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    want = reference(to_numpy(q), to_numpy(k), to_numpy(v), cu, scale, causal)
+    assert_close(out, want, dtype, case_id(case))
+
+
+def test_bidirectional_rows_see_later_keys(backend):
+    # the first row of a sequence differs between causal and bidirectional; the last agrees
+    q, k, v = make((6,), 2, 2, 16, "float32", seed=3)
+    cu = mx.array(cu_of((6,)))
+    bi = ops.varlen_attention(q, k, v, cu_seqlens=cu, scale=0.25)
+    ca = ops.varlen_attention(q, k, v, cu_seqlens=cu, scale=0.25, causal=True)
+    assert not np.allclose(to_numpy(bi[0]), to_numpy(ca[0]))
+    np.testing.assert_allclose(to_numpy(bi[-1]), to_numpy(ca[-1]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_sequence_alone_equals_it_in_a_batch(backend):
+    lengths = (7, 3, 12)
+    q, k, v = make(lengths, 4, 4, 32, "float32", seed=5)
+    batch = ops.varlen_attention(q, k, v, cu_seqlens=mx.array(cu_of(lengths)), scale=0.2)
+    alone = ops.varlen_attention(q[7:10], k[7:10], v[7:10], cu_seqlens=mx.array(cu_of((3,))),
+                                 scale=0.2)
+    np.testing.assert_allclose(to_numpy(batch[7:10]), to_numpy(alone), rtol=1e-6, atol=1e-6)
+
+
+def test_matches_mlx_sdpa():
+    # MLX's fused attention, [B, H, L, D], one sequence without a mask
+    q, k, v = make((11,), 3, 3, 32, "float32", seed=8)
+    out = ops.varlen_attention(q, k, v, cu_seqlens=mx.array(cu_of((11,))), scale=0.3)
+    t = lambda a: a.transpose(1, 0, 2)[None]  # noqa: E731
+    want = mx.fast.scaled_dot_product_attention(t(q), t(k), t(v), scale=0.3)
+    assert_close(out, to_numpy(want[0].transpose(1, 0, 2)), "float32", "vs mx sdpa")
+
+
+def test_strided_inputs(backend):
+    # q, k, v sliced out of one fused projection (not row-contiguous)
+    rng = np.random.default_rng(2)
+    qkv = mx.array(rng.standard_normal((9, 3, 2, 16)).astype(np.float32))
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    cu = cu_of((4, 5))
+    out = ops.varlen_attention(q, k, v, cu_seqlens=mx.array(cu), scale=0.25)
+    assert_close(out, reference(to_numpy(q), to_numpy(k), to_numpy(v), cu, 0.25, False),
+                 "float32", "strided")
+
+
+def test_kernel_names_are_instantiated():
+    names = {l.kernel for d in DTYPES for l in
+             _core.plan_varlen_attention(d, 10, 2, 4, 2, 32, 0.1)}
+    assert names <= set(emulation.library("varlen_attention").kernels)
+
+
+def _bad(**override):
+    q, k, v = make((2, 1), 2, 1, 8, "float32", seed=4)
+    kw = dict(q=q, k=k, v=v, cu_seqlens=mx.array([0, 2, 3], mx.int32), scale=0.5)
+    kw.update(override)
+    return lambda: ops.varlen_attention(**kw)
+
+
+@pytest.mark.parametrize(
+    "make_call, message",
+    [
+        (_bad(q=mx.zeros((3, 2, 8), mx.int32)), r"\[varlen_attention\] q must be float32, float16 or bfloat16, got int32"),
+        (_bad(q=mx.zeros((3, 16))), r"q must be \[num_tokens, num_q_heads, head_size\], got \[3, 16\]"),
+        (_bad(k=mx.zeros((3, 1, 8), mx.float16)), r"k must have q's dtype float32, got float16"),
+        (_bad(v=mx.zeros((4, 1, 8))), r"v must be \[3, num_kv_heads, 8\]"),
+        (_bad(k=mx.zeros((3, 3, 8)), v=mx.zeros((3, 3, 8))), r"num_q_heads 2 must be a positive multiple of num_kv_heads 3"),
+        (_bad(q=mx.zeros((3, 2, 300)), k=mx.zeros((3, 1, 300)), v=mx.zeros((3, 1, 300))), r"head_size must be in \[1, 256\], got 300"),
+        (_bad(cu_seqlens=mx.array([0, 2, 3], mx.int64)), r"cu_seqlens must be int32, got int64"),
+        (_bad(cu_seqlens=mx.array([1, 2, 3], mx.int32)), r"cu_seqlens\[0\] must be 0, got 1"),
+        (_bad(cu_seqlens=mx.array([0, 3, 2], mx.int32)), r"cu_seqlens must be non-decreasing"),
+        (_bad(cu_seqlens=mx.array([0, 2, 4], mx.int32)), r"cu_seqlens\[-1\] must be the number of rows 3, got 4"),
+        (_bad(cu_seqlens=mx.array([0], mx.int32)), r"cu_seqlens must be \[num_seqs \+ 1\]"),
+        (_bad(scale=float("nan")), r"scale must be finite"),
+    ],
+)
+def test_bad_input_raises_a_clear_error(make_call, message):
+    with pytest.raises(ValueError, match=message):
+        make_call()
+
+
+def test_launches_on_numpy(causal=False):
+    """The planner's launches run directly on NumPy arrays (also under the emulator's race and
+    bounds checks: test_metal_kernel_checks); nothing is written outside the output."""
+    from test_hybrid_launches import guarded, guards_intact
+
+    lengths, hq, hkv, d = (3, 0, 10, 1), 4, 2, 40  # an empty sequence, two 32-dim chunks
+    q, k, v = (to_numpy(a).astype(np.float32) for a in make(lengths, hq, hkv, d, "float32", seed=6))
+    cu = cu_of(lengths)
+    out, back = guarded(q.shape, np.float32)
+    plan = _core.plan_varlen_attention("float32", q.shape[0], len(lengths), hq, hkv, d, 0.2,
+                                       causal)
+    emulation.run_plan(plan, [q, k, v, cu, out])
+    assert guards_intact(back)
+    np.testing.assert_allclose(out, reference(q, k, v, cu, 0.2, causal), atol=2e-5, rtol=2e-5)
