@@ -42,7 +42,10 @@ def ours_peer(gguf: str, port: int, threads: int, max_seqs: int, budget: int) ->
         argv=[str(vllm), "serve", gguf, "--runner", "pooling", "--served-model-name", "m",
               "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024",
               "--max-num-seqs", str(max_seqs), "--max-num-batched-tokens", str(budget),
-              "--kv-cache-memory-bytes", str(1 << 30)],
+              "--kv-cache-memory-bytes", str(1 << 30),
+              # every repetition sends the same inputs: a prefix-cache hit would leave
+              # only the last token of each to compute
+              "--no-enable-prefix-caching"],
         model="m", no_eos={}, env={"VLLM_METAL_NUM_THREADS": str(threads)})
 
 

@@ -66,6 +66,12 @@ def kv_blocks_line(vllm_config) -> str:
     return f"the KV-cache manager of {cls or 'vLLM'}, {caching}"
 
 
+def pooling_line(runner) -> str:
+    """--runner pooling: the tasks served and how sequences are pooled (pooling.py)."""
+    p = runner.pooler
+    return f"{', '.join(p.supported_tasks())}; {p.seq_method} pooling (token tasks: {p.tok_method})"
+
+
 def summary(runner, kv_budget: str) -> str:
     """The block, one `name: value` line each; runner is a loaded MetalModelRunner."""
     rows = [
@@ -77,7 +83,8 @@ def summary(runner, kv_budget: str) -> str:
         ("GGUF activations", activations_line(runner.model)),
         ("batch invariant", "yes (VLLM_BATCH_INVARIANT=1)" if ops.batch_invariant() else "no"),
         ("scheduling", "async" if runner.async_scheduling else "sync"),
-        ("sampler", "native MLX" if envs.VLLM_METAL_NATIVE_SAMPLING else "vLLM's torch Sampler"),
+        ("sampler", "native MLX" if envs.VLLM_METAL_NATIVE_SAMPLING else "vLLM's torch Sampler")
+        if runner.pooler is None else ("pooling", pooling_line(runner)),
     ]
     width = max(len(name) for name, _ in rows)
     return "vllm-metal configuration:\n" + "\n".join(f"  {n:<{width}}  {v}" for n, v in rows)
