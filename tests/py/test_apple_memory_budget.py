@@ -40,11 +40,11 @@ def fake_ram(monkeypatch, *, total, available, rss):
         memory_info=lambda: SimpleNamespace(rss=rss)))
 
 
-def budget(utilization=0.9, kv_cache_memory_bytes=None, state=0):
+def budget(utilization=0.9, kv_cache_memory_bytes=None, state=0, share=1.0):
     worker = SimpleNamespace(
         cache_config=SimpleNamespace(gpu_memory_utilization=utilization,
                                      kv_cache_memory_bytes=kv_cache_memory_bytes),
-        model_runner=SimpleNamespace(state_memory_bytes=lambda: state))
+        model_runner=SimpleNamespace(state_memory_bytes=lambda: state, kv_budget_share=lambda: share))
     return MetalWorker.determine_available_memory(worker)
 
 
@@ -67,6 +67,18 @@ def test_utilization_scales_the_working_set(monkeypatch):
 def test_free_ram_caps_the_budget(monkeypatch):
     fake_mac(monkeypatch, available=4 * GiB)  # other apps hold the rest
     assert budget() == 4 * GiB - APPLE_MARGIN_BYTES
+
+
+def test_a_draft_models_cache_comes_out_of_the_budget(monkeypatch):
+    """Speculative decoding with a draft model: vLLM is offered the target's share of the
+    blocks' budget, the draft's cache takes the rest (draft_model.draft_share)."""
+    from vllm_metal.draft_model import draft_share
+
+    fake_mac(monkeypatch)
+    full = budget()
+    share = draft_share(3000, 1000)
+    assert share == 0.75
+    assert budget(share=share) == int(full * share)
 
 
 def test_state_slots_come_out_of_the_budget(monkeypatch):
