@@ -142,7 +142,7 @@ def test_state_memory_comes_out_of_the_budget(loaded):
 def test_worker_budget_leaves_room_for_the_state():
     from vllm_metal.worker import MetalWorker
 
-    runner = SimpleNamespace(state_memory_bytes=lambda: 1000)
+    runner = SimpleNamespace(state_memory_bytes=lambda: 1000, kv_budget_share=lambda: 1.0)
     worker = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_memory_bytes=5000,
                                                           gpu_memory_utilization=0.9),
                              model_runner=runner)
