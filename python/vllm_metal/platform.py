@@ -47,6 +47,20 @@ SEQUENCE_CLASSIFIERS = {
 }
 
 
+
+def _draft_model_resolved(parse):
+    """--speculative-config's JSON parser, then its "model" (a draft model) resolved as the
+    model argument is: a .gguf file or owner/repo:TAG becomes a prepared directory."""
+    from vllm_metal.model_paths import resolve_model_argument
+
+    def parse_speculative_config(text):
+        config = parse(text)
+        if isinstance(config, dict) and isinstance(config.get("model"), str):
+            config["model"] = resolve_model_argument(config["model"])
+        return config
+
+    return parse_speculative_config
+
 class UnsupportedConfiguration(ValueError):
     """Raised at startup for settings the Metal runner does not support."""
 
@@ -142,6 +156,8 @@ class MetalPlatform(Platform):
         for action in parser._actions:
             if action.dest in ("model_tag", "model", "tokenizer"):
                 action.type = resolve_model_argument
+            elif action.dest == "speculative_config" and action.type is not None:
+                action.type = _draft_model_resolved(action.type)
 
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
