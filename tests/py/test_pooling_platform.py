@@ -10,11 +10,12 @@ from vllm_metal.platform import UnsupportedConfiguration, _refuse_unsupported_po
 
 
 def _config(archs=("Qwen3ForCausalLM",), *, seq="LAST", tok="ALL", async_scheduling=False,
-            prefix_caching=False, embedding_size=64, speculative=None):
+            prefix_caching=False, embedding_size=64, speculative=None, chunked_prefill=False):
     model = SimpleNamespace(pooler_config=SimpleNamespace(seq_pooling_type=seq, tok_pooling_type=tok),
                             embedding_size=embedding_size, get_hidden_size=lambda: 64)
     return SimpleNamespace(model_config=model, speculative_config=speculative,
-                           scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+                           scheduler_config=SimpleNamespace(async_scheduling=async_scheduling,
+                                                            enable_chunked_prefill=chunked_prefill),
                            cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching)), set(archs)
 
 
@@ -23,11 +24,14 @@ def test_served_pooling_configurations_pass():
     _refuse_unsupported_pooling(*_config(("Qwen3ForSequenceClassification",)))
     _refuse_unsupported_pooling(*_config(seq="MEAN"))
     _refuse_unsupported_pooling(*_config(prefix_caching=True))  # LAST: a hit still computes the last token
+    _refuse_unsupported_pooling(*_config(("BertModel",), seq="MEAN"))  # encoders (models/bert.py)
+    _refuse_unsupported_pooling(*_config(("BertForSequenceClassification",), seq="CLS"))
 
 
 @pytest.mark.parametrize("kw, words", [
     (dict(archs=("Qwen3_5ForCausalLM",)), "architecture"),
-    (dict(archs=("BertModel",)), "architecture"),
+    (dict(archs=("GPT2Model",)), "architecture"),
+    (dict(archs=("BertModel",), chunked_prefill=True), "chunked prefill"),
     (dict(async_scheduling=True), "async"),
     (dict(tok="STEP"), "STEP"),
     (dict(seq="MEAN", prefix_caching=True), "prefix caching"),
