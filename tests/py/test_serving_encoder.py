@@ -7,6 +7,7 @@ inputs: a 400, or truncated with truncate_prompt_tokens; the engine lives on."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import numpy as np
@@ -170,3 +171,19 @@ def test_cross_encoder_token_types_matter(cross_encoder):
     r = server.client.post("/v1/embeddings", json={"model": server.name, "input": "hello"})
     assert 400 <= r.status_code < 500
     assert server.alive()
+
+
+@pytest.fixture(scope="module")
+def minilm_emulated():
+    """MiniLM served with every op on its Metal kernel in the MSL emulator."""
+    s = Server(str(_minilm()), "minilm-emulated", ARGS, env={"VLLM_METAL_KERNELS": "emulated"})
+    yield s
+    s.stop()
+
+
+def test_emulated_metal_kernels_serve_minilm(minilm_emulated, minilm):
+    _, reference, tokenizer = minilm
+    assert re.search(r"kernels\s+emulated", minilm_emulated.log_path.read_text())
+    texts = TEXTS[:3]
+    for text, g in zip(texts, _embed(minilm_emulated, texts)):
+        assert _cosine(g, _reference_embedding(reference, tokenizer(text)["input_ids"])) >= 0.9999
