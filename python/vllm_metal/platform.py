@@ -287,6 +287,22 @@ def _refuse_unsupported(vllm_config: VllmConfig) -> None:
         _refuse(f"quantization '{model.quantization}'", "serve safetensors in float16/bfloat16 or a GGUF file")
 
 
+def _refuse_unsupported_encoder(vllm_config: VllmConfig) -> None:
+    model = vllm_config.model_config
+    if vllm_config.scheduler_config.enable_chunked_prefill:
+        # vLLM turns it off by default for encoders; an explicit --enable-chunked-prefill
+        _refuse("chunked prefill with an encoder (it attends both ways: a prompt runs in one step)",
+                "drop --enable-chunked-prefill")
+    hf = model.hf_config
+    # RoBERTa / XLM-R number positions from padding_idx + 1 (models/bert.py)
+    roberta = getattr(hf, "model_type", "") in ("roberta", "xlm-roberta")
+    offset = getattr(hf, "pad_token_id", 1) + 1 if roberta else 0
+    longest = getattr(hf, "max_position_embeddings", 512) - offset
+    if model.max_model_len > longest:
+        _refuse(f"--max-model-len {model.max_model_len} for an encoder whose position table holds "
+                f"{longest} tokens", f"pass --max-model-len {longest}")
+
+
 def _refuse_unsupported_pooling(vllm_config: VllmConfig, archs: set[str]) -> None:
     """What the pooling runner (pooling.py) does not do."""
     model = vllm_config.model_config
@@ -295,10 +311,8 @@ def _refuse_unsupported_pooling(vllm_config: VllmConfig, archs: set[str]) -> Non
     if not archs & served:
         _refuse(f"architecture {sorted(archs) or 'unknown'} with --runner pooling",
                 f"supported: {', '.join(sorted(served))}")
-    if archs & ENCODER_ARCHITECTURES and vllm_config.scheduler_config.enable_chunked_prefill:
-        # vLLM turns it off by default for encoders; an explicit --enable-chunked-prefill
-        _refuse("chunked prefill with an encoder (it attends both ways: a prompt runs in one step)",
-                "drop --enable-chunked-prefill")
+    if archs & ENCODER_ARCHITECTURES:
+        _refuse_unsupported_encoder(vllm_config)
     if vllm_config.scheduler_config.async_scheduling:
         _refuse("--async-scheduling with --runner pooling", "pooling steps are synchronous")
     if vllm_config.speculative_config is not None:
