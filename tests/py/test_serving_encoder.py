@@ -189,3 +189,37 @@ def test_emulated_metal_kernels_serve_minilm(minilm_emulated, minilm):
     texts = TEXTS[:3]
     for text, g in zip(texts, _embed(minilm_emulated, texts)):
         assert _cosine(g, _reference_embedding(reference, tokenizer(text)["input_ids"])) >= 0.9999
+
+
+@pytest.fixture(scope="module")
+def xlm_roberta(tmp_path_factory):
+    """A random XLMRobertaModel (positions from padding_idx + 1) served with CLS pooling;
+    its inputs are token ids, so MiniLM's tokenizer only gives vLLM a tokenizer to load."""
+    out = tmp_path_factory.mktemp("xlm-roberta")
+    torch.manual_seed(1)
+    config = transformers.XLMRobertaConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, intermediate_size=128,
+                                           max_position_embeddings=66, pad_token_id=1, type_vocab_size=1,
+                                           position_embedding_type="absolute")  # vLLM reads it
+    model = transformers.XLMRobertaModel(config, add_pooling_layer=False).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(_minilm() / name, out / name)
+    s = Server(str(out), "xlmr", ARGS + ["--max-model-len", "64", "--pooler-config",
+                                         '{"pooling_type": "CLS"}'])
+    yield s, model
+    s.stop()
+
+
+def test_xlm_roberta_cls_embeddings_match_transformers(xlm_roberta):
+    server, model = xlm_roberta
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(5, 30000, n).tolist() for n in (1, 7, 33, 64)]  # 64: the whole table
+    for p, g in zip(prompts, _embed(server, prompts)):
+        with torch.no_grad():
+            first = model(torch.tensor([p])).last_hidden_state[0, 0]
+        assert _cosine(g, first.numpy()) >= 0.9999
+        assert abs(np.linalg.norm(g) - 1.0) < 1e-4
+    r = server.client.post("/v1/embeddings", json={"model": server.name, "input": [[7] * 65]})
+    assert r.status_code == 400, r.text
+    assert server.alive()
