@@ -122,10 +122,13 @@ def test_too_long_input_is_refused_or_truncated(minilm):
                    _reference_embedding(reference, tokenizer(TEXTS[0])["input_ids"])) >= 0.9999
 
 
-def test_encoder_refuses_other_tasks(minilm):
+def test_encoder_refuses_other_tasks_and_bad_input(minilm):
     server, _, _ = minilm
     r = server.client.post("/v1/completions", json={"model": server.name, "prompt": "hi", "max_tokens": 2})
     assert 400 <= r.status_code < 500
+    for bad in ([], [{"text": "a"}], [[-5, 3]], [[101, 40000, 102]]):  # 40000: past the vocab
+        r = server.client.post("/v1/embeddings", json={"model": server.name, "input": bad})
+        assert 400 <= r.status_code < 500, (bad, r.status_code, r.text)
     assert server.alive()
 
 
