@@ -101,7 +101,7 @@ def test_batch_of_64_mixed_lengths_equals_each_alone(minilm):
     words = tokenizer.convert_ids_to_tokens(list(range(2000, 6000)))
     texts = [" ".join(rng.choice(words, int(n))) for n in rng.integers(1, 120, 64)]
     together = _embed(server, texts)
-    for i in rng.choice(64, 6, replace=False):
+    for i in range(64):
         alone = _embed(server, [texts[i]])[0]
         assert _cosine(alone, together[i]) >= 0.99999
         want = _reference_embedding(reference, tokenizer(texts[i])["input_ids"])
