@@ -151,6 +151,7 @@ class MetalModelRunner(DeltaHooks):
         # --runner pooling: pooling.Pooler (embeddings, classification); None: generation
         self.pooler = None
         self.lora = None  # lora.manager.LoraManager with --enable-lora
+        self.encoder_batch = None  # encoder_batch.EncoderBatch for encoders (no KV cache)
 
     # ---- setup ------------------------------------------------------------------
     def load_model(self) -> None:
@@ -160,7 +161,8 @@ class MetalModelRunner(DeltaHooks):
         spec = self.loaded.spec
         logger.info("vllm-metal loaded %s: %d layers, %d kv heads x %d, cache %s",
                     spec.architecture, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype)
-        check_attention_head_size(self.model_config.model, spec.head_dim)
+        if getattr(self.model, "causal", True):  # encoders use varlen attention, not paged
+            check_attention_head_size(self.model_config.model, spec.head_dim)
         if self.speculation is not None and self.speculation.method == "draft_model":
             self._load_draft_model(dtype)
         if self.vllm_config.lora_config is not None:
@@ -222,6 +224,8 @@ class MetalModelRunner(DeltaHooks):
     def get_kv_cache_spec(self):
         import torch
 
+        if not getattr(self.model, "causal", True):
+            return {}  # an encoder keeps no KV cache: vLLM treats it as attention-free
         if self.loaded.hybrid is not None:
             from vllm_metal import hybrid
 
@@ -274,6 +278,12 @@ class MetalModelRunner(DeltaHooks):
         hybrid models also the linear-attention layers' state slots (hybrid.py: why slots,
         not vLLM's block ids) and their KV-cache groups in the packer."""
         num_blocks = kv_cache_config.num_blocks
+        if not getattr(self.model, "causal", True):
+            from vllm_metal.encoder_batch import EncoderBatch
+
+            self.encoder_batch = EncoderBatch()
+            self.kv_cache_description = "none (encoder: whole prompts per step)"
+            return
         if self.loaded.hybrid is not None:
             from vllm_metal.hybrid import HybridState
 
@@ -334,6 +344,13 @@ class MetalModelRunner(DeltaHooks):
 
     def warm_up(self) -> None:
         """One tiny forward so the first request does not pay one-time costs."""
+        if self.encoder_batch is not None:  # no packer: one 2-token prompt straight through
+            from types import SimpleNamespace
+
+            ctx = SimpleNamespace(cu_seqlens_q=np.array([0, 2], np.int32),
+                                  positions=np.arange(2, dtype=np.int32))
+            mx.eval(self.model.hidden_states(mx.array([0, 1]), ctx, mx.array([0, 1])))
+            return
         if self.packer is None:
             return
         num_groups = len(self.packer.block_table_widths)
@@ -432,6 +449,8 @@ class MetalModelRunner(DeltaHooks):
         runner does, so sample_tokens is not called."""
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
+        if self.encoder_batch is not None:
+            return self._execute_encoder(scheduler_output)
         self.delta.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -443,6 +462,34 @@ class MetalModelRunner(DeltaHooks):
         mx.eval(hidden, self.kv_caches)
         outputs = self.pooler.pool(plan, np.array(hidden.astype(mx.float32)))
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 pooler_output=outputs)
+
+    def _execute_encoder(self, scheduler_output):
+        """An encoder's pooling step: the scheduled prompts, whole, through the encoder
+        (encoder_batch.py); each request finishes in the step that runs it."""
+        from types import SimpleNamespace
+
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+        gone = set(scheduler_output.finished_req_ids) | set(
+            getattr(scheduler_output, "preempted_req_ids", None) or ())
+        self.encoder_batch.drop(gone)
+        self.pooler.drop(gone)
+        for new in scheduler_output.scheduled_new_reqs:
+            self.pooler.add(new.req_id, new.pooling_params, len(new.prompt_token_ids))
+            self.encoder_batch.add(new.req_id, new.prompt_token_ids, new.pooling_params)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        step = self.encoder_batch.step(dict(scheduler_output.num_scheduled_tokens))
+        plan = self.pooler.plan(step.req_ids, step.cu_seqlens, step.positions)
+        ctx = SimpleNamespace(cu_seqlens_q=step.cu_seqlens, positions=step.positions)
+        hidden = self.model.hidden_states(mx.array(step.input_ids), ctx, mx.array(plan.rows),
+                                          token_type_ids=mx.array(step.token_type_ids))
+        mx.eval(hidden)
+        outputs = self.pooler.pool(plan, np.array(hidden.astype(mx.float32)))
+        self.encoder_batch.drop(step.req_ids)  # finished: pooled whole
+        return ModelRunnerOutput(req_ids=step.req_ids,
+                                 req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
                                  pooler_output=outputs)
 
     def _submit(self, u: _UnsampledStep, grammar_output=None) -> None:
@@ -716,6 +763,11 @@ def build_pooler(model_config, scheduler_config, loaded):
     classify = is_sequence_classifier(loaded.hf_config) or model_config.convert_type == "classify"
     if not classify:
         return Pooler(model_config, causal=causal)
+    if not causal:  # a cross-encoder: its own head on the first token (models/bert.py)
+        if model_config.pooler_config.seq_pooling_type not in (None, "CLS"):
+            raise ValueError(f"[vllm-metal] {model_config.model}: a cross-encoder pools the first token "
+                             f"(CLS), not {model_config.pooler_config.seq_pooling_type}")
+        return Pooler(model_config, loaded.model.torch_classifier(model_config.head_dtype), causal=False)
     score = score_weights(model_config.model)
     if score is None:
         raise ValueError(f"[vllm-metal] {model_config.model}: a classification model needs a score "

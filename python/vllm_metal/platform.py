@@ -16,6 +16,8 @@ import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm_metal.log import get_logger
+# encoders: --runner pooling only, no KV cache (models/bert.py, encoder_batch.py)
+from vllm_metal.models.encoder_archs import ENCODER_ARCHITECTURES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -227,9 +229,17 @@ def _use_core_kv_cache_manager(vllm_config: VllmConfig) -> None:
     """vLLM's scheduler with the C++ runtime's KV-cache manager (scheduler.py),
     unless the user named a scheduler class of their own."""
     sched = vllm_config.scheduler_config
+    if _is_encoder(vllm_config):
+        return  # no KV cache (attention-free to vLLM): its own scheduler needs no blocks
     if sched.scheduler_cls is None:
         name = "MetalAsyncScheduler" if sched.async_scheduling else "MetalScheduler"
         sched.scheduler_cls = f"vllm_metal.scheduler.{name}"
+
+
+def _is_encoder(vllm_config: VllmConfig) -> bool:
+    model = vllm_config.model_config
+    archs = set(getattr(model.hf_config, "architectures", None) or []) if model is not None else set()
+    return bool(archs & ENCODER_ARCHITECTURES)
 
 
 def _refuse_unsupported_kv_cache(vllm_config: VllmConfig) -> None:
@@ -284,6 +294,9 @@ def _refuse_unsupported(vllm_config: VllmConfig) -> None:
         _refuse_unsupported_pooling(vllm_config, archs)
     elif model.runner_type != "generate":
         _refuse(f"the '{model.runner_type}' runner", "use --runner generate or --runner pooling")
+    elif archs & ENCODER_ARCHITECTURES:
+        _refuse(f"generation with the encoder {sorted(archs)}",
+                "an encoder serves embeddings and scores: use --runner pooling")
     elif not archs & SUPPORTED_ARCHITECTURES:
         _refuse(f"architecture {sorted(archs) or 'unknown'}",
                 f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
@@ -293,13 +306,32 @@ def _refuse_unsupported(vllm_config: VllmConfig) -> None:
         _refuse(f"quantization '{model.quantization}'", "serve safetensors in float16/bfloat16 or a GGUF file")
 
 
+def _refuse_unsupported_encoder(vllm_config: VllmConfig) -> None:
+    model = vllm_config.model_config
+    if vllm_config.scheduler_config.enable_chunked_prefill:
+        # vLLM turns it off by default for encoders; an explicit --enable-chunked-prefill
+        _refuse("chunked prefill with an encoder (it attends both ways: a prompt runs in one step)",
+                "drop --enable-chunked-prefill")
+    hf = model.hf_config
+    # RoBERTa / XLM-R number positions from padding_idx + 1 (models/bert.py)
+    roberta = getattr(hf, "model_type", "") in ("roberta", "xlm-roberta")
+    offset = getattr(hf, "pad_token_id", 1) + 1 if roberta else 0
+    longest = getattr(hf, "max_position_embeddings", 512) - offset
+    if model.max_model_len > longest:
+        _refuse(f"--max-model-len {model.max_model_len} for an encoder whose position table holds "
+                f"{longest} tokens", f"pass --max-model-len {longest}")
+
+
 def _refuse_unsupported_pooling(vllm_config: VllmConfig, archs: set[str]) -> None:
     """What the pooling runner (pooling.py) does not do."""
     model = vllm_config.model_config
     decoders = SUPPORTED_ARCHITECTURES - {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"}
-    if not archs & (decoders | SEQUENCE_CLASSIFIERS):
+    served = decoders | SEQUENCE_CLASSIFIERS | ENCODER_ARCHITECTURES
+    if not archs & served:
         _refuse(f"architecture {sorted(archs) or 'unknown'} with --runner pooling",
-                f"supported: {', '.join(sorted(decoders | SEQUENCE_CLASSIFIERS))}")
+                f"supported: {', '.join(sorted(served))}")
+    if archs & ENCODER_ARCHITECTURES:
+        _refuse_unsupported_encoder(vllm_config)
     if vllm_config.scheduler_config.async_scheduling:
         _refuse("--async-scheduling with --runner pooling", "pooling steps are synchronous")
     if vllm_config.speculative_config is not None:

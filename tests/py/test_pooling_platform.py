@@ -10,11 +10,15 @@ from vllm_metal.platform import UnsupportedConfiguration, _refuse_unsupported_po
 
 
 def _config(archs=("Qwen3ForCausalLM",), *, seq="LAST", tok="ALL", async_scheduling=False,
-            prefix_caching=False, embedding_size=64, speculative=None):
+            prefix_caching=False, embedding_size=64, speculative=None, chunked_prefill=False,
+            max_model_len=512, model_type="bert"):
+    hf = SimpleNamespace(model_type=model_type, max_position_embeddings=514, pad_token_id=1)
     model = SimpleNamespace(pooler_config=SimpleNamespace(seq_pooling_type=seq, tok_pooling_type=tok),
-                            embedding_size=embedding_size, get_hidden_size=lambda: 64)
+                            embedding_size=embedding_size, get_hidden_size=lambda: 64, hf_config=hf,
+                            max_model_len=max_model_len)
     return SimpleNamespace(model_config=model, speculative_config=speculative,
-                           scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+                           scheduler_config=SimpleNamespace(async_scheduling=async_scheduling,
+                                                            enable_chunked_prefill=chunked_prefill),
                            cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching)), set(archs)
 
 
@@ -23,11 +27,17 @@ def test_served_pooling_configurations_pass():
     _refuse_unsupported_pooling(*_config(("Qwen3ForSequenceClassification",)))
     _refuse_unsupported_pooling(*_config(seq="MEAN"))
     _refuse_unsupported_pooling(*_config(prefix_caching=True))  # LAST: a hit still computes the last token
+    _refuse_unsupported_pooling(*_config(("BertModel",), seq="MEAN"))  # encoders (models/bert.py)
+    _refuse_unsupported_pooling(*_config(("BertForSequenceClassification",), seq="CLS"))
+    _refuse_unsupported_pooling(*_config(("XLMRobertaModel",), model_type="xlm-roberta", max_model_len=512))
 
 
 @pytest.mark.parametrize("kw, words", [
     (dict(archs=("Qwen3_5ForCausalLM",)), "architecture"),
-    (dict(archs=("BertModel",)), "architecture"),
+    (dict(archs=("GPT2Model",)), "architecture"),
+    (dict(archs=("BertModel",), chunked_prefill=True), "chunked prefill"),
+    # XLM-R's positions start at padding_idx + 1: 514 entries hold 512 tokens
+    (dict(archs=("XLMRobertaModel",), model_type="xlm-roberta", max_model_len=514), "--max-model-len 512"),
     (dict(async_scheduling=True), "async"),
     (dict(tok="STEP"), "STEP"),
     (dict(seq="MEAN", prefix_caching=True), "prefix caching"),

@@ -25,12 +25,8 @@ import mlx.nn as nn
 import numpy as np
 
 from vllm_metal import ops
+from vllm_metal.models.encoder_archs import ENCODER_ARCHITECTURES
 
-ENCODER_ARCHITECTURES = {
-    "BertModel", "BertForMaskedLM", "BertForSequenceClassification",
-    "XLMRobertaModel", "XLMRobertaForSequenceClassification", "RobertaModel",
-    "RobertaForSequenceClassification",
-}
 # ops.gelu: MLX's CPU erf / exp are scalar (GELU took a third of a MiniLM layer)
 _ACTIVATIONS = {"gelu": ops.gelu, "gelu_new": lambda x: ops.gelu(x, approximate=True),
                 "gelu_pytorch_tanh": lambda x: ops.gelu(x, approximate=True), "relu": nn.relu}
@@ -188,6 +184,27 @@ class EncoderModel(nn.Module):
             raise ValueError("[vllm-metal] this encoder has no classification head")
         first = mx.array(np.asarray(cu_seqlens, np.int32)[:-1])
         return self.classifier(hidden[first])
+
+    def torch_classifier(self, dtype):
+        """The classification head as a torch function (first-token hidden states
+        [n, hidden] -> logits [n, num_labels] in `dtype`), for vLLM's pooler heads."""
+        import torch
+
+        if not self.config.classifier:
+            raise ValueError("[vllm-metal] this encoder has no classification head")
+
+        def tensor(a):
+            return torch.from_numpy(np.array(a.astype(mx.float32))).to(dtype)
+
+        c = self.classifier
+        w1, b1, w2, b2 = (tensor(c.pooler.weight), tensor(c.pooler.bias), tensor(c.out.weight),
+                          tensor(c.out.bias))
+
+        def classify(x):
+            return torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(x.to(dtype), w1, b1)),
+                                              w2, b2)
+
+        return classify
 
     def hidden_states(self, input_ids, ctx, rows, token_type_ids=None) -> mx.array:
         """pooling.HiddenStateSource: hidden states at packed `rows` of the runner's batch

@@ -64,7 +64,10 @@ def load(model_path: str, dtype: str | None = None, *, linear: str = "gguf"):
     ggufs = [path / GGUF_FILE_IN_DIR] if (path / GGUF_FILE_IN_DIR).exists() else []
     if ggufs and not list(path.glob("model*.safetensors")):
         return _load_gguf(ggufs[0], path, dtype, linear)
-    if _is_qwen3_5(json.loads((path / "config.json").read_text())):
+    hf_config = json.loads((path / "config.json").read_text())
+    if _is_encoder(hf_config):
+        return _load_encoder(path, hf_config, dtype, linear)
+    if _is_qwen3_5(hf_config):
         from vllm_metal.models import qwen3_5_loader
 
         return qwen3_5_loader.load_safetensors(path, dtype, linear)
@@ -76,6 +79,27 @@ def _is_qwen3_5(config: dict) -> bool:
     from vllm_metal.models.qwen3_5_paged import MODEL_TYPES
 
     return config.get("model_type") in MODEL_TYPES
+
+
+def _is_encoder(config: dict) -> bool:
+    # BERT family: bidirectional, no KV cache, pooling only (models/bert.py)
+    from vllm_metal.models.encoder_archs import ENCODER_ARCHITECTURES
+
+    return bool(set(config.get("architectures") or []) & ENCODER_ARCHITECTURES)
+
+
+def _load_encoder(path: Path, hf_config: dict, dtype: str | None, linear: str):
+    from vllm_metal.models import LoadedModel, ModelSpec
+    from vllm_metal.models.bert import load_encoder
+
+    target = _dtype(dtype or "float32")
+    model = load_encoder(path, target, linear)
+    c = model.config
+    spec = ModelSpec(num_layers=c.num_hidden_layers, num_kv_heads=c.num_attention_heads,
+                     head_dim=c.hidden_size // c.num_attention_heads, dtype=_dtype_name(target),
+                     sliding_window_per_layer=[0] * c.num_hidden_layers, vocab_size=c.vocab_size,
+                     architecture=hf_config["architectures"][0])
+    return LoadedModel(model=model, spec=spec, hf_config=hf_config, eos_token_ids=[])
 
 
 def _load_safetensors(path: Path, dtype: str | None, linear: str):
