@@ -236,12 +236,16 @@ def _grouped_to_tiled(w: np.ndarray, num_k: int, num_v: int, axis: int = 0) -> n
 def write_gguf(model, path, config: dict = CONFIG, *, qtype: str = "F32", mtp: bool = False):
     """model (mlx-lm TextModel) as llama.cpp's converter writes it: norms 1 + w (mlx-lm's
     multiplier), ssm_a = -exp(A_log), conv1d [C, K], value heads in tiled order; `mtp`
-    adds an MTP layer blk.{n} with nextn tensors and qwen35.nextn_predict_layers = 1."""
+    adds an MTP layer blk.{n} with nextn tensors and qwen35.nextn_predict_layers = 1.
+    A MoE config writes a "qwen35moe" file: router ffn_gate_inp, experts ffn_*_exps
+    [E, rows, cols] (in `qtype` too), shared expert ffn_*_shexp, its gate
+    ffn_gate_inp_shexp as a vector [hidden] (llama.cpp's shape)."""
     import gguf
 
     from vllm_metal.models.testing import add_byte_level_tokenizer
 
-    arch = "qwen35"
+    moe = bool(config.get("num_experts"))
+    arch = "qwen35moe" if moe else "qwen35"
     n = config["num_hidden_layers"]
     hk, hv = config["linear_num_key_heads"], config["linear_num_value_heads"]
     dk, dv = config["linear_key_head_dim"], config["linear_value_head_dim"]
@@ -251,6 +255,11 @@ def write_gguf(model, path, config: dict = CONFIG, *, qtype: str = "F32", mtp: b
     w.add_context_length(config["max_position_embeddings"])
     w.add_embedding_length(config["hidden_size"])
     w.add_feed_forward_length(config["intermediate_size"])
+    if moe:
+        w.add_expert_count(config["num_experts"])
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     w.add_head_count(config["num_attention_heads"])
     w.add_head_count_kv(config["num_key_value_heads"])
     w.add_key_length(config["head_dim"])
@@ -276,7 +285,7 @@ def write_gguf(model, path, config: dict = CONFIG, *, qtype: str = "F32", mtp: b
 
     def add(name, value):
         value = np.ascontiguousarray(value, dtype=np.float32)
-        if value.ndim == 2 and qtype != "F32" and value.shape[1] % block == 0:
+        if value.ndim in (2, 3) and qtype != "F32" and value.shape[-1] % block == 0:
             w.add_tensor(name, gguf.quants.quantize(value, qt), raw_dtype=qt)
         else:
             w.add_tensor(name, value)
@@ -288,7 +297,13 @@ def write_gguf(model, path, config: dict = CONFIG, *, qtype: str = "F32", mtp: b
              "mlp.down_proj": "ffn_down", "linear_attn.in_proj_qkv": "attn_qkv",
              "linear_attn.in_proj_z": "attn_gate", "linear_attn.in_proj_b": "ssm_beta",
              "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.norm": "ssm_norm",
-             "linear_attn.out_proj": "ssm_out", "linear_attn.conv1d": "ssm_conv1d"}
+             "linear_attn.out_proj": "ssm_out", "linear_attn.conv1d": "ssm_conv1d",
+             "mlp.gate": "ffn_gate_inp", "mlp.switch_mlp.gate_proj": "ffn_gate_exps",
+             "mlp.switch_mlp.up_proj": "ffn_up_exps", "mlp.switch_mlp.down_proj": "ffn_down_exps",
+             "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+             "mlp.shared_expert.up_proj": "ffn_up_shexp",
+             "mlp.shared_expert.down_proj": "ffn_down_shexp",
+             "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
     tile = lambda x, axis=0: _grouped_to_tiled(x, hk, hv, axis)  # noqa: E731
     for name, value in tree_flatten(model.parameters()):
         v = np.array(value.astype(mx.float32))
@@ -316,6 +331,8 @@ def write_gguf(model, path, config: dict = CONFIG, *, qtype: str = "F32", mtp: b
                 v = tile(v)
             elif module == "linear_attn.out_proj":
                 v = tile(v, axis=1)
+            elif module == "mlp.shared_expert_gate":
+                v = v[0]  # [1, hidden] -> [hidden]
             add(f"blk.{i}.{names[module]}.{param}", v)
     if mtp:  # a full-attention layer plus the nextn projections, random
         rng = np.random.default_rng(9)

@@ -129,3 +129,52 @@ def test_missing_expert_is_refused_naming_the_tensor(tmp_path):
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.\*\.up_proj\.weight"):
         load_model(str(path), "float32")
+
+
+# ---- the same weights as a llama.cpp "qwen35moe" GGUF ---------------------------------
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory):
+    from qwen3_5_checkpoint import random_model, write_gguf
+
+    d = tmp_path_factory.mktemp("qwen35moe")
+    model = random_model(seed=0, config=MOE_CONFIG)  # the checkpoint fixture's weights
+    return dict(f32=write_gguf(model, d / "f32.gguf", config=MOE_CONFIG),
+                q8=write_gguf(model, d / "q8.gguf", config=MOE_CONFIG, qtype="Q8_0"))
+
+
+def test_gguf_config_is_the_checkpoints(ggufs):
+    from vllm_metal.models import gguf_loader
+
+    cfg = gguf_loader.hf_config(gguf_loader.GGUFCheckpoint(str(ggufs["f32"])))
+    assert cfg["architectures"] == ["Qwen3_5MoeForCausalLM"]
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "norm_topk_prob", "hidden_size",
+                "num_hidden_layers", "layer_types", "head_dim", "vocab_size"):
+        assert cfg[key] == MOE_CONFIG[key], key
+
+
+def test_f32_gguf_gives_mlx_lm_tokens(ggufs, reference):
+    ps = prompts(6, 3)
+    got, _ = run_packed_greedy(load_model(str(ggufs["f32"]), "float32"), ps, 8)
+    assert got == [greedy(reference, p, 8) for p in ps]
+
+
+def test_q8_0_experts_in_block_form_equal_dequantized(ggufs):
+    from vllm_metal.models.moe import GGUFSwitchGLU
+
+    blocks = load_model(str(ggufs["q8"]), "float32")
+    dense = load_model(str(ggufs["q8"]), "float32", linear="mlx")  # experts dequantized at load
+    assert all(isinstance(layer.mlp.switch_mlp, GGUFSwitchGLU) for layer in blocks.model.layers)
+    assert not isinstance(dense.model.layers[0].mlp.switch_mlp, GGUFSwitchGLU)
+    ps = prompts(7, 2)
+    got, a = run_packed_greedy(blocks, ps, 4)
+    want, b = run_packed_greedy(dense, ps, 4)
+    assert got == want
+    for x, y in zip(a, b):  # float32 activations (the default): the same sums, reordered
+        np.testing.assert_allclose(np.stack(x), np.stack(y), rtol=0, atol=2e-4 * np.abs(y).max())
+    # int8_activations reaches the experts too (8-bit rounded activations: not equal)
+    rounded = load_model(str(ggufs["q8"]), "float32", int8_activations=True)
+    assert not rounded.model.layers[0].mlp.switch_mlp.exact
+    _, c = run_packed_greedy(rounded, ps[:1], 1)
+    assert np.abs(np.stack(c[0]) - np.stack(b[0])[:1]).max() > 1e-4

@@ -64,7 +64,8 @@ class FusedMoeBlock(nn.Module):
             g, u, d = sw.gate_proj, sw.up_proj, sw.down_proj
             return ops.fused_moe_gguf(x, logits, g.weight, g.type_id, u.weight, u.type_id, d.weight,
                                       d.type_id, inter=g.rows, top_k=self.top_k,
-                                      renormalize=self.renormalize, scoring=self.scoring)
+                                      renormalize=self.renormalize, scoring=self.scoring,
+                                      exact=sw.exact)
         return ops.fused_moe(x, logits, sw.gate_proj.weight, sw.up_proj.weight,
                              sw.down_proj.weight, top_k=self.top_k,
                              renormalize=self.renormalize, scoring=self.scoring)
@@ -88,6 +89,9 @@ class GGUFSwitchGLU(nn.Module):
         self.gate_proj = gate_proj
         self.up_proj = up_proj
         self.down_proj = down_proj
+        # float32 activations (CPU), as GGUFLinear's default; gguf_linear.set_exact_activations
+        # switches both to 8-bit rounded ones (VLLM_METAL_INT8_ACTIVATIONS)
+        self.exact = True
 
 
 _EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")

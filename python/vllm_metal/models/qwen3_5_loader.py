@@ -123,6 +123,7 @@ def load_safetensors(path: Path, dtype: str | None, linear: str):
 def load_gguf(gguf_path: Path, hf_config: dict, dtype: str | None, linear: str):
     from vllm_metal.models import gguf_loader, gguf_qwen35, loader
     from vllm_metal.models.gguf_linear import install_block_weights
+    from vllm_metal.models.moe import install_expert_blocks
 
     ckpt = gguf_loader.GGUFCheckpoint(str(gguf_path))
     config = text_config(hf_config)
@@ -131,6 +132,7 @@ def load_gguf(gguf_path: Path, hf_config: dict, dtype: str | None, linear: str):
     lm = model_class(args_class.from_dict(config))
     # already in mlx-lm's sanitized form (gguf_qwen35.py); sanitize would re-centre norms
     weights = gguf_qwen35.load_weights(ckpt, config, target, blocks=linear == "gguf")
+    weights = install_expert_blocks(lm, weights)  # qwen35moe: ffn_*_exps in block form
     weights = install_block_weights(lm, weights)
     lm.load_weights(list(weights.items()), strict=True)
     lm.eval()
