@@ -3,7 +3,7 @@ attention, every MLP 8 experts top-2 plus a gated shared expert, hidden 64), in 
 published layout (Qwen3_5MoeForConditionalGeneration, served text-only, fused
 experts.gate_up_proj), token-exact against mlx-lm's own qwen3_5_moe forward on the same
 files: one request, then concurrent waves that a 16-block pool forces to preempt, then
-shared-prefix prompts through the prefix cache."""
+shared-prefix prompts through the prefix cache; and the same weights as a qwen35moe GGUF file."""
 
 from __future__ import annotations
 
@@ -58,3 +58,24 @@ def test_prefix_caching_is_exact(server, reference):
         got = list(pool.map(lambda j: complete_ids(server, *j), work[1:]))
     assert got == want[1:]
     assert prefix_hits(server) > before
+
+
+def test_qwen35moe_gguf_file_is_served(tmp_path, reference):
+    """`vllm serve file.gguf`: the same weights as a llama.cpp qwen35moe file (F32, so the
+    tokens are the reference's; experts in block form), concurrent requests."""
+    from qwen3_5_checkpoint import random_model, write_gguf
+
+    gguf = write_gguf(random_model(seed=0, config=MOE_CONFIG), tmp_path / "qwen35moe.gguf",
+                      config=MOE_CONFIG)
+    s = Server(str(gguf), "qwen3_5_moe-gguf", ["--dtype", "float32", "--max-model-len", "128",
+                                               "--max-num-seqs", "4", "--num-gpu-blocks-override",
+                                               "32"],
+               env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    try:
+        work = jobs(5, 4)
+        want = [greedy(reference, p, n) for p, n in work]
+        with cf.ThreadPoolExecutor(len(work)) as pool:
+            got = list(pool.map(lambda j: complete_ids(s, *j), work))
+        assert got == want
+    finally:
+        s.stop()
