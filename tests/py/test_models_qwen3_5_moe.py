@@ -3,7 +3,8 @@ sparse MoE block with a gated shared expert) from safetensors, routed experts on
 ops.fused_moe: greedy tokens and prompt logits against mlx-lm's own qwen3_5_moe forward on
 a tiny random checkpoint (4 layers, 8 experts, top-2, hidden 64); requests packed together
 with chunked prefill; both HF expert layouts and the published (vision + language) layout
-load the same model."""
+load the same model; the same weights as a llama.cpp qwen35moe GGUF (F32: mlx-lm's tokens;
+Q8_0 experts in block form on fused_moe_gguf: equal to the file dequantized)."""
 
 from __future__ import annotations
 
