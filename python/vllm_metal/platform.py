@@ -38,7 +38,12 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM",
     "Qwen3_5ForCausalLM",  # hybrid: gated delta net + attention (hybrid.py)
     "Qwen3_5ForConditionalGeneration",  # the same, text-only (vision tower not loaded)
+    "Qwen3_5MoeForCausalLM",  # Qwen3.5 with MoE MLPs on ops.fused_moe (models/moe.py)
+    "Qwen3_5MoeForConditionalGeneration",  # the same, text-only
 }
+# hybrid (per-request state): generate runner only
+HYBRID_ARCHITECTURES = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
+                        "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"}
 
 # --runner pooling only: the decoder body plus a score layer (pooling.py)
 SEQUENCE_CLASSIFIERS = {
@@ -325,7 +330,7 @@ def _refuse_unsupported_encoder(vllm_config: VllmConfig) -> None:
 def _refuse_unsupported_pooling(vllm_config: VllmConfig, archs: set[str]) -> None:
     """What the pooling runner (pooling.py) does not do."""
     model = vllm_config.model_config
-    decoders = SUPPORTED_ARCHITECTURES - {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"}
+    decoders = SUPPORTED_ARCHITECTURES - HYBRID_ARCHITECTURES
     served = decoders | SEQUENCE_CLASSIFIERS | ENCODER_ARCHITECTURES
     if not archs & served:
         _refuse(f"architecture {sorted(archs) or 'unknown'} with --runner pooling",

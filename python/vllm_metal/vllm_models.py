@@ -53,8 +53,17 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     the loader skips the vision tower's weights."""
 
 
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE text: the same hybrid layers with MoE MLPs (models/moe.py)."""
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
+    """The published Qwen3.5-MoE checkpoints (vision + language): served text-only."""
+
+
 # architecture -> "module:class", registered by vllm_metal.register_general
 REGISTRY_OVERRIDES = {
-    "Qwen3_5ForCausalLM": "vllm_metal.vllm_models:Qwen3_5ForCausalLM",
-    "Qwen3_5ForConditionalGeneration": "vllm_metal.vllm_models:Qwen3_5ForConditionalGeneration",
+    name: f"vllm_metal.vllm_models:{name}"
+    for name in ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
+                 "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 }

@@ -4,6 +4,7 @@ reference: mlx-lm's own qwen3_5 TextModel loaded from the same files.
     ckpt = write_checkpoint(dir)              # config.json, model.safetensors (HF layout),
                                               # tokenizer.json (byte-level BPE), generation_config
     ref = reference_model(ckpt)               # mlx-lm's model, its own loader and sanitize
+                                              # (qwen3_5_moe's for MOE_CONFIG checkpoints)
     tokens = greedy(ref, prompt_ids, n)       # mlx-lm's forward + its own caches
 """
 
@@ -30,6 +31,12 @@ CONFIG = dict(
     rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0,
                      "partial_rotary_factor": 0.25, "mrope_interleaved": True},
 )
+# Qwen3.5-MoE: every MLP a sparse MoE block (8 experts, top-2) plus a gated shared expert
+MOE_CONFIG = dict(
+    CONFIG, model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"],
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1,
+)
 # Norms Qwen3.5 checkpoints store zero-centred (the model multiplies by 1 + w);
 # mlx-lm's sanitize adds the 1 back when the conv weights are in HF layout.
 _CENTRED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight",
@@ -49,13 +56,17 @@ def random_model(seed: int = 0, config: dict = CONFIG):
             gdn.dt_bias = mx.random.normal((gdn.num_v_heads,))
             gdn.norm.weight = 1 + 0.1 * mx.random.normal(gdn.norm.weight.shape)
         layer.input_layernorm.weight = 1 + 0.1 * mx.random.normal((config["hidden_size"],))
+        if config.get("num_experts"):  # sharper routing: the top-k choice varies by token
+            layer.mlp.gate.weight = 4 * layer.mlp.gate.weight
     model.model.embed_tokens.weight = 0.5 * model.model.embed_tokens.weight
     mx.eval(model.parameters())
     return model
 
 
-def hf_weights(model) -> dict[str, np.ndarray]:
-    """The model's parameters named and laid out as an HF Qwen3.5 text checkpoint."""
+def hf_weights(model, expert_layout: str = "fused") -> dict[str, np.ndarray]:
+    """The model's parameters named and laid out as an HF Qwen3.5 text checkpoint. MoE
+    experts: "fused" as the published Qwen3.5-MoE checkpoints (experts.gate_up_proj
+    [E, 2I, H], experts.down_proj [E, H, I]) or "per_expert" (experts.{e}.*_proj.weight)."""
     out = {}
     for name, value in tree_flatten(model.parameters()):
         v = np.array(value.astype(mx.float32))
@@ -64,6 +75,18 @@ def hf_weights(model) -> dict[str, np.ndarray]:
         elif name.endswith(_CENTRED_NORMS):
             v = v - 1.0
         out[name] = v
+    for name in [n for n in out if n.endswith(".switch_mlp.gate_proj.weight")]:
+        prefix = name[:-len(".switch_mlp.gate_proj.weight")]
+        projs = {p: out.pop(f"{prefix}.switch_mlp.{p}.weight")
+                 for p in ("gate_proj", "up_proj", "down_proj")}
+        if expert_layout == "fused":
+            out[f"{prefix}.experts.gate_up_proj"] = np.concatenate(
+                [projs["gate_proj"], projs["up_proj"]], axis=1)
+            out[f"{prefix}.experts.down_proj"] = projs["down_proj"]
+        else:
+            for p, w in projs.items():
+                for e in range(w.shape[0]):
+                    out[f"{prefix}.experts.{e}.{p}.weight"] = w[e]
     return out
 
 
@@ -86,20 +109,23 @@ def write_tokenizer(out: Path, vocab_size: int = VOCAB) -> None:
 
 
 def write_checkpoint(out_dir, seed: int = 0, config: dict = CONFIG, *,
-                     vision_language: bool = False) -> Path:
+                     vision_language: bool = False, expert_layout: str = "fused") -> Path:
     """vision_language: laid out as the published Qwen3.5 checkpoints are
     (Qwen3_5ForConditionalGeneration: text config nested, language-model weights under
     model.language_model., a vision tower -- here one stand-in tensor)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = random_model(seed, config)
-    weights = hf_weights(model)
+    weights = hf_weights(model, expert_layout)
+    moe = bool(config.get("num_experts"))
     if vision_language:
         weights = {("model.language_model." + k[len("model."):]) if k.startswith("model.") else k: v
                    for k, v in weights.items()}
         weights["model.visual.patch_embed.proj.weight"] = np.ones((8, 3, 2, 2, 2), np.float32)
         text = {k: v for k, v in config.items() if k not in ("architectures", "tie_word_embeddings")}
-        config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+        config = {"model_type": "qwen3_5_moe" if moe else "qwen3_5",
+                  "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe
+                                    else "Qwen3_5ForConditionalGeneration"],
                   "text_config": text, "tie_word_embeddings": config["tie_word_embeddings"],
                   "eos_token_id": config["eos_token_id"], "bos_token_id": config["bos_token_id"]}
     mx.save_safetensors(str(out / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()})
@@ -111,12 +137,17 @@ def write_checkpoint(out_dir, seed: int = 0, config: dict = CONFIG, *,
 
 
 def reference_model(checkpoint_dir):
-    """mlx-lm's qwen3_5.TextModel from the checkpoint, through mlx-lm's own loader."""
-    from mlx_lm.models import qwen3_5
+    """mlx-lm's qwen3_5.TextModel from the checkpoint, through mlx-lm's own loader; for a
+    MoE checkpoint mlx-lm's qwen3_5_moe.Model (its own expert sanitize, fused layout only)."""
+    from mlx_lm.models import qwen3_5, qwen3_5_moe
     from mlx_lm.utils import load_model
 
-    model, _ = load_model(Path(checkpoint_dir),
-                          get_model_classes=lambda config: (qwen3_5.TextModel, qwen3_5.TextModelArgs))
+    def classes(config):
+        if config.get("num_experts") or config.get("text_config", {}).get("num_experts"):
+            return qwen3_5_moe.Model, qwen3_5_moe.ModelArgs
+        return qwen3_5.TextModel, qwen3_5.TextModelArgs
+
+    model, _ = load_model(Path(checkpoint_dir), get_model_classes=classes)
     return model
 
 
@@ -205,12 +236,16 @@ def _grouped_to_tiled(w: np.ndarray, num_k: int, num_v: int, axis: int = 0) -> n
 def write_gguf(model, path, config: dict = CONFIG, *, qtype: str = "F32", mtp: bool = False):
     """model (mlx-lm TextModel) as llama.cpp's converter writes it: norms 1 + w (mlx-lm's
     multiplier), ssm_a = -exp(A_log), conv1d [C, K], value heads in tiled order; `mtp`
-    adds an MTP layer blk.{n} with nextn tensors and qwen35.nextn_predict_layers = 1."""
+    adds an MTP layer blk.{n} with nextn tensors and qwen35.nextn_predict_layers = 1.
+    A MoE config writes a "qwen35moe" file: router ffn_gate_inp, experts ffn_*_exps
+    [E, rows, cols] (in `qtype` too), shared expert ffn_*_shexp, its gate
+    ffn_gate_inp_shexp as a vector [hidden] (llama.cpp's shape)."""
     import gguf
 
     from vllm_metal.models.testing import add_byte_level_tokenizer
 
-    arch = "qwen35"
+    moe = bool(config.get("num_experts"))
+    arch = "qwen35moe" if moe else "qwen35"
     n = config["num_hidden_layers"]
     hk, hv = config["linear_num_key_heads"], config["linear_num_value_heads"]
     dk, dv = config["linear_key_head_dim"], config["linear_value_head_dim"]
@@ -220,6 +255,11 @@ def write_gguf(model, path, config: dict = CONFIG, *, qtype: str = "F32", mtp: b
     w.add_context_length(config["max_position_embeddings"])
     w.add_embedding_length(config["hidden_size"])
     w.add_feed_forward_length(config["intermediate_size"])
+    if moe:
+        w.add_expert_count(config["num_experts"])
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     w.add_head_count(config["num_attention_heads"])
     w.add_head_count_kv(config["num_key_value_heads"])
     w.add_key_length(config["head_dim"])
@@ -245,7 +285,7 @@ def write_gguf(model, path, config: dict = CONFIG, *, qtype: str = "F32", mtp: b
 
     def add(name, value):
         value = np.ascontiguousarray(value, dtype=np.float32)
-        if value.ndim == 2 and qtype != "F32" and value.shape[1] % block == 0:
+        if value.ndim in (2, 3) and qtype != "F32" and value.shape[-1] % block == 0:
             w.add_tensor(name, gguf.quants.quantize(value, qt), raw_dtype=qt)
         else:
             w.add_tensor(name, value)
@@ -257,7 +297,13 @@ def write_gguf(model, path, config: dict = CONFIG, *, qtype: str = "F32", mtp: b
              "mlp.down_proj": "ffn_down", "linear_attn.in_proj_qkv": "attn_qkv",
              "linear_attn.in_proj_z": "attn_gate", "linear_attn.in_proj_b": "ssm_beta",
              "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.norm": "ssm_norm",
-             "linear_attn.out_proj": "ssm_out", "linear_attn.conv1d": "ssm_conv1d"}
+             "linear_attn.out_proj": "ssm_out", "linear_attn.conv1d": "ssm_conv1d",
+             "mlp.gate": "ffn_gate_inp", "mlp.switch_mlp.gate_proj": "ffn_gate_exps",
+             "mlp.switch_mlp.up_proj": "ffn_up_exps", "mlp.switch_mlp.down_proj": "ffn_down_exps",
+             "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+             "mlp.shared_expert.up_proj": "ffn_up_shexp",
+             "mlp.shared_expert.down_proj": "ffn_down_shexp",
+             "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
     tile = lambda x, axis=0: _grouped_to_tiled(x, hk, hv, axis)  # noqa: E731
     for name, value in tree_flatten(model.parameters()):
         v = np.array(value.astype(mx.float32))
@@ -285,6 +331,8 @@ def write_gguf(model, path, config: dict = CONFIG, *, qtype: str = "F32", mtp: b
                 v = tile(v)
             elif module == "linear_attn.out_proj":
                 v = tile(v, axis=1)
+            elif module == "mlp.shared_expert_gate":
+                v = v[0]  # [1, hidden] -> [hidden]
             add(f"blk.{i}.{names[module]}.{param}", v)
     if mtp:  # a full-attention layer plus the nextn projections, random
         rng = np.random.default_rng(9)

@@ -169,10 +169,12 @@ def install_block_weights(lm: nn.Module, weights: dict) -> dict[str, mx.array]:
 
 
 def set_exact_activations(lm: nn.Module, exact: bool) -> None:
-    """Every GGUFLinear / GGUFEmbedding of `lm` multiplies float32 activations
-    (exact) or 8-bit rounded ones (not exact)."""
+    """Every GGUFLinear / GGUFEmbedding and GGUF expert stack (moe.GGUFSwitchGLU) of `lm`
+    multiplies float32 activations (exact) or 8-bit rounded ones (not exact)."""
+    from vllm_metal.models.moe import GGUFSwitchGLU
+
     for _, m in lm.named_modules():
-        if isinstance(m, _BlockWeight):
+        if isinstance(m, (_BlockWeight, GGUFSwitchGLU)):
             m.exact = exact
 
 

@@ -1,4 +1,5 @@
-"""Qwen3.5 text GGUF files (llama.cpp architecture "qwen35"): config and weights.
+"""Qwen3.5 text GGUF files (llama.cpp architectures "qwen35" and, with MoE MLPs,
+"qwen35moe"): config and weights.
 
 llama.cpp's converter (conversion/qwen.py: Qwen3NextModel, _LinearAttentionVReorderBase,
 Qwen3_5TextModel) writes, besides renaming:
@@ -13,6 +14,9 @@ Qwen3_5TextModel) writes, besides renaming:
   tensors, counted in block_count and announced by qwen35.nextn_predict_layers.
 We undo all of it, giving mlx-lm's sanitized parameters (norms 1 + w, conv1d
 [C, K, 1]) in HF head order, and drop the MTP layers (we do not draft with them).
+qwen35moe adds per layer the router ffn_gate_inp, the stacked experts ffn_*_exps
+([E, rows, cols], kept in block form for ops.fused_moe_gguf), the shared expert
+ffn_*_shexp and its gate ffn_gate_inp_shexp (a vector [hidden]: HF's [1, hidden]).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 ARCH = "qwen35"
+MOE_ARCH = "qwen35moe"
 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -50,21 +55,33 @@ _BLOCK = {
     "ssm_conv1d": "linear_attn.conv1d",
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
+    # qwen35moe
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 
 # tensors of linear layers and embeddings: may stay in block form (GGUFLinear)
 _LINEAR = {"token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
-           "ffn_up", "ffn_down", "attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out"}
+           "ffn_up", "ffn_down", "attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out",
+           "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp",
+           "ffn_up_shexp", "ffn_down_shexp"}
 
 
 def hf_config(ckpt) -> dict:
-    """The HF Qwen3.5 text config of a qwen35 GGUF (MTP layers not counted)."""
+    """The HF Qwen3.5 text config of a qwen35 / qwen35moe GGUF (MTP layers not counted)."""
     from vllm_metal.models.gguf_loader import _f32, native_dtype
 
     meta = ckpt.metadata
+    arch = ckpt.architecture
 
     def get(key, default=None):
-        return meta.get(f"{ARCH}.{key}", default)
+        return meta.get(f"{arch}.{key}", default)
 
     nextn = int(get("nextn_predict_layers", 0) or 0)
     n_layers = int(get("block_count")) - nextn
@@ -80,7 +97,7 @@ def hf_config(ckpt) -> dict:
         "architectures": ["Qwen3_5ForCausalLM"],
         "model_type": "qwen3_5_text",
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": int(get("feed_forward_length") or 0),
         "num_hidden_layers": n_layers,
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
@@ -109,6 +126,14 @@ def hf_config(ckpt) -> dict:
         value = meta.get(f"tokenizer.ggml.{key}_token_id")
         if value is not None:
             cfg["pad_token_id" if key == "padding" else f"{key}_token_id"] = int(value)
+    if arch == MOE_ARCH:
+        # llama.cpp's qwen35moe graph: softmax router, top-k weights renormalized
+        cfg.update(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text",
+                   num_experts=int(get("expert_count")),
+                   num_experts_per_tok=int(get("expert_used_count")),
+                   moe_intermediate_size=int(get("expert_feed_forward_length")),
+                   shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length")),
+                   norm_topk_prob=True, decoder_sparse_step=1)
     check_rotary(cfg)
     return cfg
 
@@ -185,12 +210,14 @@ def load_weights(ckpt, config: dict, dtype: mx.Dtype, *, blocks: bool = False) -
                 w = _rows(w.T, perm, dv).T
         if kind == "ssm_conv1d":  # [C, K] -> mlx-lm's Conv1d weight [C, K, 1]
             w = w[:, :, None]
+        elif kind == "ffn_gate_inp_shexp":  # [hidden] -> the Linear(hidden, 1) weight
+            w = w.reshape(1, -1)
         out[target] = w if kind == "ssm_a" else w.astype(dtype)
     return out
 
 
 def is_qwen35(ckpt) -> bool:
-    return ckpt.architecture == ARCH
+    return ckpt.architecture in (ARCH, MOE_ARCH)
 
 
 def check_rotary(config: dict) -> None:

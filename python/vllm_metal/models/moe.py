@@ -3,9 +3,11 @@
 `swap_moe_blocks(lm)` replaces, in place, every mlx-lm Qwen3-MoE style block (a
 router `gate` linear and a `switch_mlp` SwitchGLU of stacked expert weights
 [E, I, H] / [E, H, I]) by `FusedMoeBlock`, which keeps those children and so
-their parameter names. Blocks whose experts are MLX-quantized keep mlx-lm's
-module (gather_qmm). GGUF experts (llama.cpp's ffn_*_exps, kept in block form) are
-installed by `install_expert_blocks` as GGUFSwitchGLU and run on ops.fused_moe_gguf.
+their parameter names. Qwen3-Next / Qwen3.5-MoE blocks add a shared expert (a dense
+MLP run beside the op) scaled by sigmoid(shared_expert_gate(x)). Blocks whose experts
+are MLX-quantized keep mlx-lm's module (gather_qmm). GGUF experts (llama.cpp's
+ffn_*_exps, kept in block form) are installed by `install_expert_blocks` as
+GGUFSwitchGLU and run on ops.fused_moe_gguf.
 """
 
 from __future__ import annotations
@@ -18,36 +20,52 @@ from vllm_metal import ops
 # mlx-lm module -> (router scoring, attribute holding norm_topk_prob or None = always)
 _MOE_BLOCKS = {
     "Qwen3MoeSparseMoeBlock": ("softmax", "norm_topk_prob"),
+    "Qwen3NextSparseMoeBlock": ("softmax", "norm_topk_prob"),  # Qwen3.5-MoE: + shared expert
 }
 
 
 class FusedMoeBlock(nn.Module):
-    """x [T, hidden] -> sum over the top_k experts of p_e * SwiGLU_e(x)."""
+    """x [T, hidden] -> sum over the top_k experts of p_e * SwiGLU_e(x), plus
+    sigmoid(shared_expert_gate(x)) * shared_expert(x) when the block has a shared expert."""
 
     def __init__(self, gate: nn.Module, switch_mlp: nn.Module, *, top_k: int, renormalize: bool,
-                 scoring: str):
+                 scoring: str, shared_expert: nn.Module | None = None,
+                 shared_expert_gate: nn.Module | None = None):
         super().__init__()
         self.gate = gate
         self.switch_mlp = switch_mlp
         self.top_k = int(top_k)
         self.renormalize = bool(renormalize)
         self.scoring = scoring
+        if (shared_expert is None) != (shared_expert_gate is None):
+            raise ValueError("[vllm-metal] a shared expert needs its shared_expert_gate")
+        if shared_expert is not None:
+            self.shared_expert = shared_expert
+            self.shared_expert_gate = shared_expert_gate
 
     @classmethod
     def replacing(cls, block: nn.Module) -> "FusedMoeBlock":
         scoring, norm_attr = _MOE_BLOCKS[type(block).__name__]
         renormalize = bool(getattr(block, norm_attr)) if norm_attr else True
         return cls(block.gate, block.switch_mlp, top_k=block.top_k, renormalize=renormalize,
-                   scoring=scoring)
+                   scoring=scoring, shared_expert=getattr(block, "shared_expert", None),
+                   shared_expert_gate=getattr(block, "shared_expert_gate", None))
 
     def __call__(self, x: mx.array) -> mx.array:
+        y = self._routed(x)
+        if "shared_expert" in self:
+            y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
+
+    def _routed(self, x: mx.array) -> mx.array:
         sw = self.switch_mlp
         logits = self.gate(x)
         if isinstance(sw, GGUFSwitchGLU):
             g, u, d = sw.gate_proj, sw.up_proj, sw.down_proj
             return ops.fused_moe_gguf(x, logits, g.weight, g.type_id, u.weight, u.type_id, d.weight,
                                       d.type_id, inter=g.rows, top_k=self.top_k,
-                                      renormalize=self.renormalize, scoring=self.scoring)
+                                      renormalize=self.renormalize, scoring=self.scoring,
+                                      exact=sw.exact)
         return ops.fused_moe(x, logits, sw.gate_proj.weight, sw.up_proj.weight,
                              sw.down_proj.weight, top_k=self.top_k,
                              renormalize=self.renormalize, scoring=self.scoring)
@@ -71,6 +89,9 @@ class GGUFSwitchGLU(nn.Module):
         self.gate_proj = gate_proj
         self.up_proj = up_proj
         self.down_proj = down_proj
+        # float32 activations (CPU), as GGUFLinear's default; gguf_linear.set_exact_activations
+        # switches both to 8-bit rounded ones (VLLM_METAL_INT8_ACTIVATIONS)
+        self.exact = True
 
 
 _EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")

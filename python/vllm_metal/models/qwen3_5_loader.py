@@ -2,13 +2,15 @@
 
 mlx-lm's ``qwen3_5.TextModel`` is built from the HF text config and its ``sanitize``
 (HF conv1d layout, zero-centred norms stored as w - 1, MTP tensors dropped) takes the
-checkpoint's weights, so a checkpoint loads exactly as mlx-lm loads it. GGUF files go
+checkpoint's weights, so a checkpoint loads exactly as mlx-lm loads it. MoE checkpoints
+(Qwen3.5-MoE) have their expert tensors stacked into mlx-lm's SwitchGLU layout first. GGUF files go
 through gguf_loader, which names their tensors as an HF checkpoint would.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import mlx.core as mx
 from vllm_metal.models.qwen3_5_paged import PagedQwen3_5, StateShapes, layer_is_linear
 
 HF_ARCHITECTURE = "Qwen3_5ForCausalLM"
+HF_MOE_ARCHITECTURE = "Qwen3_5MoeForCausalLM"
 
 
 @dataclass
@@ -54,13 +57,51 @@ def text_weight_name(name: str) -> str | None:
     return name
 
 
+_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp)\.experts\."
+                      r"(?:(\d+)\.(gate_proj|up_proj|down_proj)\.weight|(gate_up_proj|down_proj))$")
+
+
+def stack_experts(weights: dict, num_experts: int) -> dict:
+    """MoE expert tensors as mlx-lm's SwitchGLU holds them (switch_mlp.{gate,up,down}_proj
+    [E, out, in]), from either HF layout: fused (experts.gate_up_proj [E, 2I, H] and
+    experts.down_proj [E, H, I], the published Qwen3.5-MoE checkpoints) or one tensor per
+    expert (experts.{e}.gate_proj.weight ...). A layer missing an expert is refused."""
+    out, per_expert = {}, {}
+    for name, value in weights.items():
+        m = _EXPERTS.match(name)
+        if m is None:
+            out[name] = value
+            continue
+        prefix, expert, proj, fused = m.groups()
+        if fused == "gate_up_proj":
+            if value.ndim != 3 or value.shape[1] % 2:
+                raise ValueError(f"[vllm-metal] {name}: expected [experts, 2 * inter, hidden], "
+                                 f"got {tuple(value.shape)}")
+            half = value.shape[1] // 2
+            out[f"{prefix}.switch_mlp.gate_proj.weight"] = value[:, :half]
+            out[f"{prefix}.switch_mlp.up_proj.weight"] = value[:, half:]
+        elif fused == "down_proj":
+            out[f"{prefix}.switch_mlp.down_proj.weight"] = value
+        else:
+            per_expert.setdefault((prefix, proj), {})[int(expert)] = value
+    for (prefix, proj), experts in per_expert.items():
+        if sorted(experts) != list(range(num_experts)):
+            raise ValueError(f"[vllm-metal] {prefix}.experts.*.{proj}.weight: expected experts "
+                             f"0..{num_experts - 1}, found {len(experts)}")
+        out[f"{prefix}.switch_mlp.{proj}.weight"] = mx.stack([experts[e] for e in range(num_experts)])
+    return out
+
+
 def model_classes():
     from mlx_lm.models import qwen3_5
 
     class TextModel(qwen3_5.TextModel):
         def sanitize(self, weights):
             renamed = {text_weight_name(k): v for k, v in weights.items()}
-            return super().sanitize({k: v for k, v in renamed.items() if k is not None})
+            renamed = {k: v for k, v in renamed.items() if k is not None}
+            if self.args.num_experts:
+                renamed = stack_experts(renamed, self.args.num_experts)
+            return super().sanitize(renamed)
 
     return TextModel, qwen3_5.TextModelArgs
 
@@ -82,6 +123,7 @@ def load_safetensors(path: Path, dtype: str | None, linear: str):
 def load_gguf(gguf_path: Path, hf_config: dict, dtype: str | None, linear: str):
     from vllm_metal.models import gguf_loader, gguf_qwen35, loader
     from vllm_metal.models.gguf_linear import install_block_weights
+    from vllm_metal.models.moe import install_expert_blocks
 
     ckpt = gguf_loader.GGUFCheckpoint(str(gguf_path))
     config = text_config(hf_config)
@@ -90,6 +132,7 @@ def load_gguf(gguf_path: Path, hf_config: dict, dtype: str | None, linear: str):
     lm = model_class(args_class.from_dict(config))
     # already in mlx-lm's sanitized form (gguf_qwen35.py); sanitize would re-centre norms
     weights = gguf_qwen35.load_weights(ckpt, config, target, blocks=linear == "gguf")
+    weights = install_expert_blocks(lm, weights)  # qwen35moe: ffn_*_exps in block form
     weights = install_block_weights(lm, weights)
     lm.load_weights(list(weights.items()), strict=True)
     lm.eval()
@@ -125,7 +168,7 @@ def finish(lm, config: dict, hf_config: dict, dtype: mx.Dtype, eos_ids: list[int
         dtype=loader._dtype_name(dtype),
         sliding_window_per_layer=[0] * len(model.layers),
         vocab_size=int(config["vocab_size"]),
-        architecture=HF_ARCHITECTURE,
+        architecture=HF_MOE_ARCHITECTURE if config.get("num_experts") else HF_ARCHITECTURE,
     )
     hybrid = HybridSpec(attention_layers=attention,
                         linear_layers=[i for i, lin in enumerate(is_linear) if lin],

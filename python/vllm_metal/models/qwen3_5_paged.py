@@ -11,7 +11,9 @@ as the batch packer lays them out):
 - full-attention layers: q/k/v projections, per-head q/k RMSNorm, ``ops.mrope``
   (interleaved sections, partial rotary; text tokens carry one position in all three
   streams), ``reshape_and_cache`` + ``paged_attention`` over vLLM's blocks, and
-  Qwen3-Next's sigmoid output gate.
+  Qwen3-Next's sigmoid output gate;
+- MoE checkpoints (Qwen3.5-MoE): the routed experts on ``ops.fused_moe``, the shared
+  expert a dense MLP beside it (models/moe.py).
 
 The forward walks mlx-lm's module tree itself and never calls its ``__call__`` (no
 [T, T] masks, no per-request caches).
@@ -27,9 +29,11 @@ import mlx.nn as nn
 from vllm_metal import ops
 from vllm_metal.models.context import AttentionContext
 from vllm_metal.models.layers import RMSNorm
+from vllm_metal.models.moe import swap_moe_blocks
 from vllm_metal.models.qwen3_5 import StatePool
 
-MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+# dense and MoE (routed experts + a shared expert on ops.fused_moe, models/moe.py)
+MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
 
 
 @dataclass
@@ -180,8 +184,7 @@ class PagedQwen3_5(nn.Module):
         super().__init__()
         args = lm.args
         if getattr(args, "num_experts", 0):
-            raise ValueError("[vllm-metal] Qwen3.5 MoE checkpoints are not supported yet "
-                             "(dense Qwen3.5 text models only)")
+            swap_moe_blocks(lm)  # dense experts on ops.fused_moe; MLX-quantized stay mlx-lm's
         self.lm = lm  # mlx-lm's qwen3_5.TextModel; parameters keep its names under "lm."
         self.is_linear = [layer.is_linear for layer in lm.model.layers]
         if self.is_linear != layer_is_linear(config):
