@@ -217,12 +217,10 @@ def _draft_server(draft_dir: str, extra: list[str], common: list[str] = COMMON) 
 
 @pytest.fixture(scope="module")
 def self_draft():
-    """SmolLM2 drafting for itself (its GGUF's directory), async scheduling: with
+    """SmolLM2 drafting for itself (the .gguf file named as the draft), async scheduling: with
     batch-invariant logits every draft is the target's own greedy token, so all must be
     kept: a draft cache missing or misplacing a token would show as a rejection."""
-    from vllm_metal.models import prepare_gguf_dir
-
-    s = _draft_server(prepare_gguf_dir(smollm2_gguf()), [])
+    s = _draft_server(smollm2_gguf(), [])
     yield s
     s.stop()
 
