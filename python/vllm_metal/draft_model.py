@@ -68,13 +68,17 @@ class DraftModel:
         self.kv_caches = ctx.kv_caches
         return logits
 
-    def propose(self, tokens: np.ndarray, positions: np.ndarray,
-                block_tables: np.ndarray) -> np.ndarray:
+    def propose(self, tokens: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
+                num_blocks: np.ndarray) -> np.ndarray:
         """Greedy drafts [n, k'] for n requests whose newest token tokens[i] sits at
-        positions[i] (not yet in the draft's cache), with their block tables [n, width].
-        k' = min(k, room before max_model_len); a row's drafts past its own room are -1."""
+        positions[i] (not yet in the draft's cache), with their block tables [n, width]
+        (zero-padded past num_blocks[i], the blocks the request holds). A request's room:
+        its drafts before max_model_len and inside its own blocks (a write past them would
+        land in block 0, another request's); k' = min(k, the largest room), and a row's
+        drafts past its own room are -1."""
         n = len(tokens)
-        room = self.max_model_len - 1 - positions  # drafts a request may still take
+        room = np.minimum(self.max_model_len - 1 - positions,
+                          num_blocks * self.block_size - positions)
         steps = int(min(self.k, room.max(initial=0)))
         out = np.full((n, max(steps, 0)), -1, np.int64)
         if n == 0 or steps <= 0:

@@ -113,7 +113,7 @@ class Speculation:
             tables = np.zeros((len(ids), max(len(b) for b in held)), np.int32)
             for i, b in enumerate(held):
                 tables[i, :len(b)] = b
-            drafts = self.draft.propose(last, positions, tables)
+            drafts = self.draft.propose(last, positions, tables, np.array([len(b) for b in held]))
             counts = (drafts >= 0).sum(axis=1)
         else:
             rows = np.array([packer.row_of(r) for r in ids], np.int32)
