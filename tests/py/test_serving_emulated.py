@@ -247,10 +247,12 @@ def test_batch_invariant_mode_gives_each_request_its_solo_logprobs_bitwise(serve
 SPEC_JOBS = [([5 + (i % 7) for i in range(n)], m) for n, m in [(21, 14), (9, 12), (30, 10)]]
 
 
-def test_speculative_decoding_on_the_emulated_gpu_path(tmp_path):
-    """n-gram speculation on the Metal path (steps with several tokens of one request, its
-    drafts, through the decoder layer's plan): the greedy tokens of the CPU path decoded one
-    token at a time, and drafts proposed and kept."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_on_the_emulated_gpu_path(tmp_path, method):
+    """Speculation on the Metal path (steps with several tokens of one request, its drafts,
+    through the decoder layer's plan): the greedy tokens of the CPU path decoded one token
+    at a time, and drafts proposed and kept. draft_model: the checkpoint drafts for itself
+    (its cache and decode passes on the emulated kernels too)."""
     import json
     import re
 
@@ -262,6 +264,8 @@ def test_speculative_decoding_on_the_emulated_gpu_path(tmp_path):
     want = [greedy_generate(loaded, [p], m, stop_ids=[])[0] for p, m in SPEC_JOBS]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
             "prompt_lookup_max": 3}
+    if method == "draft_model":
+        spec = {"method": "draft_model", "model": str(checkpoint), "num_speculative_tokens": 3}
     (tmp_path / "sitecustomize.py").write_text(STEP_LOG_HOOK)
     env = {**EMULATED_GPU_PATH, "KV_COPY_LOG": str(tmp_path / "steps.log"),
            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
