@@ -105,8 +105,9 @@ class Speculation:
         if not ids:
             return
         if self.draft is not None:
-            last = np.array([packer.token_ids(r)[-1] for r in ids], np.int64)
-            positions = np.array([len(packer.token_ids(r)) - 1 for r in ids], np.int64)
+            histories = [packer.token_ids(r) for r in ids]  # copies: read each once
+            last = np.array([h[-1] for h in histories], np.int64)
+            positions = np.array([len(h) - 1 for h in histories], np.int64)
             # every block the request holds: the step's own table stops at its tokens,
             # the drafts go into the lookahead blocks after them
             held = [packer.block_ids(r)[group] for r in ids]
