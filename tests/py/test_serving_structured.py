@@ -48,8 +48,11 @@ PICK = r"(red|green|blue) [1-9][0-9]?"  # what both grammars accept
 @pytest.fixture(scope="module", params=["async", "sync"])
 def server(request):
     extra = [] if request.param == "async" else ["--no-async-scheduling"]
+    # batch-invariant: "each request gives what it gives alone" is only promised in that mode
+    # (without it a near-tie may flip with the batch's composition, which timing decides)
     s = Server(smollm2_gguf(), "smollm2", ["--max-model-len", "512", "--max-num-seqs", "16",
-                                           "--num-gpu-blocks-override", "160"] + extra)
+                                           "--num-gpu-blocks-override", "160"] + extra,
+               env={"VLLM_BATCH_INVARIANT": "1"})
     s.mode = request.param
     yield s
     s.stop()
