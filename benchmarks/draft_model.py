@@ -1,0 +1,98 @@
+"""Speculative decoding with a draft model: what the draft machinery costs, served.
+
+No offline pair of models shares a vocabulary with a small and a large member, so this
+measures the upper bound of the cost: SmolLM2-135M (Q4_1 GGUF) drafting for itself, where
+every draft is kept (batch-invariant logits) but the draft is as expensive as the target.
+Servers one at a time in the order none, draft, draft, none; greedy requests with
+ignore_eos, one at a time (single stream) and --concurrency at once; output tokens/s.
+
+    .venv/bin/python benchmarks/draft_model.py [--tokens 128] [--k 3] [--json PATH]
+
+A real draft is several times cheaper than its target; the speedup then follows from the
+acceptance rate, which /metrics reports (vllm:spec_decode_num_accepted_tokens_total).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from compare.servers import Peer, RunningServer  # noqa: E402
+
+PROMPTS = ["Write a short story about a lighthouse keeper.",
+           "Explain how a bicycle works, step by step.",
+           "List ten facts about the moon.",
+           "Describe a walk through a busy market."]
+
+
+def peer(gguf: str, port: int, k: int | None) -> Peer:
+    vllm = Path(sys.executable).with_name("vllm")
+    spec = [] if k is None else ["--speculative-config", json.dumps(
+        {"method": "draft_model", "model": gguf, "num_speculative_tokens": k})]
+    return Peer(name="none" if k is None else f"draft k={k}",
+                argv=[str(vllm), "serve", gguf, "--served-model-name", "m", "--host", "127.0.0.1",
+                      "--port", str(port), "--max-model-len", "1024", "--max-num-seqs", "8",
+                      "--kv-cache-memory-bytes", str(256 << 20), *spec],
+                model="m", no_eos={"ignore_eos": True})
+
+
+def complete(base: str, prompt: str, tokens: int) -> int:
+    r = httpx.post(base + "/v1/completions", json={
+        "model": "m", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True},
+        timeout=600)
+    r.raise_for_status()
+    return r.json()["usage"]["completion_tokens"]
+
+
+def run_one(gguf: str, port: int, k: int | None, args) -> dict:
+    server = RunningServer(peer(gguf, port, k), port)
+    try:
+        complete(server.base, PROMPTS[0], 8)  # warm
+        t0 = time.perf_counter()
+        out = sum(complete(server.base, p, args.tokens) for p in PROMPTS[:2])
+        single = out / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            out = sum(pool.map(lambda p: complete(server.base, p, args.tokens),
+                               (PROMPTS * args.concurrency)[:args.concurrency]))
+        batch = out / (time.perf_counter() - t0)
+    finally:
+        server.stop()
+    return {"draft": k is not None, "single_tok_s": single, "concurrent_tok_s": batch}
+
+
+def main() -> None:
+    from vllm_metal.models.offline import OFFLINE_GGUF
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--port", type=int, default=8766)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    gguf = str(OFFLINE_GGUF["smollm2"]())
+    results = []
+    for k in (None, args.k, args.k, None):
+        r = run_one(gguf, args.port, k, args)
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    for draft in (False, True):
+        rows = [r for r in results if r["draft"] == draft]
+        print(f"{'self-draft k=' + str(args.k) if draft else 'no speculation'}: single stream "
+              f"{statistics.mean(r['single_tok_s'] for r in rows):.1f} tok/s, concurrency "
+              f"{args.concurrency} {statistics.mean(r['concurrent_tok_s'] for r in rows):.1f} tok/s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
