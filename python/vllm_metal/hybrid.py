@@ -20,11 +20,13 @@ accounting stays honest; the mamba groups' block ids still count in vLLM's pool 
 block per request and group), which is what vLLM's own accounting assumes.
 
 Speculative decoding. A step with drafts advances a request's state over all of them;
-when some are rejected the state must go back. Before such a step the runner saves the
-drafting requests' slots into a second set of pools (save_slots), and after a rejection
-restores the slot (restore_slots): the state then covers the tokens before the step,
-and the runner replays the step's kept tokens in front of the next one
-(model_runner.py). The attention layers rewrite their KV rows for those positions.
+when some are rejected the state must go back. The runner names the drafting requests
+before the step (save_before_drafts); the linear layers then cut each such chunk where
+its drafts begin and copy the state there into a second set of pools. After a rejection
+the slot is restored from that copy (restore_slots): the state covers every token before
+the drafts, and the runner replays only the kept drafts (fewer than k) in front of the
+next step (model_runner.py), so the replay cannot grow over consecutive rejections. The
+attention layers rewrite their KV rows for those positions.
 """
 
 from __future__ import annotations
@@ -181,6 +183,7 @@ class HybridState:
         self.saved = (loaded.model.make_state_pools(num_slots, getattr(mx, loaded.hybrid.conv_dtype))
                       if speculative else None)
         self.saved_len: dict[str, int] = {}  # tokens a saved copy covers
+        self.drafts: dict[str, int] = {}     # the coming step's drafts per request
         # prefix caching: states after cached prefixes, slots chosen by the scheduler's
         # StateCheckpointTable (state_checkpoints.py); its plan for the coming step
         conv_dtype = getattr(mx, loaded.hybrid.conv_dtype)
@@ -200,20 +203,16 @@ class HybridState:
                 out.append(_core.KvGroupSpec(block, num_blocks=num_blocks))
         return out
 
-    def save_slots(self, req_ids: list[str]) -> None:
-        """Copies the requests' states (running requests: they have slots) into the saved
-        pools, evaluated now: the step about to be built updates the slots in place."""
-        idx = mx.array(np.array([self.slot_of[r] for r in req_ids], np.int32))
-        for pool, saved in zip(self.pools, self.saved):
-            if pool is not None:
-                saved.conv = _set_rows(saved.conv, idx, pool.conv[idx])
-                saved.ssm = _set_rows(saved.ssm, idx, pool.ssm[idx])
-        mx.eval([(s.conv, s.ssm) for s in self.saved if s is not None])
-        for r in req_ids:
-            self.saved_len[r] = self.state_len[r]
+    def save_before_drafts(self, num_drafts: dict[str, int]) -> None:
+        """The coming step's drafting requests and their draft counts: their states are
+        saved where the drafts begin (the pass is cut there), for restore_slots."""
+        if self.saved is None:
+            raise RuntimeError("[vllm-metal] drafts on a hybrid runner built without "
+                               "speculative decoding")
+        self.drafts = {r: int(n) for r, n in num_drafts.items() if n > 0}
 
     def restore_slots(self, req_ids: list[str]) -> None:
-        """The requests' states back to their saved copies (the tokens before the step)."""
+        """The requests' states back to their saved copies (the tokens before the drafts)."""
         idx = mx.array(np.array([self.slot_of[r] for r in req_ids], np.int32))
         for pool, saved in zip(self.pools, self.saved):
             if pool is not None:
@@ -271,7 +270,7 @@ class HybridState:
         if load_to:
             self._load_checkpoints(np.array(load_to, np.int32), np.array(load_from, np.int32))
         rounds = self._rounds(req_ids, seq_lens, cu_seqlens_q, slots, has_init)
-        self.plan = None
+        self.plan, self.drafts = None, {}
         return slots, has_init, rounds
 
     def _load_checkpoints(self, to_slots: np.ndarray, from_slots: np.ndarray) -> None:
@@ -283,13 +282,15 @@ class HybridState:
 
     def _rounds(self, req_ids, seq_lens, cu_seqlens_q, slots, has_init) -> "StateRounds | None":
         """The linear layers' passes over this step's rows (models/qwen3_5_paged.py): one,
-        unless a checkpoint falls inside a chunk; then the chunk is cut there, its pieces
-        run in successive passes, and the state is saved between them."""
+        unless a state must be saved inside a chunk (a prefix-cache checkpoint, or where a
+        request's drafts begin); then the chunk is cut there, its pieces run in successive
+        passes, and the state is copied out between them."""
         writes = self.plan.writes if self.plan is not None else {}
-        if not writes:
+        if not writes and not self.drafts:
             return None
         cu = np.asarray(cu_seqlens_q)
-        pieces = []  # per request: [(first row, rows, checkpoint slot after it or -1)]
+        # per request: [(first row, rows, checkpoint slot after it or -1, save for drafts)]
+        pieces = []
         for b, r in enumerate(req_ids):
             end = int(seq_lens[b])
             start = end - int(cu[b + 1] - cu[b])
@@ -299,19 +300,26 @@ class HybridState:
                 if not start < tokens <= end:
                     raise RuntimeError(f"[vllm-metal] state checkpoint of request {r!r} after "
                                        f"{tokens} tokens is outside its chunk [{start}, {end})")
-                if tokens < end:
-                    cuts.append(tokens)
+                cuts.append(tokens)
                 save[tokens] = slot
-            cuts = sorted(set(cuts)) + [end]
-            pieces.append([(int(cu[b]) + lo - start, hi - lo, save.get(hi, -1))
+            keep_at = -1
+            if r in self.drafts:
+                keep_at = end - self.drafts[r]
+                if not start < keep_at < end:
+                    raise RuntimeError(f"[vllm-metal] request {r!r}: {self.drafts[r]} drafts do "
+                                       f"not fit its chunk [{start}, {end})")
+                cuts.append(keep_at)
+                self.saved_len[r] = keep_at
+            cuts = sorted(set(cuts) | {end})
+            pieces.append([(int(cu[b]) + lo - start, hi - lo, save.get(hi, -1), hi == keep_at)
                            for lo, hi in zip(cuts, cuts[1:])])
         rounds, rows_in_order = [], []
         for k in range(max(len(p) for p in pieces)):
-            rows, cu_k, slots_k, init_k, save_from, save_to = [], [0], [], [], [], []
+            rows, cu_k, slots_k, init_k, save_from, save_to, keep = [], [0], [], [], [], [], []
             for b, p in enumerate(pieces):
                 if k >= len(p):
                     continue
-                first, count, ckpt = p[k]
+                first, count, ckpt, before_drafts = p[k]
                 rows.append(np.arange(first, first + count, dtype=np.int32))
                 cu_k.append(cu_k[-1] + count)
                 slots_k.append(slots[b])
@@ -319,19 +327,30 @@ class HybridState:
                 if ckpt >= 0:
                     save_from.append(slots[b])
                     save_to.append(ckpt)
+                if before_drafts:
+                    keep.append(slots[b])
             rows = np.concatenate(rows)
             rows_in_order.append(rows)
             rounds.append(StateRound(
                 rows=mx.array(rows), cu_seqlens=mx.array(np.array(cu_k, np.int32)),
                 slots=mx.array(np.array(slots_k, np.int32)),
                 has_initial_state=mx.array(np.array(init_k, np.int32)),
-                save_from=mx.array(np.array(save_from, np.int32)) if save_from else None,
-                save_to=mx.array(np.array(save_to, np.int32)) if save_to else None))
+                save_from=_int32(save_from), save_to=_int32(save_to), keep=_int32(keep)))
         if len(rounds) == 1:
             rounds[0].rows = None  # every row, in order
-            return StateRounds(rounds, None, self.checkpoints)
+            return StateRounds(rounds, None, self.checkpoints, self.saved)
         order = np.argsort(np.concatenate(rows_in_order), kind="stable").astype(np.int32)
-        return StateRounds(rounds, mx.array(order), self.checkpoints)
+        return StateRounds(rounds, mx.array(order), self.checkpoints, self.saved)
+
+    def saved_arrays(self) -> list:
+        """What the step writes besides the pools (checkpoints, states before drafts):
+        evaluated with it, so no graph outlives the step."""
+        pools = [c for c in (self.checkpoints or []) + (self.saved or []) if c is not None]
+        return [(c.conv, c.ssm) for c in pools]
+
+
+def _int32(values: list) -> mx.array | None:
+    return mx.array(np.array(values, np.int32)) if values else None
 
 
 @dataclass
@@ -344,6 +363,7 @@ class StateRound:
     has_initial_state: mx.array    # int32 [n]
     save_from: mx.array | None     # state slots copied to checkpoint slots after the pass
     save_to: mx.array | None
+    keep: mx.array | None = None   # state slots copied to the saved pools after the pass
 
 
 @dataclass
@@ -351,6 +371,7 @@ class StateRounds:
     rounds: list[StateRound]
     order: mx.array | None         # int32: the passes' outputs, concatenated, back in row order
     checkpoints: list              # per layer: the checkpoint StatePool (None for attention)
+    saved: list | None = None      # per layer: the saved StatePool (speculative decoding)
 
 
 def _set_rows(pool: mx.array, idx: mx.array, rows: mx.array) -> mx.array:

@@ -45,7 +45,7 @@ def linear_attention(shapes, conv_dtype: str):
 
 def state_copies(speculative: bool) -> int:
     """State pools per linear layer: the slots, and under speculative decoding their
-    saved copies (hybrid.HybridState.save_slots)."""
+    saved copies (hybrid.HybridState.save_before_drafts)."""
     return 2 if speculative else 1
 
 

@@ -333,10 +333,10 @@ class MetalModelRunner(DeltaHooks):
 
     def _packer_token_budget(self) -> int:
         """The scheduler's tokens per step, plus room for hybrid models' replays of kept
-        drafts under speculative decoding (at most 1 + k tokens per request)."""
+        drafts under speculative decoding (fewer than k tokens per request: hybrid.py)."""
         budget = self.scheduler_config.max_num_batched_tokens
         if self.speculation is not None and self.loaded.hybrid is not None:
-            budget += self.scheduler_config.max_num_seqs * (1 + self.speculation.num_speculative_tokens)
+            budget += self.scheduler_config.max_num_seqs * self.speculation.num_speculative_tokens
         return budget
 
     def supported_tasks(self) -> tuple[str, ...]:
@@ -397,7 +397,8 @@ class MetalModelRunner(DeltaHooks):
                 scheduled[r] += len(p.token_ids(r)) - 1 - self._replay.pop(r)
             p.pack(scheduled, drafts or None)
             if self.hybrid is not None and drafts:
-                self.hybrid.save_slots(list(drafts))  # restored if a draft is rejected
+                # their states are saved where the drafts begin: restored if one is rejected
+                self.hybrid.save_before_drafts({r: len(d) for r, d in drafts.items()})
         else:
             p.pack(dict(scheduler_output.num_scheduled_tokens))
         source_step = self._deferred[-1] if p.num_input_sources else None
@@ -606,10 +607,9 @@ class MetalModelRunner(DeltaHooks):
         return tokens
 
     def _checkpoint_arrays(self) -> list:
-        """Hybrid prefix caching's checkpoints, evaluated with the step that writes them."""
-        if self.hybrid is None or self.hybrid.checkpoints is None:
-            return []
-        return [(c.conv, c.ssm) for c in self.hybrid.checkpoints if c is not None]
+        """Hybrid models' state copies (prefix-cache checkpoints, states before drafts),
+        evaluated with the step that writes them."""
+        return [] if self.hybrid is None else self.hybrid.saved_arrays()
 
     def _draft_caches(self) -> list:
         """A draft model's caches, evaluated with the step that writes them."""

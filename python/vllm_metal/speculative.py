@@ -153,15 +153,6 @@ def unsupported_reason(vllm_config) -> str | None:
             return "parallel drafting (PARD) with a draft model is not supported yet"
         if getattr(spec, "draft_tensor_parallel_size", None) not in (None, 1):
             return "a draft model with tensor parallelism is not supported"
-        from vllm_metal.hybrid import is_hybrid_config
-
-        text = getattr(vllm_config.model_config, "hf_text_config", None)
-        if text is not None and is_hybrid_config(text):
-            # a rejection restores the linear-attention state to the step's start and replays
-            # the kept tokens; a draft model drafts every step, so consecutive rejections
-            # would grow the replay step after step (n-gram drafts stop when nothing matches)
-            return ("a draft model for a hybrid (linear-attention) target such as Qwen3.5 is "
-                    "not supported yet; use the ngram method")
     if vllm_config.model_config.logits_processors:
         return "--logits-processors together with speculative decoding is not supported yet"
     return None

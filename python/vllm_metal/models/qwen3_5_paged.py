@@ -141,7 +141,8 @@ def gated_delta_net(gdn: nn.Module, x: mx.array, ctx: HybridContext, layer_idx: 
         y = _recurrence(gdn, qkv, a, b, pool, ctx.cu_seqlens_state, ctx.state_slots,
                         ctx.has_initial_state)
     else:
-        # Prefix caching: passes over pieces of the chunks, the state saved in between.
+        # Passes over pieces of the chunks, the state copied out in between (prefix-cache
+        # checkpoints; the state before a request's drafts).
         # The recurrence is exact across a cut (the state carries everything), so the
         # rows come out as one pass would give them.
         ys = []
@@ -149,12 +150,15 @@ def gated_delta_net(gdn: nn.Module, x: mx.array, ctx: HybridContext, layer_idx: 
             pick = (lambda u: u) if r.rows is None else (lambda u, rows=r.rows: u[rows])
             ys.append(_recurrence(gdn, pick(qkv), pick(a), pick(b), pool, r.cu_seqlens, r.slots,
                                   r.has_initial_state))
-            if r.save_from is not None:
-                ckpt = rounds.checkpoints[layer_idx]
-                ckpt.conv[r.save_to] = pool.conv[r.save_from]
-                ckpt.ssm[r.save_to] = pool.ssm[r.save_from]
+            for copy, src, dst in ((rounds.checkpoints, r.save_from, r.save_to),
+                                   (rounds.saved, r.keep, r.keep)):
+                if src is None:
+                    continue
+                out = copy[layer_idx]
+                out.conv[dst] = pool.conv[src]
+                out.ssm[dst] = pool.ssm[src]
                 # the next pass (or step) updates the pool in place: after these reads
-                pool.conv, pool.ssm = mx.depends([pool.conv, pool.ssm], [ckpt.conv, ckpt.ssm])
+                pool.conv, pool.ssm = mx.depends([pool.conv, pool.ssm], [out.conv, out.ssm])
         y = ys[0] if rounds.order is None else mx.concatenate(ys)[rounds.order]
     out = gdn.norm(y, z)                                                     # [T, Hv, Dv]
     return gdn.out_proj(out.reshape(t, -1))
