@@ -59,7 +59,9 @@ class DraftModel:
         self.block_size = block_size
         return plan.description
 
-    def forward_step(self, input_ids: mx.array, fields: dict) -> mx.array:
+    needs_target_hidden = False
+
+    def forward_step(self, input_ids: mx.array, fields: dict, **_) -> mx.array:
         """The draft over the target's packed step (same positions, slots, block tables):
         writes the step's tokens into the draft's cache. Returns the lazy logits of the
         step's sampled rows (unused: evaluating them pulls the cache writes)."""
@@ -67,6 +69,18 @@ class DraftModel:
         logits = self.model(input_ids, ctx)
         self.kv_caches = ctx.kv_caches
         return logits
+
+    def step_arrays(self) -> list:
+        return []
+
+    def propose_for(self, packer, ids: list[str], step_req_ids: list[str], group: int) -> np.ndarray:
+        """Greedy drafts [n, k'] for the requests ids that just sampled (-1 past a
+        request's room); step_req_ids is unused (the draft ran with the step)."""
+        histories = [packer.token_ids(r) for r in ids]  # copies: read each once
+        last = np.array([h[-1] for h in histories], np.int64)
+        positions = np.array([len(h) - 1 for h in histories], np.int64)
+        tables, num_blocks = held_block_tables(packer, ids, group)
+        return self.propose(last, positions, tables, num_blocks)
 
     def propose(self, tokens: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
                 num_blocks: np.ndarray) -> np.ndarray:
@@ -114,3 +128,13 @@ def draft_share(target_bytes_per_block: int, draft_bytes_per_block: int) -> floa
     """The part of the KV budget to offer vLLM for the target's blocks, so that the block
     count it picks also fits the draft's cache."""
     return target_bytes_per_block / (target_bytes_per_block + draft_bytes_per_block)
+
+
+def held_block_tables(packer, ids: list[str], group: int) -> tuple[np.ndarray, np.ndarray]:
+    """[n, width] tables of every block each request holds (zero-padded), and the counts:
+    the step's own table stops at its tokens, drafts go into the lookahead blocks after."""
+    held = [packer.block_ids(r)[group] for r in ids]
+    tables = np.zeros((len(ids), max(len(b) for b in held)), np.int32)
+    for i, b in enumerate(held):
+        tables[i, :len(b)] = b
+    return tables, np.array([len(b) for b in held], np.int64)

@@ -165,6 +165,13 @@ class MetalModelRunner(DeltaHooks):
             check_attention_head_size(self.model_config.model, spec.head_dim)
         if self.speculation is not None and self.speculation.method == "draft_model":
             self._load_draft_model(dtype)
+        if self.speculation is not None and self.speculation.method == "mtp":
+            from vllm_metal.mtp import MtpDraft
+
+            self.speculation.draft = MtpDraft(self.loaded, self.model_config.model,
+                                              self.speculation.num_speculative_tokens,
+                                              self.model_config.max_model_len)
+            logger.info("vllm-metal loaded the checkpoint's MTP block")
         if self.vllm_config.lora_config is not None:
             from vllm_metal.lora.manager import LoraManager
 
@@ -612,8 +619,9 @@ class MetalModelRunner(DeltaHooks):
         return [] if self.hybrid is None else self.hybrid.saved_arrays()
 
     def _draft_caches(self) -> list:
-        """A draft model's caches, evaluated with the step that writes them."""
-        return [] if self.draft is None else self.draft.kv_caches
+        """A draft model's caches (an MTP block: the hidden states it reads later),
+        evaluated with the step that writes them."""
+        return [] if self.draft is None else [self.draft.kv_caches, self.draft.step_arrays()]
 
     def _input_ids(self, source_step: _SubmittedStep | None) -> mx.array:
         """This step's token ids; where a row's input is the previous step's sample
@@ -667,6 +675,8 @@ class MetalModelRunner(DeltaHooks):
                                 state_rounds=rounds)
         else:
             ctx = AttentionContext(**fields)
+        if self.draft is not None and self.draft.needs_target_hidden:
+            ctx.keep_hidden = True  # an MTP block reads the final hidden states (mtp.py)
         if input_ids is None:
             input_ids = mx.array(p.input_ids[:t])
         if hidden_rows is not None:
@@ -682,7 +692,7 @@ class MetalModelRunner(DeltaHooks):
                 self.lora.end_step()
         self.kv_caches = ctx.kv_caches  # the updated caches
         if self.draft is not None:  # the same tokens into the draft's cache (draft_model.py)
-            self.draft.forward_step(input_ids, fields)
+            self.draft.forward_step(input_ids, fields, target_ctx=ctx, req_ids=list(p.req_ids))
         return logits
 
     # ---- the scheduler's deltas (SchedulerDelta applies them; these hooks follow) --------

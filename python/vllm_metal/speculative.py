@@ -36,7 +36,8 @@ class Speculation:
         if self.method == "ngram":
             self.min_n = int(speculative_config.prompt_lookup_min)
             self.max_n = int(speculative_config.prompt_lookup_max)
-        self.draft = None  # draft_model.DraftModel (method draft_model), set at load
+        # draft_model.DraftModel (method draft_model) or mtp.MtpDraft (mtp), set at load
+        self.draft = None
         self.max_model_len = max_model_len
         self.async_scheduling = async_scheduling
         self.drafts: dict[str, list[int]] = {}  # the latest proposals, by request
@@ -102,20 +103,14 @@ class Speculation:
         self.proposed = []
         ids = [r for r, out in zip(req_ids, outputs)
                if out and r in self.stop_ids and out[-1] not in self.stop_ids[r] and r not in skip]
-        if not ids:
-            return
         if self.draft is not None:
-            histories = [packer.token_ids(r) for r in ids]  # copies: read each once
-            last = np.array([h[-1] for h in histories], np.int64)
-            positions = np.array([len(h) - 1 for h in histories], np.int64)
-            # every block the request holds: the step's own table stops at its tokens,
-            # the drafts go into the lookahead blocks after them
-            held = [packer.block_ids(r)[group] for r in ids]
-            tables = np.zeros((len(ids), max(len(b) for b in held)), np.int32)
-            for i, b in enumerate(held):
-                tables[i, :len(b)] = b
-            drafts = self.draft.propose(last, positions, tables, np.array([len(b) for b in held]))
+            # an MTP block runs over the step even when no request drafts (its cache)
+            if not ids and not self.draft.needs_target_hidden:
+                return
+            drafts = self.draft.propose_for(packer, ids, req_ids, group)
             counts = (drafts >= 0).sum(axis=1)
+        elif not ids:
+            return
         else:
             rows = np.array([packer.row_of(r) for r in ids], np.int32)
             drafts, counts = packer.propose_ngram(rows, self.min_n, self.max_n,
@@ -145,9 +140,18 @@ def unsupported_reason(vllm_config) -> str | None:
     spec = vllm_config.speculative_config
     if spec is None:
         return None
-    if spec.method not in ("ngram", "draft_model"):
+    if spec.method not in ("ngram", "draft_model", "mtp"):
         return (f"speculative method {spec.method!r} is not supported yet "
-                "(supported: ngram, draft_model)")
+                "(supported: ngram, draft_model, mtp)")
+    if spec.method == "mtp":
+        from vllm_metal.hybrid import is_hybrid_config
+
+        text = getattr(vllm_config.model_config, "hf_text_config", None)
+        if text is None or not is_hybrid_config(text):
+            return ("speculative method 'mtp' is supported for Qwen3.5 targets only (their "
+                    "checkpoints' mtp.* block)")
+        if not getattr(text, "mtp_num_hidden_layers", 0):
+            return "speculative method 'mtp': the model's config declares no MTP layers"
     if spec.method == "draft_model":
         if getattr(spec, "parallel_drafting", False):
             return "parallel drafting (PARD) with a draft model is not supported yet"

@@ -90,6 +90,27 @@ def hf_weights(model, expert_layout: str = "fused") -> dict[str, np.ndarray]:
     return out
 
 
+def random_mtp_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
+    """A random MTP block (mtp.*) as Qwen3.5 checkpoints store it: fc [H, 2H], the pre-fc
+    and final norms and the layer's norms zero-centred, one full-attention layer."""
+    from mlx_lm.models import qwen3_5
+
+    mx.random.seed(seed + 1000)
+    args = qwen3_5.TextModelArgs.from_dict(config)
+    h = config["hidden_size"]
+    layer = qwen3_5.DecoderLayer(args, args.full_attention_interval - 1)
+    out = {f"mtp.layers.0.{k}": np.array(v.astype(mx.float32))
+           for k, v in tree_flatten(layer.parameters())}
+    out["mtp.fc.weight"] = np.array(mx.random.normal((h, 2 * h)) / np.sqrt(2 * h))
+    for name in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+                 "mtp.norm.weight"):
+        out[name] = np.zeros(h, np.float32)
+    for name in list(out):  # non-trivial norms, stored as w - 1
+        if name.endswith(("norm.weight", "norm_embedding.weight", "norm_hidden.weight")):
+            out[name] = np.array(0.1 * mx.random.normal(out[name].shape))
+    return out
+
+
 def write_tokenizer(out: Path, vocab_size: int = VOCAB) -> None:
     """A byte-level BPE tokenizer (the GGUF test vocabulary), saved as transformers does."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -109,14 +130,19 @@ def write_tokenizer(out: Path, vocab_size: int = VOCAB) -> None:
 
 
 def write_checkpoint(out_dir, seed: int = 0, config: dict = CONFIG, *,
-                     vision_language: bool = False, expert_layout: str = "fused") -> Path:
+                     vision_language: bool = False, expert_layout: str = "fused",
+                     mtp: bool = False) -> Path:
     """vision_language: laid out as the published Qwen3.5 checkpoints are
     (Qwen3_5ForConditionalGeneration: text config nested, language-model weights under
-    model.language_model., a vision tower -- here one stand-in tensor)."""
+    model.language_model., a vision tower -- here one stand-in tensor). mtp: with a random
+    MTP block (mtp.*, mtp_num_hidden_layers 1), which mlx-lm's reference ignores."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = random_model(seed, config)
     weights = hf_weights(model, expert_layout)
+    if mtp:
+        weights.update(random_mtp_weights(config, seed))
+        config = dict(config, mtp_num_hidden_layers=1)
     moe = bool(config.get("num_experts"))
     if vision_language:
         weights = {("model.language_model." + k[len("model."):]) if k.startswith("model.") else k: v

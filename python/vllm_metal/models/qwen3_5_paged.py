@@ -50,6 +50,10 @@ class HybridContext(AttentionContext):
     # hybrid.StateRounds when prefix caching checkpoints a state inside a chunk: the
     # conv and the recurrence then run in passes (None: one pass over every row)
     state_rounds: object = None
+    # keep_hidden: the forward also leaves the final (normed) hidden states of every row
+    # in `hidden` (an MTP block reads them: mtp.py)
+    keep_hidden: bool = False
+    hidden: "mx.array" = None
 
 
 @dataclass(frozen=True)
@@ -230,7 +234,11 @@ class PagedQwen3_5(nn.Module):
                 r = layer.self_attn(x, ctx, positions3)
             h = h + r
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        out = body.norm(h[ctx.logits_indices])
+        if getattr(ctx, "keep_hidden", False):
+            ctx.hidden = body.norm(h)
+            out = ctx.hidden[ctx.logits_indices]
+        else:
+            out = body.norm(h[ctx.logits_indices])
         if self.lm.args.tie_word_embeddings:
             return body.embed_tokens.as_linear(out)
         return self.lm.lm_head(out)
