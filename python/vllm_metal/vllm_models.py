@@ -61,9 +61,33 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
     """The published Qwen3.5-MoE checkpoints (vision + language): served text-only."""
 
 
+class Qwen3_5MTP(torch.nn.Module):
+    """The MTP block of a Qwen3.5 checkpoint as vLLM's speculative config names it
+    (method "mtp"): one attention layer, no recurrent state. Our runner builds it
+    (mtp.py); vLLM only inspects this class."""
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        raise RuntimeError("[vllm-metal] Qwen3.5's MTP block is run by the vllm-metal runner "
+                           "on MLX (mtp.py); this class only describes it to vLLM's registry")
+
+    def forward(self, input_ids, positions, **kwargs):
+        raise NotImplementedError
+
+    def embed_input_ids(self, input_ids):
+        raise NotImplementedError
+
+    def compute_logits(self, hidden_states):
+        raise NotImplementedError
+
+
+class Qwen3_5MoeMTP(Qwen3_5MTP):
+    """Qwen3.5-MoE's MTP block (refused by the runner for now: mtp.py)."""
+
+
 # architecture -> "module:class", registered by vllm_metal.register_general
 REGISTRY_OVERRIDES = {
     name: f"vllm_metal.vllm_models:{name}"
     for name in ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
-                 "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+                 "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+                 "Qwen3_5MTP", "Qwen3_5MoeMTP")
 }

@@ -337,3 +337,74 @@ def test_a_draft_model_on_the_hybrid_model_gives_mlx_lm_greedy_tokens(tmp_path, 
     drafts = sum(float(v) for v in re.findall(
         r"^vllm:spec_decode_num_draft_tokens_total(?:{[^}]*})? ([0-9.e+]+)$", metrics, re.M))
     assert drafts >= 3 * 20, drafts  # drafted on most steps
+
+
+MTP_LOG_HOOK = runner_hook(
+    """
+    import json
+    import os
+
+
+    def wrap(execute_model):
+        def logging(spec, propose):
+            def proposing(packer, req_ids, outputs, **kw):
+                propose(packer, req_ids, outputs, **kw)
+                with open(os.environ["MTP_LOG"], "a") as f:
+                    for r, d in spec.drafts.items():
+                        f.write(json.dumps([list(packer.token_ids(r)), list(d)]) + "\\n")
+            return proposing
+
+        def patched(self, so):
+            if self.speculation is not None and not getattr(self, "_logged", False):
+                self.speculation.propose = logging(self.speculation, self.speculation.propose)
+                self._logged = True
+            return execute_model(self, so)
+
+        return patched
+    """
+)
+
+
+@pytest.mark.parametrize("scheduling", ["async", "sync"])
+def test_mtp_speculation_gives_mlx_lm_greedy_tokens(tmp_path, reference, scheduling):
+    """`--speculative-config '{"method": "mtp"}'` on a checkpoint with a (random) MTP
+    block: concurrent requests (chunked prefills, rejections) give mlx-lm's greedy tokens,
+    and the served drafts are the block's: a chain of mlx-lm's modules over each
+    request's whole history proposes the same tokens, so the block's cache held every
+    position right (a misplaced row would change them)."""
+    import json
+    import os
+    import re
+
+    import mlx.core as mx
+    from test_mtp import _reference_chain
+
+    ckpt = write_checkpoint(tmp_path / "text", seed=0, mtp=True)
+    work = jobs(13, 4)
+    want = [greedy(reference, p, n) for p, n in work]
+    (tmp_path / "sitecustomize.py").write_text(MTP_LOG_HOOK)
+    log = tmp_path / "drafts.jsonl"
+    env = {"MTP_LOG": str(log),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    extra = [] if scheduling == "async" else ["--no-async-scheduling"]
+    s = Server(str(ckpt), "qwen3_5-tiny",
+               [*SERVER_ARGS, "--speculative-config", json.dumps(spec), *extra], env=env)
+    try:
+        with cf.ThreadPoolExecutor(len(work)) as pool:
+            got = list(pool.map(lambda j: complete_ids(s, *j), work))
+        metrics = s.client.get("/metrics").text
+    finally:
+        s.stop()
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"request {i}"
+    drafts = sum(float(v) for v in re.findall(
+        r"^vllm:spec_decode_num_draft_tokens_total(?:{[^}]*})? ([0-9.e+]+)$", metrics, re.M))
+    assert drafts >= 2 * 20, drafts
+    records = [json.loads(line) for line in log.read_text().splitlines()][::3]
+    assert len(records) >= 10
+    same = 0
+    for history, served in records:
+        hidden = reference.model(mx.array(history[:-1])[None])[0]
+        same += served == _reference_chain(ckpt, reference, history, hidden, len(served))[:len(served)]
+    assert same >= 0.9 * len(records), (same, len(records))  # float32 near-ties aside
