@@ -7,7 +7,8 @@ q + 1, and predicts the token at q + 2:
     x = one full-attention Qwen3.5 decoder layer (its own paged KV cache, position q)
     out = norm(x);  logits = the target's lm_head(out)
 The embedding and lm_head are the target's. Norm weights are stored zero-centred, as
-the target's are (the model multiplies by 1 + w).
+the target's are (the model multiplies by 1 + w); GGUF files (llama.cpp's qwen35: the
+block as an extra layer, blk.{n}.nextn.*) store 1 + w.
 
 Its KV cache is one attention layer shaped like the target's, indexed by the target's
 block ids (as draft_model.py's), its bytes out of the same budget (draft_share).
@@ -77,17 +78,27 @@ class MtpBlock(nn.Module):
         return self.norm(x)
 
 
-def mtp_weights(model_dir: Path) -> dict:
-    """The checkpoint's mtp.* tensors (names without the prefix); {} when it has none."""
+def mtp_weights(model_path: Path) -> tuple[dict, bool]:
+    """The checkpoint's MTP block, named as MtpBlock's parameters ({} when it has none),
+    and whether its norms are stored zero-centred: safetensors mtp.* tensors (yes), or a
+    qwen35 GGUF's extra layer (no: llama.cpp stores 1 + w)."""
+    from vllm_metal.models.gguf_loader import GGUF_FILE_IN_DIR
     from vllm_metal.models.qwen3_5_loader import text_weight_name
 
+    path = Path(model_path)
+    gguf = path if path.suffix.lower() == ".gguf" else path / GGUF_FILE_IN_DIR
+    if gguf.is_file() and not list(path.glob("*.safetensors")):
+        from vllm_metal.models import gguf_loader, gguf_qwen35
+
+        ckpt = gguf_loader.GGUFCheckpoint(str(gguf))
+        return gguf_qwen35.mtp_weights(ckpt, gguf_qwen35.hf_config(ckpt)), False
     out = {}
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
+    for f in sorted(path.glob("*.safetensors")):
         for name, value in mx.load(str(f)).items():
             name = text_weight_name(name)
             if name is not None and name.startswith(_PREFIX):
                 out[name[len(_PREFIX):]] = value
-    return out
+    return out, True
 
 
 @dataclass
@@ -114,11 +125,7 @@ class MtpDraft:
         if target.hybrid is None or lm is None:
             raise ValueError("[vllm-metal] speculative method 'mtp' needs a Qwen3.5 target "
                              "(its checkpoint's mtp.* block)")
-        if not Path(model_path).is_dir():
-            raise ValueError(f"[vllm-metal] speculative method 'mtp': {model_path} is not a "
-                             "safetensors checkpoint directory (MTP from GGUF files is not "
-                             "supported yet)")
-        weights = mtp_weights(Path(model_path))
+        weights, centred = mtp_weights(Path(model_path))
         if not weights:
             raise ValueError(f"[vllm-metal] speculative method 'mtp': the checkpoint {model_path} "
                              "has no MTP block (no mtp.* tensors)")
@@ -131,15 +138,14 @@ class MtpDraft:
             source, layer_idx=0, rotary_dim=first.rotary_dim, base=first.base,
             sections=first.sections)
         block = MtpBlock(args)
-        dtype = lm.model.embed_tokens.weight.dtype if hasattr(lm.model.embed_tokens, "weight") \
-            else mx.float32
+        dtype = getattr(mx, target.spec.dtype)  # the target's activations
         want = dict(_flat_names(block))
         if set(weights) != set(want):
             missing, extra = sorted(set(want) - set(weights)), sorted(set(weights) - set(want))
             raise ValueError(f"[vllm-metal] the checkpoint's MTP block does not match Qwen3.5's: "
                              f"missing {missing[:4]}, unexpected {extra[:4]}")
         for name, value in weights.items():
-            if "norm" in name and value.ndim == 1:
+            if centred and "norm" in name and value.ndim == 1:
                 value = value + 1.0  # every RMSNorm here is stored zero-centred
             if value.shape != want[name]:
                 raise ValueError(f"[vllm-metal] mtp.{name}: shape {tuple(value.shape)}, the "

@@ -90,6 +90,15 @@ def hf_weights(model, expert_layout: str = "fused") -> dict[str, np.ndarray]:
     return out
 
 
+_MTP_GGUF_NEXTN = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm",
+                   "pre_fc_norm_hidden": "hnorm", "norm": "shared_head_norm"}
+_MTP_GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+                   "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                   "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                   "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+                   "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
 def random_mtp_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     """A random MTP block (mtp.*) as Qwen3.5 checkpoints store it: fc [H, 2H], the pre-fc
     and final norms and the layer's norms zero-centred, one full-attention layer."""
@@ -360,20 +369,18 @@ def write_gguf(model, path, config: dict = CONFIG, *, qtype: str = "F32", mtp: b
             elif module == "mlp.shared_expert_gate":
                 v = v[0]  # [1, hidden] -> [hidden]
             add(f"blk.{i}.{names[module]}.{param}", v)
-    if mtp:  # a full-attention layer plus the nextn projections, random
-        rng = np.random.default_rng(9)
-        h, inter = config["hidden_size"], config["intermediate_size"]
-        hq, hkv, d = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-        shapes = {"attn_norm.weight": (h,), "post_attention_norm.weight": (h,),
-                  "attn_q.weight": (2 * hq * d, h), "attn_k.weight": (hkv * d, h),
-                  "attn_v.weight": (hkv * d, h), "attn_output.weight": (h, hq * d),
-                  "attn_q_norm.weight": (d,), "attn_k_norm.weight": (d,),
-                  "ffn_gate.weight": (inter, h), "ffn_up.weight": (inter, h),
-                  "ffn_down.weight": (h, inter), "nextn.eh_proj.weight": (h, 2 * h),
-                  "nextn.enorm.weight": (h,), "nextn.hnorm.weight": (h,),
-                  "nextn.shared_head_norm.weight": (h,)}
-        for name, shape in shapes.items():
-            add(f"blk.{n}.{name}", rng.normal(size=shape).astype(np.float32) * 0.1)
+    if mtp:  # random_mtp_weights(config, 0) (write_checkpoint's block) as llama.cpp lays it out
+        for name, v in random_mtp_weights(config, 0).items():
+            name = name[len("mtp."):]
+            if name.endswith("norm.weight") or name.endswith(("norm_embedding.weight",
+                                                             "norm_hidden.weight")):
+                v = v + 1.0  # stored 1 + w
+            if name.startswith("layers.0."):
+                module, param = name[len("layers.0."):].rsplit(".", 1)
+                add(f"blk.{n}.{_MTP_GGUF_LAYER[module]}.{param}", v)
+            else:
+                module, param = name.rsplit(".", 1)
+                add(f"blk.{n}.nextn.{_MTP_GGUF_NEXTN[module]}.{param}", v)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -73,12 +73,19 @@ def _reference_chain(ckpt, ref, history, hidden, k):
     return drafts
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_mtp_drafts_equal_mlx_lm_modules(tmp_path, k):
+@pytest.mark.parametrize("k,source", [(1, "safetensors"), (3, "safetensors"), (3, "gguf")])
+def test_mtp_drafts_equal_mlx_lm_modules(tmp_path, k, source):
+    """From a checkpoint's mtp.* tensors, or from a GGUF file's extra layer (llama.cpp's
+    layout: blk.{n}.nextn.*, norms stored 1 + w) holding the same block."""
+    from qwen3_5_checkpoint import random_model, write_gguf
+
     from vllm_metal.models import load_model
     from vllm_metal.mtp import MtpDraft
 
     ckpt = write_checkpoint(tmp_path / "ckpt", seed=0, mtp=True)
+    model_path = str(ckpt)
+    if source == "gguf":
+        model_path = str(write_gguf(random_model(seed=0), tmp_path / "m.gguf", mtp=True))
     ref = reference_model(ckpt)
     prompt = np.random.default_rng(3).integers(3, 320, 13).tolist()
     hidden = ref.model(mx.array(prompt)[None])[0]              # the target's final hidden states
@@ -87,7 +94,7 @@ def test_mtp_drafts_equal_mlx_lm_modules(tmp_path, k):
     want = _reference_chain(ckpt, ref, history, hidden, k)
     assert len(set(want)) > 1 or k == 1, want  # a chain that depends on its inputs
 
-    draft = MtpDraft(load_model(str(ckpt), "float32"), str(ckpt), k, max_model_len=64)
+    draft = MtpDraft(load_model(model_path, "float32"), model_path, k, max_model_len=64)
     draft.allocate(BLOCK, NUM_BLOCKS, max_num_seqs=1)
     t = len(prompt)
     seqs = np.array([0, t], np.int32)

@@ -334,8 +334,7 @@ def test_a_draft_model_on_the_hybrid_model_gives_mlx_lm_greedy_tokens(tmp_path, 
         s.stop()
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, f"request {i}"
-    drafts = sum(float(v) for v in re.findall(
-        r"^vllm:spec_decode_num_draft_tokens_total(?:{[^}]*})? ([0-9.e+]+)$", metrics, re.M))
+    drafts = draft_tokens(metrics)
     assert drafts >= 3 * 20, drafts  # drafted on most steps
 
 
@@ -398,8 +397,7 @@ def test_mtp_speculation_gives_mlx_lm_greedy_tokens(tmp_path, reference, schedul
         s.stop()
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, f"request {i}"
-    drafts = sum(float(v) for v in re.findall(
-        r"^vllm:spec_decode_num_draft_tokens_total(?:{[^}]*})? ([0-9.e+]+)$", metrics, re.M))
+    drafts = draft_tokens(metrics)
     assert drafts >= 2 * 20, drafts
     records = [json.loads(line) for line in log.read_text().splitlines()][::3]
     assert len(records) >= 10
@@ -408,3 +406,33 @@ def test_mtp_speculation_gives_mlx_lm_greedy_tokens(tmp_path, reference, schedul
         hidden = reference.model(mx.array(history[:-1])[None])[0]
         same += served == _reference_chain(ckpt, reference, history, hidden, len(served))[:len(served)]
     assert same >= 0.9 * len(records), (same, len(records))  # float32 near-ties aside
+
+
+def test_mtp_speculation_from_a_gguf_file(tmp_path, reference):
+    """`vllm serve file.gguf --speculative-config '{"method": "mtp"}'`: the MTP block
+    llama.cpp stores as an extra layer drafts; the tokens stay mlx-lm's greedy ones."""
+    import json
+
+    from qwen3_5_checkpoint import random_model, write_gguf
+
+    gguf = write_gguf(random_model(seed=0), tmp_path / "qwen35-mtp.gguf", mtp=True)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    s = Server(str(gguf), "qwen3_5-gguf", [*SERVER_ARGS, "--speculative-config", json.dumps(spec)],
+               env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    try:
+        work = jobs(14, 3)
+        with cf.ThreadPoolExecutor(len(work)) as pool:
+            got = list(pool.map(lambda j: complete_ids(s, *j), work))
+        metrics = s.client.get("/metrics").text
+    finally:
+        s.stop()
+    assert got == [greedy(reference, p, n) for p, n in work]
+    assert draft_tokens(metrics) >= 2 * 15
+
+
+def draft_tokens(metrics: str) -> float:
+    """vllm:spec_decode_num_draft_tokens_total from a /metrics text."""
+    import re
+
+    return sum(float(v) for v in re.findall(
+        r"^vllm:spec_decode_num_draft_tokens_total(?:{[^}]*})? ([0-9.e+]+)$", metrics, re.M))

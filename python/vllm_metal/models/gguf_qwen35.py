@@ -13,7 +13,8 @@ Qwen3_5TextModel) writes, besides renaming:
 - an MTP (multi-token prediction) block as extra layers blk.{n}.. with blk.*.nextn.*
   tensors, counted in block_count and announced by qwen35.nextn_predict_layers.
 We undo all of it, giving mlx-lm's sanitized parameters (norms 1 + w, conv1d
-[C, K, 1]) in HF head order, and drop the MTP layers (we do not draft with them).
+[C, K, 1]) in HF head order; the MTP layers are left to mtp_weights (speculative
+method "mtp": mtp.py).
 qwen35moe adds per layer the router ffn_gate_inp, the stacked experts ffn_*_exps
 ([E, rows, cols], kept in block form for ops.fused_moe_gguf), the shared expert
 ffn_*_shexp and its gate ffn_gate_inp_shexp (a vector [hidden]: HF's [1, hidden]).
@@ -134,6 +135,8 @@ def hf_config(ckpt) -> dict:
                    moe_intermediate_size=int(get("expert_feed_forward_length")),
                    shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length")),
                    norm_topk_prob=True, decoder_sparse_step=1)
+    if nextn:
+        cfg["mtp_num_hidden_layers"] = nextn  # vLLM's "mtp" method reads it
     check_rotary(cfg)
     return cfg
 
@@ -152,6 +155,38 @@ def _name(gguf_name: str, n_layers: int) -> str | None:
         if len(parts) == 4 and parts[2] in _BLOCK:
             return f"model.layers.{parts[1]}.{_BLOCK[parts[2]]}.{parts[3]}"
     raise ValueError(f"[vllm-metal] unexpected tensor {gguf_name!r} in a {ARCH} GGUF")
+
+
+# the MTP layer's own tensors (blk.{n}.nextn.*) -> mtp.MtpBlock's parameters
+_NEXTN = {"eh_proj": "fc", "enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden",
+          "shared_head_norm": "norm"}
+
+
+def mtp_weights(ckpt, config: dict) -> dict:
+    """The MTP block (the layers after num_hidden_layers, dense float32) named as
+    mtp.MtpBlock's parameters; its norms as stored (1 + w). Copies of the embedding
+    and output head in the block (nextn.embed_tokens, nextn.shared_head_head) are left:
+    the target's are used. {} when the file has no MTP block."""
+    n = config["num_hidden_layers"]
+    out = {}
+    for name in ckpt.tensors:
+        parts = name.split(".")
+        if parts[0] != "blk" or len(parts) < 3 or not parts[1].isdigit() or int(parts[1]) < n:
+            continue
+        if int(parts[1]) > n:
+            raise ValueError(f"[vllm-metal] {name}: MTP blocks of more than one layer are not "
+                             "supported")
+        if parts[2] == "nextn" and len(parts) == 5:
+            if parts[3] not in _NEXTN:
+                continue
+            target = f"{_NEXTN[parts[3]]}.{parts[4]}"
+        elif len(parts) == 4 and parts[2] in _BLOCK:
+            target = f"layers.0.{_BLOCK[parts[2]]}.{parts[3]}"
+        else:
+            raise ValueError(f"[vllm-metal] unexpected tensor {name!r} in the MTP block of a "
+                             f"{ckpt.architecture} GGUF")
+        out[target] = ckpt.dense(name, mx.float32)
+    return out
 
 
 def tiled_to_grouped(num_k: int, num_v: int) -> np.ndarray:
