@@ -28,7 +28,7 @@ from pathlib import Path
 
 from vllm_metal.models.gguf_loader import GGUF_FILE_IN_DIR
 
-LAYOUT_VERSION = 5
+LAYOUT_VERSION = 6  # 6: qwen35 configs declare mtp_num_hidden_layers
 _DONE_MARKER = ".vllm_metal_prepared"
 
 # Used when a Gemma 3 GGUF carries no chat template (HF's Gemma turn format:
