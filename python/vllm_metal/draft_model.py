@@ -61,6 +61,9 @@ class DraftModel:
 
     needs_target_hidden = False
 
+    def prepare_target(self, ctx) -> None:
+        """Nothing: the draft reads tokens, not the target's states (head_draft.py does)."""
+
     def forward_step(self, input_ids: mx.array, fields: dict, **_) -> mx.array:
         """The draft over the target's packed step (same positions, slots, block tables):
         writes the step's tokens into the draft's cache. Returns the lazy logits of the

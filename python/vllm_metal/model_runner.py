@@ -675,8 +675,8 @@ class MetalModelRunner(DeltaHooks):
                                 state_rounds=rounds)
         else:
             ctx = AttentionContext(**fields)
-        if self.draft is not None and self.draft.needs_target_hidden:
-            ctx.keep_hidden = True  # an MTP block reads the final hidden states (mtp.py)
+        if self.draft is not None:  # what a head drafting from the target's states reads
+            self.draft.prepare_target(ctx)
         if input_ids is None:
             input_ids = mx.array(p.input_ids[:t])
         if hidden_rows is not None:

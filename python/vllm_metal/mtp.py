@@ -10,32 +10,18 @@ The embedding and lm_head are the target's. Norm weights are stored zero-centred
 the target's are (the model multiplies by 1 + w); GGUF files (llama.cpp's qwen35: the
 block as an extra layer, blk.{n}.nextn.*) store 1 + w.
 
-Its KV cache is one attention layer shaped like the target's, indexed by the target's
-block ids (as draft_model.py's), its bytes out of the same budget (draft_share).
-
-When it runs. The block needs the token after each position, which for a step's last
-rows is the token the step samples. So it runs after the step's tokens are read, in
-propose: first one pass over every row of that step (the next tokens from the packer's
-histories; rows past a request's kept tokens get a placeholder, and the next step
-writes their positions again), which fills the block's cache for every computed
-position; then, for the requests that sampled, draft 1 from the row of their last kept
-input, and k - 1 decode passes, each feeding the block its own output (the target's
-hidden state for those positions does not exist yet, as in vLLM). Drafts are the
-argmax: the verifier's rejection rule keeps random sampling exact.
+Running it (after each step's tokens are read, one pass over the step's rows, then
+k - 1 decode passes on its own output) and its KV cache: head_draft.py.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
-from vllm_metal.draft_model import held_block_tables
-from vllm_metal.models import AttentionContext
+from vllm_metal.head_draft import HeadDraft
 
 _PREFIX = "mtp."
 
@@ -101,24 +87,15 @@ def mtp_weights(model_path: Path) -> tuple[dict, bool]:
     return out, True
 
 
-@dataclass
-class _StepRecord:
-    """What pass 1 needs of a target step: its rows and the target's final hidden states."""
-
-    req_ids: list
-    positions: np.ndarray       # int64 [T]
-    cu_seqlens_q: np.ndarray    # int64 [n + 1]
-    fields: dict                # the step's AttentionContext fields (mx arrays)
-    hidden: mx.array            # [T, hidden], lazy until the step is evaluated
 
 
-class MtpDraft:
-    """The runner's proposer for method "mtp" (the same role as draft_model.DraftModel)."""
+class MtpHead:
+    """The MTP block as head_draft.HeadDraft's head: fed the target's final hidden states
+    (pass 1) or its own output (later passes); the target's embedding and lm_head."""
 
-    needs_target_hidden = True
+    name = "MTP block"
 
-    def __init__(self, target, model_path: str, num_speculative_tokens: int,
-                 max_model_len: int) -> None:
+    def __init__(self, target, model_path: str) -> None:
         from vllm_metal.models.qwen3_5_paged import PagedGatedAttention
 
         lm = getattr(target.model, "lm", None)
@@ -134,11 +111,8 @@ class MtpDraft:
             raise ValueError("[vllm-metal] speculative method 'mtp' for a Qwen3.5-MoE target "
                              "is not supported yet")
         first = next(layer.self_attn for layer in target.model.layers if not layer.is_linear)
-        attn = lambda source: PagedGatedAttention(  # noqa: E731
-            source, layer_idx=0, rotary_dim=first.rotary_dim, base=first.base,
-            sections=first.sections)
         block = MtpBlock(args)
-        dtype = getattr(mx, target.spec.dtype)  # the target's activations
+        self.dtype = getattr(mx, target.spec.dtype)  # the target's activations
         want = dict(_flat_names(block))
         if set(weights) != set(want):
             missing, extra = sorted(set(want) - set(weights)), sorted(set(weights) - set(want))
@@ -150,135 +124,46 @@ class MtpDraft:
             if value.shape != want[name]:
                 raise ValueError(f"[vllm-metal] mtp.{name}: shape {tuple(value.shape)}, the "
                                  f"model needs {tuple(want[name])}")
-            weights[name] = value.astype(dtype)
+            weights[name] = value.astype(self.dtype)
         block.load_weights(list(weights.items()), strict=True)
-        block.finish(attn)
+        block.finish(lambda source: PagedGatedAttention(
+            source, layer_idx=0, rotary_dim=first.rotary_dim, base=first.base,
+            sections=first.sections))
         block.eval()
         mx.eval(block.parameters())
-        self.block = block
-        self.lm = lm
-        self.k = num_speculative_tokens
-        self.max_model_len = max_model_len
-        self.kv_caches: list = []
-        self.block_size = 0
-        self._cache_shape = (first.num_kv_heads, first.head_dim)
-        self._dtype = dtype
-        self._steps: deque[_StepRecord] = deque()
+        self.block, self.lm = block, lm
+        self.cache_shape = (first.num_kv_heads, first.head_dim)
 
-    # ---- memory ---------------------------------------------------------------------------
-    def bytes_per_block(self, block_size: int, max_num_seqs: int) -> int:
-        heads, dim = self._cache_shape
-        return 2 * block_size * heads * dim * self._dtype.size
+    def prepare_target(self, ctx) -> None:
+        ctx.keep_hidden = True  # qwen3_5_paged leaves the final hidden states in ctx.hidden
 
-    def allocate(self, block_size: int, num_blocks: int, max_num_seqs: int) -> str:
-        heads, dim = self._cache_shape
-        shape = (num_blocks, block_size, heads, dim)
-        self.kv_caches = [(mx.zeros(shape, self._dtype), mx.zeros(shape, self._dtype))]
-        mx.eval(self.kv_caches)
-        self.block_size = block_size
-        mib = self.bytes_per_block(block_size, max_num_seqs) * num_blocks / 2**20
-        return f"MTP block, 1 attention layer ({mib:.1f} MiB)"
-
-    # ---- each target step -----------------------------------------------------------------
-    def forward_step(self, input_ids: mx.array, fields: dict, *, target_ctx=None,
-                     req_ids=()) -> None:
-        """Records the step (its rows, the target's hidden states) for propose."""
-        if target_ctx is None or getattr(target_ctx, "hidden", None) is None:
+    def target_states(self, ctx) -> mx.array:
+        if getattr(ctx, "hidden", None) is None:
             raise RuntimeError("[vllm-metal] mtp: the target step kept no hidden states")
-        self._steps.append(_StepRecord(
-            req_ids=list(req_ids), positions=np.array(fields["positions"], np.int64),
-            cu_seqlens_q=np.array(fields["cu_seqlens_q"], np.int64), fields=fields,
-            hidden=target_ctx.hidden))
-        while len(self._steps) > 4:  # warm-up or unread steps: never proposed from
-            self._steps.popleft()
+        return ctx.hidden
 
-    def step_arrays(self) -> list:
-        """Evaluated with the step: the hidden states pass 1 reads later."""
-        return [s.hidden for s in self._steps]
+    def first(self, embeds, states, ctx):
+        out = self.block(embeds, states, ctx)
+        return out, out
 
-    # ---- proposing -----------------------------------------------------------------------
-    def propose_for(self, packer, ids: list[str], step_req_ids: list[str], group: int) -> np.ndarray:
-        """Pass 1 over the step that just sampled (step_req_ids), then greedy drafts [n, k']
-        for the requests ids (-1 past a request's room)."""
-        rec = self._take(step_req_ids)
-        histories = {r: packer.token_ids(r) for r in rec.req_ids if r in packer}
-        nxt = np.zeros(len(rec.positions), np.int32)
-        for b, r in enumerate(rec.req_ids):
-            h = histories.get(r)
-            if h is None:
-                continue
-            lo, hi = int(rec.cu_seqlens_q[b]), int(rec.cu_seqlens_q[b + 1])
-            want = rec.positions[lo:hi] + 1
-            ok = want < len(h)
-            nxt[lo:hi][ok] = np.asarray(h)[want[ok]]
-        ctx = AttentionContext(**{**rec.fields, "kv_caches": self.kv_caches})
-        out = self.block(self._embed(mx.array(nxt)), rec.hidden, ctx)        # [T, hidden]
-        self.kv_caches = ctx.kv_caches
-        n = len(ids)
-        if n == 0:
-            mx.eval(self.kv_caches)
-            return np.zeros((0, 0), np.int64)
-        # the row of each request's last kept input: position P - 1 (P: its newest token)
-        where = {r: b for b, r in enumerate(rec.req_ids)}
-        rows, newest = np.empty(n, np.int64), np.empty(n, np.int64)
-        for i, r in enumerate(ids):
-            b, p = where[r], len(histories[r]) - 1
-            lo, hi = int(rec.cu_seqlens_q[b]), int(rec.cu_seqlens_q[b + 1])
-            rows[i] = lo + (p - 1 - int(rec.positions[lo]))
-            if not lo <= rows[i] < hi:
-                raise RuntimeError(f"[vllm-metal] mtp: request {r!r} sampled position {p} "
-                                   "outside its step's rows")
-            newest[i] = p
-        tables, num_blocks = held_block_tables(packer, ids, group)
-        # draft j sits at P + j (below max_model_len); pass j >= 2 writes position P + j - 2
-        room = np.minimum(self.max_model_len - 1 - newest, num_blocks * self.block_size - newest + 1)
-        steps = int(min(self.k, room.max(initial=0)))
-        drafts = np.full((n, max(steps, 0)), -1, np.int64)
-        if steps <= 0:
-            mx.eval(self.kv_caches)
-            return drafts
-        hidden = out[mx.array(rows)]
-        ids_j = self._argmax(hidden)
-        got = [ids_j]
-        bs, seqs = self.block_size, np.arange(n + 1, dtype=np.int32)
-        for j in range(2, steps + 1):
-            pos = np.minimum(newest + j - 2, self.max_model_len - 1)
-            width = int(pos.max()) // bs + 1
-            table = tables[:, :width]
-            slots = table[np.arange(n), np.minimum(pos // bs, width - 1)].astype(np.int64) * bs + pos % bs
-            slots[j > room] = -1  # past a request's room: not written (the row is dropped)
-            ctx = AttentionContext(
-                positions=mx.array(pos.astype(np.int32)), slot_mapping=mx.array(slots),
-                block_tables=mx.array(np.ascontiguousarray(table, np.int32)),
-                seq_lens=mx.array((pos + 1).astype(np.int32)), cu_seqlens_q=mx.array(seqs),
-                num_decode_seqs=n, max_seq_len=int(pos.max()) + 1, max_query_len=1,
-                logits_indices=mx.array(seqs[:-1]), kv_caches=self.kv_caches)
-            hidden = self.block(self._embed(ids_j), hidden, ctx)
-            self.kv_caches = ctx.kv_caches
-            ids_j = self._argmax(hidden)
-            got.append(ids_j)
-        values = np.array(mx.stack(got, axis=1))
-        mx.eval(self.kv_caches)
-        keep = np.arange(1, steps + 1)[None, :] <= room[:, None]
-        drafts[keep] = values[keep]
-        return drafts
+    def next(self, embeds, feed, ctx):
+        out = self.block(embeds, feed, ctx)
+        return out, out
 
-    def _take(self, step_req_ids: list[str]) -> _StepRecord:
-        while self._steps:
-            rec = self._steps.popleft()
-            if rec.req_ids == list(step_req_ids):
-                return rec
-        raise RuntimeError("[vllm-metal] mtp: no recorded target step for the step being read")
+    def embed(self, ids: mx.array) -> mx.array:
+        return self.lm.model.embed_tokens(ids).astype(self.dtype)
 
-    def _embed(self, ids: mx.array) -> mx.array:
-        return self.lm.model.embed_tokens(ids).astype(self._dtype)
-
-    def _argmax(self, hidden: mx.array) -> mx.array:
+    def draft_ids(self, hidden: mx.array) -> mx.array:
         if self.lm.args.tie_word_embeddings:
             logits = self.lm.model.embed_tokens.as_linear(hidden)
         else:
             logits = self.lm.lm_head(hidden)
         return mx.argmax(logits, axis=-1).astype(mx.int32)
+
+
+def MtpDraft(target, model_path: str, num_speculative_tokens: int, max_model_len: int) -> HeadDraft:
+    """The runner's proposer for method "mtp"."""
+    return HeadDraft(MtpHead(target, model_path), num_speculative_tokens, max_model_len)
 
 
 def _flat_names(block: MtpBlock) -> list:
