@@ -29,6 +29,10 @@ class AttentionContext:
     # Attention layer i replaces entry i with the caches ops.reshape_and_cache returns,
     # so after the forward this list holds the updated (lazy) caches to keep.
     kv_caches: list
+    # an EAGLE3 head's inputs (eagle3.py): the residual stream after these many layers,
+    # left by the forward in `aux` (pre-norm models: paged_model.py)
+    aux_layers: tuple = ()
+    aux: list = None
 
 
 def prepare_gguf_dir(gguf_path: str, out_dir: str | None = None) -> str:

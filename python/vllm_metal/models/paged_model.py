@@ -120,9 +120,12 @@ class PagedCausalLM(nn.Module):
         query_scale = self._llama4_query_scale(ctx.positions)
         lora = self.__dict__.get("_lora_step")  # vllm_metal.lora: rows with adapters this step
         fused = None if lora is not None and lora.row_slot is not None else self._fused_layers()
+        aux = _AuxStates(ctx)  # an EAGLE3 head's inputs: the stream after some layers
+        aux.after(0, h, None)
         if fused:
-            for layer in fused:
+            for i, layer in enumerate(fused):
                 h = layer(h, ctx)
+                aux.after(i + 1, h, None)
             # The fused layers write the caches in place, a side effect MLX cannot see: hand
             # the caches on as arrays that depend on the last layer (so on every layer), so
             # whoever evaluates ctx.kv_caches runs the step even when it wants no logits
@@ -131,9 +134,12 @@ class PagedCausalLM(nn.Module):
             ctx.kv_caches[:] = list(zip(flat[0::2], flat[1::2]))
             residual = None  # h is the residual stream, already summed
         elif self.sandwich:
+            if aux.layers:
+                raise ValueError("[vllm-metal] hidden states of inner layers are kept for "
+                                 "pre-norm (llama-family) models only")
             h, residual = self._sandwich_layers(h, ctx)
         else:
-            h, residual = self._pre_norm_layers(h, ctx, query_scale)
+            h, residual = self._pre_norm_layers(h, ctx, query_scale, aux)
 
         # Only the rows wanted go through the final norm (and lm_head).
         h = h[rows]
@@ -155,11 +161,11 @@ class PagedCausalLM(nn.Module):
             object.__setattr__(self, "_fused_plan", plan)
         return plan
 
-    def _pre_norm_layers(self, h, ctx, query_scale):
+    def _pre_norm_layers(self, h, ctx, query_scale, aux=None):
         """llama family: x = norm1(h); h += attn(x); h += mlp(norm2(h)).
         Returns the last block's output and the residual it is added to."""
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
             if residual is None:
                 residual = h
@@ -169,6 +175,8 @@ class PagedCausalLM(nn.Module):
             h = layer.self_attn(x, ctx, query_scale)
             x, residual = ops.add_rms_norm(h, residual, n2.multiplier(), n2.eps)
             h = layer.mlp(x)
+            if aux is not None:
+                aux.after(i + 1, h, residual)
         return h, residual
 
     def _sandwich_layers(self, h, ctx):
@@ -218,3 +226,19 @@ def _rope_source(arch: Architecture, config: dict, sliding: bool):
         rp = config["rope_parameters"]
         return rp["rope_theta"], rp
     return config.get("rope_theta") or 10_000.0, config.get("rope_scaling")
+
+
+class _AuxStates:
+    """ctx.aux_layers (when set): the residual stream after each of those many layers
+    (0: the embeddings), in that order, into ctx.aux, as vLLM's EAGLE3 targets give them."""
+
+    def __init__(self, ctx) -> None:
+        self.layers = tuple(getattr(ctx, "aux_layers", None) or ())
+        self.ctx = ctx
+        if self.layers:
+            ctx.aux = [None] * len(self.layers)
+
+    def after(self, n: int, h: mx.array, residual: mx.array | None) -> None:
+        for k, want in enumerate(self.layers):
+            if want == n:
+                self.ctx.aux[k] = h if residual is None else h + residual
