@@ -121,6 +121,10 @@ class Eagle3Head:
         self.d2t = weights.pop("d2t", None)
         weights.pop("t2d", None)
         own = "embed_tokens.weight" in weights
+        if not own and int(cfg["hidden_size"]) != int(lm.args.hidden_size):
+            raise ValueError(f"[vllm-metal] EAGLE3 head {path}: hidden size {cfg['hidden_size']} "
+                             f"differs from the target's {lm.args.hidden_size} and the head has no "
+                             "embedding of its own")
         module = Eagle3Module(cfg, target_hidden, len(self.aux_layers), own)
         want = dict((k, v.shape) for k, v in tree_flatten(module.parameters()))
         if set(weights) != set(want):

@@ -172,6 +172,15 @@ class MetalModelRunner(DeltaHooks):
                                               self.speculation.num_speculative_tokens,
                                               self.model_config.max_model_len)
             logger.info("vllm-metal loaded the checkpoint's MTP block")
+        if self.speculation is not None and self.speculation.method == "eagle3":
+            from vllm_metal.eagle3 import Eagle3Draft
+
+            path = self.vllm_config.speculative_config.draft_model_config.model
+            self.speculation.draft = Eagle3Draft(self.loaded, path,
+                                                 self.speculation.num_speculative_tokens,
+                                                 self.model_config.max_model_len)
+            logger.info("vllm-metal loaded the EAGLE3 head %s (target layers %s)", path,
+                        self.speculation.draft.head.aux_layers)
         if self.vllm_config.lora_config is not None:
             from vllm_metal.lora.manager import LoraManager
 

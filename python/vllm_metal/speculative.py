@@ -140,14 +140,22 @@ def unsupported_reason(vllm_config) -> str | None:
     spec = vllm_config.speculative_config
     if spec is None:
         return None
-    if spec.method not in ("ngram", "draft_model", "mtp"):
+    if spec.method not in ("ngram", "draft_model", "mtp", "eagle3"):
         return (f"speculative method {spec.method!r} is not supported yet "
-                "(supported: ngram, draft_model, mtp)")
-    if spec.method == "mtp":
-        from vllm_metal.hybrid import is_hybrid_config
+                "(supported: ngram, draft_model, mtp, eagle3)")
+    from vllm_metal.hybrid import is_hybrid_config
 
-        text = getattr(vllm_config.model_config, "hf_text_config", None)
-        if text is None or not is_hybrid_config(text):
+    text = getattr(vllm_config.model_config, "hf_text_config", None)
+    hybrid = text is not None and is_hybrid_config(text)
+    if spec.method == "eagle3":
+        if getattr(spec, "parallel_drafting", False):
+            return "parallel drafting (P-EAGLE) is not supported yet"
+        model_type = getattr(text, "model_type", "") or ""
+        if hybrid or model_type.startswith("gemma"):
+            return ("speculative method 'eagle3' is supported for llama-family (pre-norm "
+                    f"attention) targets; not for {model_type!r}")
+    if spec.method == "mtp":
+        if not hybrid:
             return ("speculative method 'mtp' is supported for Qwen3.5 targets only (their "
                     "checkpoints' mtp.* block)")
         if not getattr(text, "mtp_num_hidden_layers", 0):

@@ -28,11 +28,14 @@ def target(tmp_path_factory):
 
 
 def write_head(out, target_cfg: dict, *, seed: int = 0, norm_before_residual: bool = True,
-               speculators: bool = True):
-    """A random EAGLE3 head: speculators format (or the original layout: midlayer.*)."""
+               speculators: bool = True, draft_vocab: int = DRAFT_VOCAB, aux=AUX,
+               heads: int = 4, kv: int = 2):
+    """A random EAGLE3 head as wide as the target (it reads the target's embeddings):
+    speculators format (or the original layout: midlayer.*); aux None: the target's
+    default layers."""
     rng = np.random.default_rng(seed)
-    h, heads, kv, d = 64, 4, 2, 16
-    inter = 96
+    h = target_cfg["hidden_size"]
+    d, inter = h // heads, 96
 
     def w(*shape, scale=0.2):
         return (rng.normal(size=shape) * scale).astype(np.float32)
@@ -45,23 +48,24 @@ def write_head(out, target_cfg: dict, *, seed: int = 0, norm_before_residual: bo
          f"{layer}self_attn.o_proj.weight": w(h, heads * d),
          f"{layer}mlp.gate_proj.weight": w(inter, h), f"{layer}mlp.up_proj.weight": w(inter, h),
          f"{layer}mlp.down_proj.weight": w(h, inter),
-         "norm.weight": 1 + w(h, scale=0.1), "lm_head.weight": w(DRAFT_VOCAB, h, scale=0.5)}
+         "norm.weight": 1 + w(h, scale=0.1), "lm_head.weight": w(draft_vocab, h, scale=0.5)}
     for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
         t[f"{layer}{n}.weight"] = 1 + w(h, scale=0.1)
-    keep = np.sort(rng.choice(target_cfg["vocab_size"], DRAFT_VOCAB, replace=False))
-    t["d2t"] = (keep - np.arange(DRAFT_VOCAB)).astype(np.int64)
+    keep = np.sort(rng.choice(target_cfg["vocab_size"], draft_vocab, replace=False))
+    t["d2t"] = (keep - np.arange(draft_vocab)).astype(np.int64)
     t2d = np.zeros(target_cfg["vocab_size"], bool)
     t2d[keep] = True
     t["t2d"] = t2d
     layer_cfg = dict(model_type="llama", hidden_size=h, intermediate_size=inter,
                      num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv,
                      head_dim=d, rms_norm_eps=1e-5, vocab_size=target_cfg["vocab_size"],
-                     rope_theta=10000.0, max_position_embeddings=512, architectures=["LlamaForCausalLM"])
+                     rope_theta=10000.0, max_position_embeddings=512, architectures=["LlamaForCausalLM"],
+                     dtype="float32")
     if speculators:
         config = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
-                  "transformer_layer_config": layer_cfg, "draft_vocab_size": DRAFT_VOCAB,
+                  "torch_dtype": "float32",
+                  "transformer_layer_config": layer_cfg, "draft_vocab_size": draft_vocab,
                   "norm_before_residual": norm_before_residual,
-                  "eagle_aux_hidden_state_layer_ids": AUX,
                   "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
                                          "proposal_methods": [{"proposal_type": "greedy",
                                                                "speculative_tokens": 3}],
@@ -69,11 +73,13 @@ def write_head(out, target_cfg: dict, *, seed: int = 0, norm_before_residual: bo
                                                       "architectures": ["LlamaForCausalLM"]}}}
     else:
         config = dict(layer_cfg, architectures=["LlamaForCausalLMEagle3"],
-                      draft_vocab_size=DRAFT_VOCAB, eagle_aux_hidden_state_layer_ids=AUX)
+                      draft_vocab_size=draft_vocab)
+    if aux is not None:
+        config["eagle_aux_hidden_state_layer_ids"] = list(aux)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     mx.save_safetensors(str(out / "model.safetensors"),
-                        {k: mx.array(v) for k, v in t.items()})
+                        {k: mx.array(v) for k, v in t.items()}, metadata={"format": "pt"})
     return out, t, layer_cfg, keep
 
 
@@ -108,7 +114,7 @@ def _reference_chain(lm, t, layer_cfg, history, aux, k, norm_before_residual):
                       if n.startswith("layers.0.mlp.")])
     norms = {}
     for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
-        norms[n] = nn.RMSNorm(64, eps=1e-5)
+        norms[n] = nn.RMSNorm(layer_cfg["hidden_size"], eps=1e-5)
         norms[n].weight = g[f"layers.0.{n}.weight"]
     cache = KVCache()
 
@@ -209,4 +215,14 @@ def test_unsupported_heads_are_refused(tmp_path, target):
     cfg["norm_before_fc"] = True
     (head_dir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="norm_before_fc"):
+        Eagle3Draft(load_model(path, "float32"), str(head_dir), 2, max_model_len=64)
+
+
+def test_a_head_narrower_than_the_target_without_its_own_embedding_is_refused(tmp_path, target):
+    from vllm_metal.eagle3 import Eagle3Draft
+    from vllm_metal.models import load_model
+
+    _, path = target
+    head_dir, *_ = write_head(tmp_path / "head", {"hidden_size": 32, "vocab_size": 300})
+    with pytest.raises(ValueError, match="hidden size 32 differs"):
         Eagle3Draft(load_model(path, "float32"), str(head_dir), 2, max_model_len=64)

@@ -174,19 +174,23 @@ def test_vllm_refuses_min_p_and_logit_bias_with_speculation_and_the_engine_lives
     assert _complete(speculative, PROMPTS[0], max_tokens=4)["text"]
 
 
-def _config(method="ngram", processors=None):
+def _config(method="ngram", processors=None, model_type="llama"):
     from vllm_metal.speculative import unsupported_reason
 
+    text = SimpleNamespace(model_type=model_type)
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(method=method),
-                          model_config=SimpleNamespace(logits_processors=processors))
+                          model_config=SimpleNamespace(logits_processors=processors,
+                                                       hf_text_config=text))
     return unsupported_reason(cfg)
 
 
 def test_unsupported_speculative_configurations_are_named():
     assert _config() is None
-    assert "'eagle3' is not supported yet" in _config("eagle3")
+    assert _config("eagle3") is None
+    assert "llama-family" in _config("eagle3", model_type="gemma3_text")
     assert _config("draft_model") is None
-    assert "'mtp' is not supported yet" in _config("mtp")
+    assert "Qwen3.5 targets only" in _config("mtp")
+    assert "'suffix' is not supported yet" in _config("suffix")
     assert "--logits-processors" in _config(processors=["x.Y"])
 
 
@@ -290,3 +294,35 @@ def test_the_draft_cache_comes_out_of_the_same_budget(tmp_path):
     assert m.group(1) == m.group(3)  # one block count: the draft is indexed by the target's ids
     total = (float(m.group(2)) + float(m.group(4))) * 2**20
     assert 0.9 * budget < total <= budget, (total, budget)
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(tmp_path_factory):
+    """A random EAGLE3 head for SmolLM2 (speculators format, a 2,000-token draft
+    vocabulary mapped into SmolLM2's by d2t): its drafts are mostly rejected."""
+    from test_eagle3 import write_head
+
+    target_cfg = {"hidden_size": 576, "vocab_size": 49152}
+    head, *_ = write_head(tmp_path_factory.mktemp("eagle3"), target_cfg, draft_vocab=2000, aux=None,
+                          heads=9, kv=3)
+    return head
+
+
+@pytest.mark.slow
+@pytest.mark.serving
+def test_an_eagle3_head_changes_nothing(reference, eagle3_head):
+    """`--speculative-config '{"method": "eagle3", "model": head}'`: the head reads
+    SmolLM2's inner hidden states (layers 2, 15, 27 of 30) and drafts; the text stays the
+    reference's, concurrent and preempted."""
+    spec = {"method": "eagle3", "model": str(eagle3_head), "num_speculative_tokens": 3}
+    s = Server(smollm2_gguf(), "smollm2", COMMON + ["--speculative-config", json.dumps(spec)],
+               env=ENV)
+    try:
+        want = _all(reference, PROMPTS)
+        got = _all(s, PROMPTS)
+        drafts = _counter(s, "vllm:spec_decode_num_draft_tokens_total")
+    finally:
+        s.stop()
+    for p, w, g in zip(PROMPTS, want, got):
+        assert (g["text"], g["finish_reason"]) == (w["text"], w["finish_reason"]), p
+    assert drafts >= 3 * 40, drafts
