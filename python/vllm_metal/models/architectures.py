@@ -32,6 +32,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("qwen3", "qwen3", "Qwen3ForCausalLM", "pre_norm"),
         # sparse MoE MLPs on ops.fused_moe (models/moe.py)
         Architecture("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", "pre_norm"),
+        # q/k RMSNorm over the whole projection; softmax router, norm_topk_prob as configured
+        Architecture("olmoe", "olmoe", "OlmoeForCausalLM", "pre_norm"),
         Architecture("gemma3_text", "gemma3_text", "Gemma3ForCausalLM", "sandwich"),
     ]
 }

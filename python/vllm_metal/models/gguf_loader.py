@@ -52,6 +52,8 @@ GGUF_ARCHS = {
     "qwen3": _GGUFArch("qwen3", "Qwen3ForCausalLM", permuted_qk=False, default_rope_base=1_000_000.0),
     "qwen3moe": _GGUFArch("qwen3_moe", "Qwen3MoeForCausalLM", permuted_qk=False,
                           default_rope_base=1_000_000.0),
+    # llama.cpp's olmoe: NeoX rope, Q/K not permuted by the converter
+    "olmoe": _GGUFArch("olmoe", "OlmoeForCausalLM", permuted_qk=False),
     "gemma3": _GGUFArch("gemma3_text", "Gemma3ForCausalLM", permuted_qk=False, norm_shift=1.0,
                         default_rope_base=1_000_000.0),
 }
@@ -247,13 +249,18 @@ def hf_config(ckpt: GGUFCheckpoint) -> dict:
     if arch.model_type == "llama":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in ckpt.tensors
         cfg["hidden_act"] = "silu"
-    if arch.model_type in ("qwen2", "qwen3", "qwen3_moe"):
+    if arch.model_type in ("qwen2", "qwen3", "qwen3_moe", "olmoe"):
         cfg["hidden_act"] = "silu"
     if arch.model_type == "qwen3_moe":
         # llama.cpp's qwen3moe graph: softmax router, top-k weights renormalized
         cfg.update(num_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")),
                    moe_intermediate_size=int(get("expert_feed_forward_length")), norm_topk_prob=True,
                    decoder_sparse_step=1, mlp_only_layers=[])
+    if arch.model_type == "olmoe":
+        # llama.cpp's olmoe graph: softmax router, top-k weights not renormalized
+        cfg.update(num_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")),
+                   intermediate_size=int(get("expert_feed_forward_length") or get("feed_forward_length")),
+                   norm_topk_prob=False)
     scaling = _rope_scaling(ckpt, get, head_dim, cfg["rope_theta"])
     if scaling:
         cfg["rope_scaling"] = scaling

@@ -70,6 +70,9 @@ class PagedAttention(nn.Module):
         self.num_heads = source.n_heads
         self.num_kv_heads = source.n_kv_heads
         self.head_dim = self.q_proj.weight.shape[0] // self.num_heads
+        # olmoe: one RMSNorm over all heads' projection (weight [heads * head_dim])
+        self.qk_norm_whole = ("q_norm" in source and self.num_heads > 1
+                              and source.q_norm.weight.shape[0] == self.num_heads * self.head_dim)
         self.scale = float(source.scale)
         self.layer_idx = layer_idx
         self.rope = rope
@@ -79,10 +82,13 @@ class PagedAttention(nn.Module):
     def __call__(self, x: mx.array, ctx: AttentionContext,
                  query_scale: mx.array | None = None) -> mx.array:
         t = x.shape[0]
-        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)     # [T, Hq, D]
-        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(t, self.num_heads, self.head_dim)                  # [T, Hq, D]
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)               # [T, Hkv, D]
         v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if "q_norm" in self:
+        if "q_norm" in self and not self.qk_norm_whole:
             q = self.q_norm(q)
             k = self.k_norm(k)
         q = apply_rope(q, ctx.positions, self.rope)

@@ -21,6 +21,7 @@ from vllm_metal import ops
 _MOE_BLOCKS = {
     "Qwen3MoeSparseMoeBlock": ("softmax", "norm_topk_prob"),
     "Qwen3NextSparseMoeBlock": ("softmax", "norm_topk_prob"),  # Qwen3.5-MoE: + shared expert
+    "OlmoeSparseMoeBlock": ("softmax", "norm_topk_prob"),
 }
 
 
