@@ -2,7 +2,8 @@
 (top-k softmax router with bias, expert biases, clamped SwiGLU): greedy token-exact parity
 with transformers (float32, CPU) on a tiny random checkpoint (2 layers: sliding window 6 then
 full attention, attention sinks, q/k/v/o biases, YaRN rope, 8 experts, top-2, hidden 64);
-MXFP4 checkpoints refused at load naming the tensor."""
+MXFP4 experts (the published safetensors layout) repacked into GGUF MXFP4 blocks on
+ops.fused_moe_gguf, against transformers on the same experts dequantized."""
 
 from __future__ import annotations
 
@@ -70,15 +71,65 @@ def test_prompt_logits_match_transformers(tmp_path):
     assert err < 1e-4, err
 
 
-def test_mxfp4_checkpoint_refused_naming_the_tensor(tmp_path):
+def write_mxfp4_checkpoint(path, seed=0, **overrides):
+    """A gpt-oss checkpoint with MXFP4 experts as published (uint8 *_blocks [E, rows, G, 16],
+    *_scales [E, rows, G]; random codes, exponents 2^-6..2^-3); the transformers model
+    returned holds the same experts dequantized by transformers' own MXFP4 code."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    config, hf = write_checkpoint(path, seed=seed, **overrides)
+    st = load_file(str(path / "model.safetensors"))
+    rng = np.random.default_rng(seed + 100)
+    e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
+    for layer in range(config.num_hidden_layers):
+        pre = f"model.layers.{layer}.mlp.experts."
+        experts = hf.model.layers[layer].mlp.experts
+        for name, rows, cols in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+            blocks = rng.integers(0, 256, (e, rows, cols // 32, 16), dtype=np.uint8)
+            scales = rng.integers(121, 125, (e, rows, cols // 32), dtype=np.uint8)
+            del st[pre + name]
+            st[pre + name + "_blocks"] = blocks
+            st[pre + name + "_scales"] = scales
+            dense = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                               dtype=torch.float32)
+            with torch.no_grad():
+                getattr(experts, name).copy_(dense)  # [E, cols, rows]: x @ W
+    save_file(st, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return config, hf
+
+
+def test_mxfp4_experts_greedy_tokens_match_transformers(tmp_path):
+    """MXFP4 experts repacked into GGUF MXFP4 blocks, on ops.fused_moe_gguf: transformers'
+    tokens on the same experts dequantized."""
+    from vllm_metal.models.moe import GGUFSwitchGLU
+
+    config, hf = write_mxfp4_checkpoint(tmp_path, seed=6)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in (5, 11, 2)]
+    want = hf_greedy(hf, prompts, 24)
+    loaded = load_model(str(tmp_path), "float32")
+    assert all(isinstance(layer.mlp.experts, GGUFSwitchGLU) for layer in loaded.model.layers)
+    assert all(layer.mlp.experts.gate_proj.type_id == 39 for layer in loaded.model.layers)
+    got = greedy_generate(loaded, prompts, 24, block_size=4, prefill_chunk=4, stop_ids=[])
+    assert all(len(set(w)) > 4 for w in want)
+    assert got == want
+
+
+def test_mxfp4_blocks_without_scales_refused_naming_the_tensor(tmp_path):
     from safetensors.numpy import load_file, save_file
 
-    write_checkpoint(tmp_path)
+    write_mxfp4_checkpoint(tmp_path)
     st = load_file(str(tmp_path / "model.safetensors"))
-    st["model.layers.0.mlp.experts.gate_up_proj_blocks"] = np.zeros((8, 64, 2, 16), np.uint8)
-    del st["model.layers.0.mlp.experts.gate_up_proj"]
+    del st["model.layers.1.mlp.experts.down_proj_scales"]
     save_file(st, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="gate_up_proj_blocks"):
+    with pytest.raises(ValueError, match="model.layers.1.mlp.experts.down_proj"):
         load_model(str(tmp_path), "float32")
 
 

@@ -113,6 +113,10 @@ def _load_safetensors(path: Path, dtype: str | None, linear: str):
     lm, _ = mlx_lm_load_model(path, lazy=True, strict=not is_sequence_classifier(hf_config),
                               model_config=mlx_lm_config(config),
                               get_model_classes=lambda config: mlx_lm_classes(arch))
+    if arch.model_type == "gpt_oss":  # MXFP4 experts kept aside by its sanitize
+        from vllm_metal.models.gpt_oss import install_mxfp4_experts
+
+        install_mxfp4_experts(lm)
     stored = _stored_dtype(lm)
     target = _dtype(dtype) if dtype else stored
     return _finish(lm, config, hf_config, target, _eos_ids(config.get("eos_token_id")), linear)

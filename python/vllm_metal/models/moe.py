@@ -149,14 +149,19 @@ class GptOssMoeBlock(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         sw = self.experts
         g, u, d = sw.gate_proj, sw.up_proj, sw.down_proj
-        return ops.fused_moe(x, self.router(x), g.weight, u.weight, d.weight, top_k=self.top_k,
-                             renormalize=False, scoring="softmax_topk", activation="swiglu_oai",
-                             b_gate=g.bias, b_up=u.bias, b_down=d.bias)
+        kw = dict(top_k=self.top_k, renormalize=False, scoring="softmax_topk",
+                  activation="swiglu_oai", b_gate=g.bias, b_up=u.bias, b_down=d.bias)
+        if isinstance(sw, GGUFSwitchGLU):  # MXFP4 experts (models/gpt_oss.py)
+            return ops.fused_moe_gguf(x, self.router(x), g.weight, g.type_id, u.weight, u.type_id,
+                                      d.weight, d.type_id, inter=g.rows, exact=sw.exact, **kw)
+        return ops.fused_moe(x, self.router(x), g.weight, u.weight, d.weight, **kw)
 
 
 def _gpt_oss_block(mlp: nn.Module) -> bool:
     if type(mlp).__module__ != "mlx_lm.models.gpt_oss" or type(mlp).__name__ != "MLPBlock":
         return False
+    if isinstance(mlp.experts, GGUFSwitchGLU):
+        return True
     projs = [mlp.experts.gate_proj, mlp.experts.up_proj, mlp.experts.down_proj]
     return all("scales" not in p and mx.issubdtype(p.weight.dtype, mx.floating) for p in projs)
 
