@@ -71,7 +71,7 @@ class Model(mlx_gpt_oss.Model):
                          if base.endswith("gate_up_proj") else {"down_proj": rows})
                 for proj, blk in projs.items():
                     shape = (e, blk.shape[1], cols)
-                    pending[prefix + proj] = (mx.contiguous(blk), shape)
+                    pending[prefix + proj] = (mx.contiguous(blk), shape, MXFP4_TYPE_ID)
                     # what mlx-lm's strict load checks; never materialized (experts swapped)
                     out[prefix + proj + ".weight"] = mx.broadcast_to(mx.zeros((1, 1, 1)), shape)
                 continue
@@ -92,9 +92,27 @@ class Model(mlx_gpt_oss.Model):
         return out
 
 
+def hold_expert_blocks(lm, weights: dict) -> dict:
+    """GGUF: the block-form expert tensors (GGUFWeight values under mlp.experts.*.weight) kept
+    aside for install_mxfp4_experts, broadcast placeholders in their place."""
+    pending = lm.__dict__.setdefault("_mxfp4_experts", {})
+    out = {}
+    for name, value in weights.items():
+        if ".mlp.experts." in name and name.endswith(".weight") and not isinstance(value, mx.array):
+            if len(value.shape) != 3:
+                raise ValueError(f"[vllm-metal] gpt_oss: GGUF expert tensor for {name} must be "
+                                 f"[experts, rows, cols], got shape {tuple(value.shape)}")
+            pending[name[: -len(".weight")]] = (value.blocks, tuple(value.shape), value.type_id)
+            out[name] = mx.broadcast_to(mx.zeros((1, 1, 1)), tuple(value.shape))
+        else:
+            out[name] = value
+    return out
+
+
 def install_mxfp4_experts(lm) -> int:
-    """Replace the experts whose MXFP4 blocks sanitize kept aside by GGUFSwitchGLU on those
-    blocks (the biases stay); returns how many layers."""
+    """Replace the experts whose blocks (MXFP4 from safetensors, any GGUF type from a GGUF
+    file) were kept aside by GGUFSwitchGLU on those blocks (the biases stay); returns how
+    many layers."""
     from vllm_metal.models.moe import GGUFExperts, GGUFSwitchGLU
 
     pending = lm.__dict__.pop("_mxfp4_experts", {})
@@ -108,8 +126,8 @@ def install_mxfp4_experts(lm) -> int:
             raise ValueError(f"[vllm-metal] gpt_oss: {prefix}*: MXFP4 and dense expert tensors mixed")
         old = layer.mlp.experts
         experts = []
-        for (blocks, shape), dense in zip(found, (old.gate_proj, old.up_proj, old.down_proj)):
-            x = GGUFExperts(blocks.reshape(shape[0] * shape[1], -1), MXFP4_TYPE_ID, shape)
+        for (blocks, shape, type_id), dense in zip(found, (old.gate_proj, old.up_proj, old.down_proj)):
+            x = GGUFExperts(blocks.reshape(shape[0] * shape[1], -1), type_id, shape)
             x.bias = dense.bias
             experts.append(x)
         layer.mlp.experts = GGUFSwitchGLU(*experts)

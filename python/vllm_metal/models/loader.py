@@ -163,9 +163,17 @@ def _load_gguf(gguf_path: Path, directory: Path | None, dtype: str | None, linea
     weights = gguf_loader.load_weights(ckpt, hf_config, target, blocks=linear == "gguf")
     if hasattr(lm, "sanitize"):
         weights = lm.sanitize(weights)
+    if arch.model_type == "gpt_oss":  # experts under mlp.experts, with biases
+        from vllm_metal.models.gpt_oss import hold_expert_blocks
+
+        weights = hold_expert_blocks(lm, weights)
     weights = install_expert_blocks(lm, weights)
     weights = install_block_weights(lm, weights)
     lm.load_weights(list(weights.items()), strict=True)
+    if arch.model_type == "gpt_oss":
+        from vllm_metal.models.gpt_oss import install_mxfp4_experts
+
+        install_mxfp4_experts(lm)
     lm.eval()
     return _finish(lm, hf_config, hf_config, target, gguf_loader.eos_token_ids(ckpt), linear)
 
