@@ -1,7 +1,7 @@
 """`vllm serve` on a tiny random-weight gpt-oss checkpoint (dense float32 experts; sliding
 and full layers, attention sinks, YaRN; written by transformers), token-exact against
 transformers' greedy decoding: a concurrent batch equals each request solo (and
-transformers)."""
+transformers); the same model as a gpt-oss GGUF file with MXFP4 experts, served."""
 
 from __future__ import annotations
 
@@ -37,5 +37,25 @@ def test_concurrent_batch_equals_solo_and_transformers(tmp_path):
         assert batch == solo, s.tail()
         assert solo == want, s.tail()
         assert s.alive()
+    finally:
+        s.stop()
+
+
+def test_served_mxfp4_gguf_tokens_match_transformers(tmp_path):
+    """A llama.cpp gpt-oss GGUF file with MXFP4 experts, served: transformers' tokens on the
+    experts the file holds."""
+    from test_models_gpt_oss_gguf import set_experts, write_gguf
+
+    config, hf = write_checkpoint(tmp_path / "hf", seed=7, vocab_size=VOCAB, bos_token_id=1,
+                                  eos_token_id=2)
+    stored = write_gguf(tmp_path / "hf", config, tmp_path / "tiny-gpt-oss.gguf", "MXFP4")
+    set_experts(hf, stored)
+    ps = prompts(3, 3)
+    want = hf_greedy(hf, ps, 12)
+    s = Server(str(tmp_path / "tiny-gpt-oss.gguf"), "gpt-oss-gguf", SERVER_ARGS)
+    try:
+        with cf.ThreadPoolExecutor(len(ps)) as pool:
+            got = list(pool.map(lambda p: complete_ids(s, p, 12), ps))
+        assert got == want, s.tail()
     finally:
         s.stop()
