@@ -35,6 +35,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",  # sparse MoE MLPs on ops.fused_moe (models/moe.py)
+    "OlmoeForCausalLM",  # the same, q/k norms over the whole projection
+    "GptOssForCausalLM",  # attention sinks; MoE with biases, clamped SwiGLU (models/gpt_oss.py)
     "Gemma3ForCausalLM",
     "Qwen3_5ForCausalLM",  # hybrid: gated delta net + attention (hybrid.py)
     "Qwen3_5ForConditionalGeneration",  # the same, text-only (vision tower not loaded)

@@ -180,6 +180,24 @@ struct GgufIQ4_NL : GgufDecoders<GgufIQ4_NL> {
   }
 };
 
+// MXFP4: E8M0 exponent byte, 16 bytes of E2M1 nibbles (chunk 0 low, chunk 1 high)
+struct GgufMXFP4 : GgufDecoders<GgufMXFP4> {
+  enum { kBlock = 32, kBytes = 17 };
+  template <uint N>
+  static void decode(device const uchar* row, uint chunk, uint j0, uint k, thread float* v) {
+    uint il;
+    device const uchar* b = gguf_block_of<GgufMXFP4>(row, chunk, il);
+    // 2^(e - 128) built from its bits: 2^-128 and 2^-127 are float32 subnormals
+    const uint e = b[0];
+    const float d = as_type<float>(e < 2u ? (0x00200000u << e) : ((e - 1u) << 23));
+    for (uint i = 0; i < N; ++i) {
+      uint j = j0 + i;
+      uint q = il == 0 ? (b[1 + j] & 0xF) : (b[1 + j] >> 4);
+      v[i] = d * float(kGgufMxfp4Values[q]);
+    }
+  }
+};
+
 // ---- K quants: 256-weight super-blocks; chunk il covers weights 16 il + j ----
 
 struct GgufQ2_K : GgufDecoders<GgufQ2_K> {
@@ -387,6 +405,7 @@ struct GgufIQ3_S : GgufDecoders<GgufIQ3_S> {
   macro(q5_k, GgufQ5_K, __VA_ARGS__)     \
   macro(q6_k, GgufQ6_K, __VA_ARGS__)     \
   macro(iq4_nl, GgufIQ4_NL, __VA_ARGS__) \
+  macro(mxfp4, GgufMXFP4, __VA_ARGS__)   \
   macro(iq4_xs, GgufIQ4_XS, __VA_ARGS__) \
   macro(iq3_xxs, GgufIQ3_XXS, __VA_ARGS__) \
   macro(iq3_s, GgufIQ3_S, __VA_ARGS__)

@@ -75,6 +75,7 @@ struct GgufMvRowsOf {
     case 21: GgufIQ3_S::decode##N(row, piece, k, v); break;              \
     case 23: GgufIQ4_XS::decode##N(row, piece, k, v); break;             \
     case 30: GgufBF16::decode##N(row, piece, k, v); break;               \
+    case 39: GgufMXFP4::decode##N(row, piece, k, v); break;              \
     default:                                                             \
       for (uint j = 0; j < N; ++j) {                                     \
         v[j] = 0.0f; /* the planners only name supported types */       \

@@ -18,6 +18,9 @@
 // IQ4_NL / IQ4_XS: the 16 non-linear levels.
 GGUF_TABLE int8_t kGgufIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
+// MXFP4: the 16 E2M1 values, doubled (the block scale is halved to match).
+GGUF_TABLE int8_t kGgufMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
 // IQ3_XXS: 256 entries of 4 magnitudes.
 GGUF_TABLE uint32_t kGgufIq3xxsGrid[256] = {
     0x04040404, 0x04040414, 0x04040424, 0x04040c0c, 0x04040c1c, 0x04040c3e, 0x04041404, 0x04041414,

@@ -7,6 +7,8 @@
 //                each expert row is read once per step -> act[s, i] = silu(g) * u
 //   moe_down     grid (row blocks, E): the same for the down rows -> y[s, h]
 //   moe_combine  out[t, h] = sum_j weights[t, j] * y[t * k + j, h], in slot order
+// args.flags adds gpt-oss's variations (moe_args.h): weights = softmax over the k chosen
+// logits; per-expert biases on gate/up/down; the clamped SwiGLU.
 // All arithmetic is float32; one rounding per output.
 #include <metal_stdlib>
 #include "moe_args.h"
@@ -40,9 +42,11 @@ kernel void moe_route(
       denom += exp(row[e] - mx);
     }
   }
+  const bool topk_softmax = (args.flags & kMoeTopkSoftmax) != 0u;
   float pv = INFINITY;
   uint pi = 0;
   float total = 0.0f;
+  float first = 0.0f;
   for (uint j = 0; j < args.top_k; ++j) {
     float best = -INFINITY;
     uint bi = args.num_experts;
@@ -56,12 +60,17 @@ kernel void moe_route(
     }
     pv = best;
     pi = bi;
-    float w = args.sigmoid != 0u ? 1.0f / (1.0f + exp(-best)) : exp(best - mx) / denom;
+    if (j == 0u) {
+      first = best;
+    }
+    float w = topk_softmax ? exp(best - first)
+              : args.sigmoid != 0u ? 1.0f / (1.0f + exp(-best))
+                                   : exp(best - mx) / denom;
     ids[ulong(t) * args.top_k + j] = int(bi);
     weights[ulong(t) * args.top_k + j] = w;
     total += w;
   }
-  if (args.renormalize != 0u && total > 0.0f) {
+  if ((args.renormalize != 0u || topk_softmax) && total > 0.0f) {
     for (uint j = 0; j < args.top_k; ++j) {
       weights[ulong(t) * args.top_k + j] /= total;
     }
@@ -76,6 +85,8 @@ kernel void moe_gate_up(
     device const int* ids [[buffer(3)]],
     device float* act [[buffer(4)]],
     constant MoeArgs& args [[buffer(5)]],
+    device const float* b_gate [[buffer(6)]],  // [E, I] when kMoeBias
+    device const float* b_up [[buffer(7)]],
     uint2 group [[threadgroup_position_in_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
@@ -84,6 +95,9 @@ kernel void moe_gate_up(
   if (i >= args.inter) {
     return;
   }
+  const bool bias = (args.flags & kMoeBias) != 0u;
+  const float bg = bias ? b_gate[ulong(e) * args.inter + i] : 0.0f;
+  const float bu = bias ? b_up[ulong(e) * args.inter + i] : 0.0f;
   const ulong off = (ulong(e) * args.inter + i) * args.hidden;
   device const W* g_row = w_gate + off;
   device const W* u_row = w_up + off;
@@ -103,7 +117,7 @@ kernel void moe_gate_up(
     g = simd_sum(g);
     u = simd_sum(u);
     if (lane == 0u) {
-      act[ulong(s) * args.inter + i] = g / (1.0f + exp(-g)) * u;
+      act[ulong(s) * args.inter + i] = moe_activation(g + bg, u + bu, args.flags);
     }
   }
 }
@@ -115,6 +129,7 @@ kernel void moe_down(
     device const int* ids [[buffer(2)]],
     device float* y [[buffer(3)]],
     constant MoeArgs& args [[buffer(4)]],
+    device const float* b_down [[buffer(5)]],  // [E, H] when kMoeBias
     uint2 group [[threadgroup_position_in_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
@@ -123,6 +138,7 @@ kernel void moe_down(
   if (h >= args.hidden) {
     return;
   }
+  const float bd = (args.flags & kMoeBias) != 0u ? b_down[ulong(e) * args.hidden + h] : 0.0f;
   device const W* d_row = w_down + (ulong(e) * args.hidden + h) * args.inter;
   const uint slots = args.num_tokens * args.top_k;
   for (uint s = 0; s < slots; ++s) {
@@ -136,7 +152,7 @@ kernel void moe_down(
     }
     d = simd_sum(d);
     if (lane == 0u) {
-      y[ulong(s) * args.hidden + h] = d;
+      y[ulong(s) * args.hidden + h] = d + bd;
     }
   }
 }

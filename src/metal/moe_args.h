@@ -17,8 +17,27 @@ struct MoeArgs {
   uint32_t top_k;        // k
   uint32_t renormalize;  // 1: the k routing weights are divided by their sum
   uint32_t sigmoid;      // 1: scores = sigmoid(logits), else softmax over E
-  uint32_t pad_;
+  uint32_t flags;        // kMoe* bits (gpt-oss's variations, ops/moe.h)
 };
+
+enum MoeFlags : uint32_t {
+  kMoeTopkSoftmax = 1u,  // weights = softmax over the k chosen logits
+  kMoeOaiAct = 2u,       // gpt-oss's clamped SwiGLU: (up + 1) * g * sigmoid(1.702 g)
+  kMoeBias = 4u,         // per-expert float32 gate/up/down biases
+};
+
+#ifdef __METAL_VERSION__
+// act of one (gate, up) pair after the biases: silu(g) * u, or gpt-oss's clamped
+// SwiGLU (g = min(g, 7), u = clamp(u, -7, 7), (u + 1) * g * sigmoid(1.702 g))
+inline float moe_activation(float g, float u, uint32_t flags) {
+  if ((flags & kMoeOaiAct) == 0u) {
+    return g / (1.0f + metal::exp(-g)) * u;
+  }
+  g = metal::min(g, 7.0f);
+  u = metal::max(metal::min(u, 7.0f), -7.0f);
+  return (u + 1.0f) * g / (1.0f + metal::exp(-1.702f * g));
+}
+#endif
 
 #ifndef __METAL_VERSION__
 static_assert(sizeof(MoeArgs) == 32, "MoeArgs layout must match the shader");

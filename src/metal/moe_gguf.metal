@@ -43,6 +43,8 @@ kernel void moe_gguf_gate_up(
     device const int* ids [[buffer(3)]],
     device float* act [[buffer(4)]],
     constant MoeGgufArgs& args [[buffer(5)]],
+    device const float* b_gate [[buffer(6)]],  // [E, I] when kMoeBias
+    device const float* b_up [[buffer(7)]],
     uint2 group [[threadgroup_position_in_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
@@ -53,6 +55,9 @@ kernel void moe_gguf_gate_up(
   if (i >= inter) {
     return;
   }
+  const bool bias = (args.moe.flags & kMoeBias) != 0u;
+  const float bg = bias ? b_gate[ulong(e) * inter + i] : 0.0f;
+  const float bu = bias ? b_up[ulong(e) * inter + i] : 0.0f;
   GgufMvRowsTyped g;
   g.type = args.gate_type;
   g.w = w_gate + (ulong(e) * inter + i) * args.gate_row_bytes;
@@ -87,7 +92,7 @@ kernel void moe_gguf_gate_up(
       const float gs = simd_sum(acc_g[0][j]);
       const float us = simd_sum(acc_u[0][j]);
       if (lane == 0u) {
-        act[ulong(slot[j]) * inter + i] = gs / (1.0f + exp(-gs)) * us;
+        act[ulong(slot[j]) * inter + i] = moe_activation(gs + bg, us + bu, args.moe.flags);
       }
     }
   }
@@ -99,6 +104,7 @@ kernel void moe_gguf_down(
     device const int* ids [[buffer(2)]],
     device float* y [[buffer(3)]],
     constant MoeGgufArgs& args [[buffer(4)]],
+    device const float* b_down [[buffer(5)]],  // [E, H] when kMoeBias
     uint2 group [[threadgroup_position_in_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
@@ -109,6 +115,7 @@ kernel void moe_gguf_down(
   if (h >= hidden) {
     return;
   }
+  const float bd = (args.moe.flags & kMoeBias) != 0u ? b_down[ulong(e) * hidden + h] : 0.0f;
   GgufMvRowsTyped d;
   d.type = args.down_type;
   d.w = w_down + (ulong(e) * hidden + h) * args.down_row_bytes;
@@ -134,7 +141,7 @@ kernel void moe_gguf_down(
     for (uint j = 0; j < n; ++j) {
       const float s = simd_sum(acc[0][j]);
       if (lane == 0u) {
-        y[ulong(slot[j]) * hidden + h] = s;
+        y[ulong(slot[j]) * hidden + h] = s + bd;
       }
     }
   }

@@ -12,25 +12,45 @@ from op_harness import DTYPES, TOLERANCE, assert_close, to_numpy
 from vllm_metal import _core, ops
 
 
-def reference(x, logits, wg, wu, wd, top_k, renormalize=True, scoring="softmax"):
+def oai_act(g, u, alpha=1.702, limit=7.0):
+    """gpt-oss's clamped SwiGLU, as transformers' GptOssExperts writes it."""
+    g = np.minimum(g, limit)
+    u = np.clip(u, -limit, limit)
+    return (u + 1.0) * g * (1.0 / (1.0 + np.exp(-alpha * g)))
+
+
+def reference(x, logits, wg, wu, wd, top_k, renormalize=True, scoring="softmax",
+              activation="silu", b_gate=None, b_up=None, b_down=None):
     """float64 routing + SwiGLU experts, looping token by token (obviously right).
-    Ties choose the lower expert id (a stable sort of -logits)."""
+    Ties choose the lower expert id (a stable sort of -logits). gpt-oss: scoring
+    "softmax_topk" (softmax over the chosen logits), biases, activation "swiglu_oai"."""
     t_n = x.shape[0]
     out = np.zeros_like(x)
-    if scoring == "softmax":
+    e_n, i_n, h_n = wg.shape
+    bg = np.zeros((e_n, i_n)) if b_gate is None else b_gate
+    bu = np.zeros((e_n, i_n)) if b_up is None else b_up
+    bd = np.zeros((e_n, h_n)) if b_down is None else b_down
+    if scoring == "softmax_topk":
+        p = logits  # replaced per token below
+    elif scoring == "softmax":
         p = np.exp(logits - logits.max(axis=1, keepdims=True))
         p /= p.sum(axis=1, keepdims=True)
     else:
         p = 1.0 / (1.0 + np.exp(-logits))
     for t in range(t_n):
         chosen = np.argsort(-logits[t], kind="stable")[:top_k]
-        w = p[t, chosen]
+        if scoring == "softmax_topk":
+            w = np.exp(logits[t, chosen] - logits[t, chosen].max())
+            w = w / w.sum()
+        else:
+            w = p[t, chosen]
         if renormalize:
             w = w / w.sum()
         for e, we in zip(chosen, w):
-            g = wg[e] @ x[t]
-            u = wu[e] @ x[t]
-            out[t] += we * (wd[e] @ (g / (1.0 + np.exp(-g)) * u))
+            g = wg[e] @ x[t] + bg[e]
+            u = wu[e] @ x[t] + bu[e]
+            act = oai_act(g, u) if activation == "swiglu_oai" else g / (1.0 + np.exp(-g)) * u
+            out[t] += we * (wd[e] @ act + bd[e])
     return out
 
 
@@ -177,3 +197,80 @@ def test_launches_on_numpy(gguf_type):
         launches_on_numpy()
     else:
         launches_on_numpy(t=9, h=256, e=4, i=256, k=3, dtype="float32", gguf_type=T[gguf_type])
+
+
+def gpt_oss_biases(e, h, i, seed, dtype="float32"):
+    rng = np.random.default_rng(seed)
+    return {name: mx.array(rng.standard_normal(shape).astype(np.float32)).astype(DTYPES[dtype])
+            for name, shape in (("b_gate", (e, i)), ("b_up", (e, i)), ("b_down", (e, h)))}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}H{}E{}I{}k{}s{}".format(*c))
+def test_gpt_oss_variant_matches_reference(backend, case, dtype):
+    """gpt-oss: router softmax over the chosen k, expert biases, clamped SwiGLU. Weights
+    scaled up so gate/up values cross the clamp at 7."""
+    t, h, e, i, k, skew = case
+    x, logits, wg, wu, wd = make(t, h, e, i, dtype, dtype, seed=t * 17 + k, skew=skew)
+    wg, wu = wg * 6, wu * 6
+    biases = gpt_oss_biases(e, h, i, seed=k)
+    kw = dict(scoring="softmax_topk", renormalize=False, activation="swiglu_oai", **biases)
+    out = ops.fused_moe(x, logits, wg, wu, wd, top_k=k, **kw)
+    np_kw = dict(kw, **{n: to_numpy(b) for n, b in biases.items()})
+    want = reference(*(to_numpy(a) for a in (x, logits, wg, wu, wd)), k, **np_kw)
+    # the clamp is reached (else the test would not see it)
+    gate = np.einsum("eih,th->tei", to_numpy(wg), to_numpy(x))
+    assert (gate > 7).any()
+    assert_close(out, want, dtype, "fused_moe gpt-oss")
+
+
+@pytest.mark.parametrize("activation,biased,scoring", [
+    ("swiglu_oai", False, "softmax"), ("silu", True, "softmax"), ("silu", False, "softmax_topk")])
+def test_gpt_oss_options_one_at_a_time(backend, activation, biased, scoring):
+    x, logits, wg, wu, wd = make(6, 32, 8, 16, "float32", "float32", seed=8, skew=0.3)
+    biases = gpt_oss_biases(8, 32, 16, seed=9) if biased else {}
+    kw = dict(scoring=scoring, activation=activation, renormalize=False, **biases)
+    out = ops.fused_moe(x, logits, wg * 4, wu * 4, wd, top_k=3, **kw)
+    np_kw = dict(kw, **{n: to_numpy(b) for n, b in biases.items()})
+    want = reference(*(to_numpy(a) for a in (x, logits, wg * 4, wu * 4, wd)), 3, **np_kw)
+    plain = reference(*(to_numpy(a) for a in (x, logits, wg * 4, wu * 4, wd)), 3,
+                      renormalize=False)
+    assert np.abs(want - plain).max() > 1e-2  # the option changes the result
+    assert_close(out, want, "float32", "fused_moe option")
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(activation="gelu"), "activation"),
+    (dict(b_gate=mx.zeros((8, 16))), "all together"),
+    (dict(b_gate=mx.zeros((8, 15)), b_up=mx.zeros((8, 16)), b_down=mx.zeros((8, 32))), "b_gate"),
+    (dict(b_gate=mx.zeros((8, 16)), b_up=mx.zeros((8, 16)), b_down=mx.zeros((8, 16))), "b_down"),
+])
+def test_gpt_oss_bad_input(change, match):
+    x, logits, wg, wu, wd = make(4, 32, 8, 16, "float32", "float32", seed=2)
+    with pytest.raises(ValueError, match=match):
+        ops.fused_moe(x, logits, wg, wu, wd, top_k=2, **change)
+
+
+def test_gpt_oss_launches_on_numpy():
+    """The planner with biases (inputs 5-7, outputs shifted to 8-12) run on NumPy arrays."""
+    from vllm_metal import emulation
+
+    t, h, e, i, k = 5, 40, 6, 24, 2
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    logits = rng.standard_normal((t, e)).astype(np.float32)
+    ws = [(3 * rng.standard_normal(s) / np.sqrt(s[2])).astype(np.float32)
+          for s in ((e, i, h), (e, i, h), (e, h, i))]
+    bs = [rng.standard_normal(s).astype(np.float32) for s in ((e, i), (e, i), (e, h))]
+    plan = _core.plan_fused_moe("float32", "float32", num_tokens=t, hidden=h, num_experts=e,
+                                inter=i, top_k=k, renormalize=False, topk_softmax=True,
+                                oai_act=True, bias=True)
+    out = np.zeros((t, h), np.float32)
+    outputs = [out, np.zeros((t, k), np.int32), np.zeros((t, k), np.float32),
+               np.zeros((t * k, i), np.float32), np.zeros((t * k, h), np.float32)]
+    emulation.run_plan(plan, [x, logits, *ws, *bs, *outputs])
+    want = reference(x.astype(np.float64), logits.astype(np.float64), *ws, k, renormalize=False,
+                     scoring="softmax_topk", activation="swiglu_oai", b_gate=bs[0], b_up=bs[1],
+                     b_down=bs[2])
+    err = np.abs(out - want).max() / np.abs(want).max()
+    assert err < 1e-5, err

@@ -117,3 +117,22 @@ def test_bad_input():
     with pytest.raises(ValueError, match="not supported"):
         ops.fused_moe_gguf(x, logits, mx.array(g[0]), "IQ1_S", mx.array(u[0]), "Q8_0",
                            mx.array(d[0]), "Q8_0", inter=64, top_k=2)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+def test_gpt_oss_variant_matches_reference(backend, top_k):
+    """gpt-oss's routing (softmax over the chosen k), expert biases and clamped SwiGLU
+    with block experts; x scaled so gate/up values cross the clamp at 7."""
+    types = (T.Q8_0, T.Q4_K, T.Q8_0)
+    x, logits, g, u, d = make(types, 7, 256, 6, 256, "float32", seed=20 + top_k, skew=0.5)
+    x = x * 200
+    rng = np.random.default_rng(top_k)
+    biases = {n: rng.standard_normal(s).astype(np.float32)
+              for n, s in (("b_gate", (6, 256)), ("b_up", (6, 256)), ("b_down", (6, 256)))}
+    kw = dict(scoring="softmax_topk", renormalize=False, activation="swiglu_oai")
+    out = run(types, x, logits, g, u, d, 256, top_k, exact=True, **kw,
+              **{n: mx.array(b) for n, b in biases.items()})
+    want = reference(to_numpy(x), to_numpy(logits), g[1], u[1], d[1], top_k, **kw, **biases)
+    gate = np.einsum("eih,th->tei", g[1], to_numpy(x))
+    assert (gate > 7).any() and (gate < 7).any()
+    assert relative_error(out, want) < 1e-4

@@ -18,12 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Every supported type, in the order.
 SUPPORTED = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
-             T.IQ4_NL, T.IQ4_XS, T.IQ3_S, T.IQ3_XXS, T.F32, T.F16, T.BF16]
+             T.IQ4_NL, T.IQ4_XS, T.IQ3_S, T.IQ3_XXS, T.MXFP4, T.F32, T.F16, T.BF16]
 UNSUPPORTED = [T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.TQ1_0, T.TQ2_0]
 
 # Types the gguf package quantizes (real quantizer output); the rest get random
 # valid blocks: random bytes with sane float16 scales at these byte offsets.
-QUANTIZABLE = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.F32, T.F16, T.BF16}
+QUANTIZABLE = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4, T.F32, T.F16, T.BF16}
 SCALE_OFFSETS = {
     T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
     T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.IQ3_S: (0,), T.IQ3_XXS: (0,),
@@ -106,6 +106,7 @@ def _header_table(name: str) -> np.ndarray:
 
 def test_iq_tables_match_the_reference():
     assert list(_header_table("kGgufIq4nlValues")) == list(quants.IQ4_NL.kvalues)
+    assert list(_header_table("kGgufMxfp4Values")) == list(quants.MXFP4.kvalues)
     for cls, name in [(quants.IQ3_XXS, "kGgufIq3xxsGrid"), (quants.IQ3_S, "kGgufIq3sGrid")]:
         cls.init_grid()
         g = cls.grid.reshape(-1, 4).astype(np.int64)

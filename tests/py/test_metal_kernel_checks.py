@@ -262,6 +262,8 @@ for _t in SUPPORTED:  # mat-vec (up to 8 rows) and mat-mat, every type
 CASES["fused_moe"] = ({"moe"}, lambda: moe.launches_on_numpy(t=7, h=40, e=6, i=24, k=2))
 CASES["fused_moe_gguf"] = ({"moe", "moe_gguf"}, lambda: moe.launches_on_numpy(
     t=9, h=256, e=4, i=256, k=3, dtype="float32", gguf_type=T.Q4_K))
+# gpt-oss's variant: biases bound as inputs 5-7, the outputs after them
+CASES["fused_moe_gpt_oss"] = ({"moe"}, moe.test_gpt_oss_launches_on_numpy)
 CASES["gguf_matvec_lane_shapes"] = ({"gguf_dequantize", "gguf_matmul"}, gguf_matvec_lane_shapes)
 CASES["gguf_q4_0_two_row_tiles"] = ({"gguf_dequantize", "gguf_matmul"}, lambda: gguf(SUPPORTED[0], 33, 37, 64))
 

@@ -32,6 +32,11 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("qwen3", "qwen3", "Qwen3ForCausalLM", "pre_norm"),
         # sparse MoE MLPs on ops.fused_moe (models/moe.py)
         Architecture("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", "pre_norm"),
+        # q/k RMSNorm over the whole projection; softmax router, norm_topk_prob as configured
+        Architecture("olmoe", "olmoe", "OlmoeForCausalLM", "pre_norm"),
+        # attention sinks, sliding/full layers, YaRN, biases; MoE with router bias, top-k
+        # softmax, expert biases, clamped SwiGLU (models/gpt_oss.py reads the HF layout)
+        Architecture("gpt_oss", "gpt_oss", "GptOssForCausalLM", "pre_norm"),
         Architecture("gemma3_text", "gemma3_text", "Gemma3ForCausalLM", "sandwich"),
     ]
 }
@@ -49,6 +54,9 @@ def architecture_of(config: dict) -> Architecture:
 
 def mlx_lm_classes(arch: Architecture):
     """(Model, ModelArgs) of the architecture's mlx-lm module."""
+    if arch.model_type == "gpt_oss":  # mlx-lm's, reading transformers' expert layout
+        module = importlib.import_module("vllm_metal.models.gpt_oss")
+        return module.Model, module.ModelArgs
     module = importlib.import_module(f"mlx_lm.models.{arch.mlx_lm_module}")
     return module.Model, module.ModelArgs
 
@@ -83,6 +91,10 @@ def mlx_lm_config(config: dict) -> dict:
             out["rope_scaling"] = _scaling_only(rope_parameters)
     if arch.mlx_lm_module == "llama":
         out["layer_types"] = None
+    if arch.model_type == "gpt_oss":
+        from vllm_metal.models.gpt_oss import check_config
+
+        check_config(out)
     if arch.model_type == "qwen3_moe":
         # transformers >= 5 writes num_local_experts; mlx-lm reads num_experts
         if out.get("num_experts") is None and "num_local_experts" in out:

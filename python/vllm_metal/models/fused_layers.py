@@ -129,6 +129,8 @@ def why_not_fused(model) -> str | None:
         attn, mlp = layer.self_attn, layer.mlp
         if not isinstance(attn, PagedAttention) or attn.rope.fallback is not None:
             return f"layer {i}: its rope runs on the mlx-lm fallback"
+        if attn.qk_norm_whole:
+            return f"layer {i}: q/k norms over the whole projection (olmoe)"
         if metal and _core.paged_attention_head_size_problem(attn.head_dim, metal=True):
             return f"layer {i}: no Metal attention kernel for head size {attn.head_dim}"
         mlp_linears = [base_of(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")]

@@ -131,12 +131,44 @@ def _write_dir(src: Path, out: Path) -> None:
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
+# GGUF architectures whose files transformers' GGUF reader refuses outright, though their
+# tokenizer metadata is the usual one
+_TOKENIZER_ONLY_ARCHS = {"olmoe"}
+_TOKENIZER_ONLY_FILE = "tokenizer-source.gguf"
+
+
+def _tokenizer_source(out: Path, ckpt) -> str:
+    """The file (in `out`) transformers reads the tokenizer from: the model itself, or for
+    _TOKENIZER_ONLY_ARCHS a file holding only its tokenizer.* metadata under arch llama."""
+    if ckpt.architecture not in _TOKENIZER_ONLY_ARCHS:
+        return GGUF_FILE_IN_DIR
+    import gguf
+
+    reader = gguf.GGUFReader(ckpt.path)
+    w = gguf.GGUFWriter(str(out / _TOKENIZER_ONLY_FILE), "llama")
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1])
+        else:
+            w.add_key_value(key, field.contents(), field.types[0])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return _TOKENIZER_ONLY_FILE
+
+
 def _write_tokenizer(out: Path, ckpt, config: dict) -> None:
     # transformers prints progress and warnings; keep stdout clean for `python -m vllm_metal.models`.
     with contextlib.redirect_stdout(sys.stderr):
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(out), gguf_file=GGUF_FILE_IN_DIR)
+        source = _tokenizer_source(out, ckpt)
+        tok = AutoTokenizer.from_pretrained(str(out), gguf_file=source)
+        if source != GGUF_FILE_IN_DIR:
+            (out / source).unlink()
         meta = ckpt.metadata
         for flag in ("add_bos_token", "add_eos_token"):
             value = meta.get(f"tokenizer.ggml.{flag}")

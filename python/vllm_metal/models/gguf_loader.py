@@ -52,6 +52,11 @@ GGUF_ARCHS = {
     "qwen3": _GGUFArch("qwen3", "Qwen3ForCausalLM", permuted_qk=False, default_rope_base=1_000_000.0),
     "qwen3moe": _GGUFArch("qwen3_moe", "Qwen3MoeForCausalLM", permuted_qk=False,
                           default_rope_base=1_000_000.0),
+    # q/k/v/o biases, attention sinks, MXFP4 experts with biases (models/gpt_oss.py)
+    "gpt-oss": _GGUFArch("gpt_oss", "GptOssForCausalLM", permuted_qk=False,
+                         default_rope_base=150_000.0),
+    # llama.cpp's olmoe: NeoX rope, Q/K not permuted by the converter
+    "olmoe": _GGUFArch("olmoe", "OlmoeForCausalLM", permuted_qk=False),
     "gemma3": _GGUFArch("gemma3_text", "Gemma3ForCausalLM", permuted_qk=False, norm_shift=1.0,
                         default_rope_base=1_000_000.0),
 }
@@ -86,6 +91,16 @@ _GEMMA3_BLOCK_NAMES = dict(
     post_attention_norm="post_attention_layernorm",
     post_ffw_norm="post_feedforward_layernorm",
 )
+_GPT_OSS_BLOCK_NAMES = dict(
+    _BLOCK_NAMES,
+    post_attention_norm="post_attention_layernorm",
+    attn_sinks="self_attn.sinks",
+    ffn_gate_inp="mlp.router",
+    ffn_gate_exps="mlp.experts.gate_proj",
+    ffn_up_exps="mlp.experts.up_proj",
+    ffn_down_exps="mlp.experts.down_proj",
+)
+del _GPT_OSS_BLOCK_NAMES["ffn_norm"]
 _SKIPPED = {"rope_freqs.weight"}  # llama3 rope factors: the config's rope_scaling carries them
 
 
@@ -247,19 +262,51 @@ def hf_config(ckpt: GGUFCheckpoint) -> dict:
     if arch.model_type == "llama":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in ckpt.tensors
         cfg["hidden_act"] = "silu"
-    if arch.model_type in ("qwen2", "qwen3", "qwen3_moe"):
+    if arch.model_type in ("qwen2", "qwen3", "qwen3_moe", "olmoe"):
         cfg["hidden_act"] = "silu"
     if arch.model_type == "qwen3_moe":
         # llama.cpp's qwen3moe graph: softmax router, top-k weights renormalized
         cfg.update(num_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")),
                    moe_intermediate_size=int(get("expert_feed_forward_length")), norm_topk_prob=True,
                    decoder_sparse_step=1, mlp_only_layers=[])
+    if arch.model_type == "olmoe":
+        # llama.cpp's olmoe graph: softmax router, top-k weights not renormalized
+        cfg.update(num_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")),
+                   intermediate_size=int(get("expert_feed_forward_length") or get("feed_forward_length")),
+                   norm_topk_prob=False)
     scaling = _rope_scaling(ckpt, get, head_dim, cfg["rope_theta"])
     if scaling:
         cfg["rope_scaling"] = scaling
+    if arch.model_type == "gpt_oss":
+        _gpt_oss_config(cfg, get)
     if arch.model_type == "gemma3_text":
         _gemma3_config(cfg, get, hidden, n_heads, head_dim)
     return cfg
+
+
+def _gpt_oss_config(cfg, get):
+    """gpt-oss: even layers slide (llama.cpp's swa pattern 2), YaRN as the HF config (beta
+    32 / 1, no truncation), router top-k then softmax (the architecture's, not a flag)."""
+    n = cfg["num_hidden_layers"]
+    cfg.update(num_local_experts=int(get("expert_count")),
+               num_experts_per_tok=int(get("expert_used_count")),
+               intermediate_size=int(get("expert_feed_forward_length")),
+               sliding_window=int(get("attention.sliding_window", 128)),
+               layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                            for i in range(n)],
+               attention_bias=True, hidden_act="silu")
+    scaling = cfg.pop("rope_scaling", None)
+    factor = get("rope.scaling.factor")
+    if scaling is None and factor:
+        scaling = {"rope_type": "yarn", "factor": float(factor)}
+    if scaling is not None:
+        scaling.setdefault("original_max_position_embeddings",
+                           int(get("rope.scaling.original_context_length", 4096)))
+        scaling.setdefault("beta_fast", 32.0)
+        scaling.setdefault("beta_slow", 1.0)
+        scaling["truncate"] = False
+        cfg["rope_parameters"] = dict(scaling, rope_theta=cfg["rope_theta"])
+        cfg["rope_scaling"] = scaling
 
 
 def _f32(value) -> float:
@@ -348,8 +395,11 @@ def mlx_lm_name(gguf_name: str, model_type: str) -> str | None:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk":
-        table = _GEMMA3_BLOCK_NAMES if model_type == "gemma3_text" else _BLOCK_NAMES
+        table = {"gemma3_text": _GEMMA3_BLOCK_NAMES, "gpt_oss": _GPT_OSS_BLOCK_NAMES}.get(
+            model_type, _BLOCK_NAMES)
         if parts[2] in table:
+            if parts[2] == "attn_sinks":  # a parameter, not a layer: no .weight
+                return f"model.layers.{parts[1]}.{table[parts[2]]}"
             return f"model.layers.{parts[1]}.{table[parts[2]]}.{parts[3]}"
     raise ValueError(f"[vllm-metal] unexpected GGUF tensor {gguf_name!r} for {model_type}")
 
@@ -382,7 +432,8 @@ def load_weights(ckpt: GGUFCheckpoint, config: dict, dtype: mx.Dtype, *,
         target = mlx_lm_name(name, arch.model_type)
         if target is None:
             continue
-        w = ckpt.blocks(name) if blocks else None
+        # biases stay dense (gpt-oss's expert biases are 2-D [E, rows])
+        w = ckpt.blocks(name) if blocks and not name.endswith(".bias") else None
         if w is None:
             if arch.norm_shift and name.endswith("norm.weight"):
                 w = (ckpt.dense(name, mx.float32) - arch.norm_shift).astype(dtype)

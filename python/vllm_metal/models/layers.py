@@ -67,10 +67,16 @@ class PagedAttention(nn.Module):
         if "q_norm" in source:  # qwen3, gemma3: per-head RMSNorm before rope
             self.q_norm = source.q_norm
             self.k_norm = source.k_norm
-        self.num_heads = source.n_heads
-        self.num_kv_heads = source.n_kv_heads
+        # gpt-oss's mlx-lm module names them num_attention_heads / num_key_value_heads / sm_scale
+        self.num_heads = getattr(source, "n_heads", None) or source.num_attention_heads
+        self.num_kv_heads = getattr(source, "n_kv_heads", None) or source.num_key_value_heads
         self.head_dim = self.q_proj.weight.shape[0] // self.num_heads
-        self.scale = float(source.scale)
+        if "sinks" in source:  # gpt-oss: one extra attention logit per head
+            self.sinks = source.sinks
+        # olmoe: one RMSNorm over all heads' projection (weight [heads * head_dim])
+        self.qk_norm_whole = ("q_norm" in source and self.num_heads > 1
+                              and source.q_norm.weight.shape[0] == self.num_heads * self.head_dim)
+        self.scale = float(source.scale if hasattr(source, "scale") else source.sm_scale)
         self.layer_idx = layer_idx
         self.rope = rope
         self.sliding_window = int(sliding_window)
@@ -79,10 +85,13 @@ class PagedAttention(nn.Module):
     def __call__(self, x: mx.array, ctx: AttentionContext,
                  query_scale: mx.array | None = None) -> mx.array:
         t = x.shape[0]
-        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)     # [T, Hq, D]
-        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(t, self.num_heads, self.head_dim)                  # [T, Hq, D]
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)               # [T, Hkv, D]
         v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if "q_norm" in self:
+        if "q_norm" in self and not self.qk_norm_whole:
             q = self.q_norm(q)
             k = self.k_norm(k)
         q = apply_rope(q, ctx.positions, self.rope)
@@ -100,6 +109,7 @@ class PagedAttention(nn.Module):
         out = ops.paged_attention(
             q, key_cache, value_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q,
             scale=self.scale, sliding_window=self.sliding_window, softcap=self.softcap,
+            sinks=self.sinks.astype(mx.float32) if "sinks" in self else None,
             num_decode_seqs=ctx.num_decode_seqs, max_seq_len=ctx.max_seq_len,
             max_query_len=ctx.max_query_len)                          # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))

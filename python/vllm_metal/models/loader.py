@@ -113,6 +113,10 @@ def _load_safetensors(path: Path, dtype: str | None, linear: str):
     lm, _ = mlx_lm_load_model(path, lazy=True, strict=not is_sequence_classifier(hf_config),
                               model_config=mlx_lm_config(config),
                               get_model_classes=lambda config: mlx_lm_classes(arch))
+    if arch.model_type == "gpt_oss":  # MXFP4 experts kept aside by its sanitize
+        from vllm_metal.models.gpt_oss import install_mxfp4_experts
+
+        install_mxfp4_experts(lm)
     stored = _stored_dtype(lm)
     target = _dtype(dtype) if dtype else stored
     return _finish(lm, config, hf_config, target, _eos_ids(config.get("eos_token_id")), linear)
@@ -159,9 +163,17 @@ def _load_gguf(gguf_path: Path, directory: Path | None, dtype: str | None, linea
     weights = gguf_loader.load_weights(ckpt, hf_config, target, blocks=linear == "gguf")
     if hasattr(lm, "sanitize"):
         weights = lm.sanitize(weights)
+    if arch.model_type == "gpt_oss":  # experts under mlp.experts, with biases
+        from vllm_metal.models.gpt_oss import hold_expert_blocks
+
+        weights = hold_expert_blocks(lm, weights)
     weights = install_expert_blocks(lm, weights)
     weights = install_block_weights(lm, weights)
     lm.load_weights(list(weights.items()), strict=True)
+    if arch.model_type == "gpt_oss":
+        from vllm_metal.models.gpt_oss import install_mxfp4_experts
+
+        install_mxfp4_experts(lm)
     lm.eval()
     return _finish(lm, hf_config, hf_config, target, gguf_loader.eos_token_ids(ckpt), linear)
 

@@ -21,6 +21,7 @@ from vllm_metal import ops
 _MOE_BLOCKS = {
     "Qwen3MoeSparseMoeBlock": ("softmax", "norm_topk_prob"),
     "Qwen3NextSparseMoeBlock": ("softmax", "norm_topk_prob"),  # Qwen3.5-MoE: + shared expert
+    "OlmoeSparseMoeBlock": ("softmax", "norm_topk_prob"),
 }
 
 
@@ -134,12 +135,46 @@ def _dense_experts(block: nn.Module) -> bool:
                for p in projs)
 
 
+class GptOssMoeBlock(nn.Module):
+    """gpt-oss's MLP (mlx-lm gpt_oss.MLPBlock: `router` linear with bias, `experts` SwitchGLU
+    with biases) on ops.fused_moe: softmax over the top-k router logits, expert biases, the
+    clamped SwiGLU. Keeps mlx-lm's parameter names."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.router = block.router
+        self.experts = block.experts
+        self.top_k = int(block.num_experts_per_tok)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        sw = self.experts
+        g, u, d = sw.gate_proj, sw.up_proj, sw.down_proj
+        kw = dict(top_k=self.top_k, renormalize=False, scoring="softmax_topk",
+                  activation="swiglu_oai", b_gate=g.bias, b_up=u.bias, b_down=d.bias)
+        if isinstance(sw, GGUFSwitchGLU):  # MXFP4 experts (models/gpt_oss.py)
+            return ops.fused_moe_gguf(x, self.router(x), g.weight, g.type_id, u.weight, u.type_id,
+                                      d.weight, d.type_id, inter=g.rows, exact=sw.exact, **kw)
+        return ops.fused_moe(x, self.router(x), g.weight, u.weight, d.weight, **kw)
+
+
+def _gpt_oss_block(mlp: nn.Module) -> bool:
+    if type(mlp).__module__ != "mlx_lm.models.gpt_oss" or type(mlp).__name__ != "MLPBlock":
+        return False
+    if isinstance(mlp.experts, GGUFSwitchGLU):
+        return True
+    projs = [mlp.experts.gate_proj, mlp.experts.up_proj, mlp.experts.down_proj]
+    return all("scales" not in p and mx.issubdtype(p.weight.dtype, mx.floating) for p in projs)
+
+
 def swap_moe_blocks(lm: nn.Module) -> int:
     """Swap the supported MoE blocks of an mlx-lm model; returns how many."""
     n = 0
     for layer in lm.model.layers:
         mlp = getattr(layer, "mlp", None)
-        if mlp is not None and type(mlp).__name__ in _MOE_BLOCKS and _dense_experts(mlp):
+        if mlp is not None and _gpt_oss_block(mlp):
+            layer.mlp = GptOssMoeBlock(mlp)
+            n += 1
+        elif mlp is not None and type(mlp).__name__ in _MOE_BLOCKS and _dense_experts(mlp):
             layer.mlp = FusedMoeBlock.replacing(mlp)
             n += 1
     return n

@@ -102,6 +102,18 @@ void decode_iq4_nl(const uint8_t* b, float* y) {
   }
 }
 
+// block_mxfp4 (gpt-oss): one E8M0 exponent byte e, then 16 bytes of E2M1 nibbles; weight j
+// is the low nibble of byte j, weight j + 16 its high nibble. Scale 2^(e - 128) times the
+// doubled E2M1 value = 2^(e - 127) times the value.
+void decode_mxfp4(const uint8_t* b, float* y) {
+  const float d = std::ldexp(1.0f, static_cast<int>(b[0]) - 128);
+  const uint8_t* qs = b + 1;
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * static_cast<float>(kGgufMxfp4Values[qs[j] & 0xF]);
+    y[j + 16] = d * static_cast<float>(kGgufMxfp4Values[qs[j] >> 4]);
+  }
+}
+
 // ---- K quants: 256-weight super-blocks ------------------------------------
 
 // block_q2_K: scales[16] (lo nibble scale, hi nibble min), qs[64], d, dmin.
@@ -440,6 +452,7 @@ GgufBlockDecoder gguf_block_decoder(GGMLType type) {
     case GGMLType::kQ5_K: return decode_q5_k;
     case GGMLType::kQ6_K: return decode_q6_k;
     case GGMLType::kIQ4_NL: return decode_iq4_nl;
+    case GGMLType::kMXFP4: return decode_mxfp4;
     case GGMLType::kIQ4_XS: return decode_iq4_xs;
     case GGMLType::kIQ3_XXS: return decode_iq3_xxs;
     case GGMLType::kIQ3_S: return decode_iq3_s;

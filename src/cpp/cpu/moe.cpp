@@ -8,7 +8,7 @@
 namespace vllm_metal::cpu {
 
 void moe_route_token(const float* logits, int64_t num_experts, int64_t top_k, bool sigmoid,
-                     bool renormalize, int32_t* ids, float* weights) {
+                     bool renormalize, int32_t* ids, float* weights, bool topk_softmax) {
   float mx = -INFINITY;
   for (int64_t e = 0; e < num_experts; ++e) mx = std::max(mx, logits[e]);
   float denom = 0.0f;
@@ -18,7 +18,7 @@ void moe_route_token(const float* logits, int64_t num_experts, int64_t top_k, bo
   // k passes of selection in the order (larger logit, then lower id), as the Metal kernel
   float pv = INFINITY;
   int64_t pi = 0;
-  float total = 0.0f;
+  float total = 0.0f, first = 0.0f;
   for (int64_t j = 0; j < top_k; ++j) {
     float best = -INFINITY;
     int64_t bi = num_experts;
@@ -32,12 +32,16 @@ void moe_route_token(const float* logits, int64_t num_experts, int64_t top_k, bo
     }
     pv = best;
     pi = bi;
-    const float w = sigmoid ? 1.0f / (1.0f + std::exp(-best)) : std::exp(best - mx) / denom;
+    if (j == 0) first = best;
+    // top-k softmax: the first pick is the largest logit, so exp(best - first) <= 1
+    const float w = topk_softmax ? std::exp(best - first)
+                    : sigmoid    ? 1.0f / (1.0f + std::exp(-best))
+                                 : std::exp(best - mx) / denom;
     ids[j] = static_cast<int32_t>(bi);
     weights[j] = w;
     total += w;
   }
-  if (renormalize && total > 0.0f) {
+  if ((renormalize || topk_softmax) && total > 0.0f) {
     for (int64_t j = 0; j < top_k; ++j) weights[j] /= total;
   }
 }
@@ -67,6 +71,7 @@ void fused_moe_rows(const MoeRows& a) {
   g.renormalize = a.renormalize;
   g.sigmoid = a.sigmoid;
   g.exact = true;
+  g.extras = a.extras;
   fused_moe_gguf_rows(g);
 }
 

@@ -2,11 +2,29 @@
 // (no MLX). Equations: ops/moe.h.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "cpu/vec.h"
 
 namespace vllm_metal::cpu {
+
+// gpt-oss's variations (ops/moe.h): routing weights = softmax over the k chosen
+// logits; per-expert biases (float32, nullptr = none) added to the gate/up/down
+// outputs; the clamped SwiGLU (up + 1) * g * sigmoid(alpha g), g = min(gate, limit),
+// up clamped to [-limit, limit].
+struct MoeExtras {
+  bool topk_softmax = false;
+  bool oai_act = false;
+  const float* b_gate = nullptr;  // [E, I]
+  const float* b_up = nullptr;    // [E, I]
+  const float* b_down = nullptr;  // [E, H]
+};
+
+// gpt-oss's activation constants (transformers' GptOssExperts)
+constexpr float kOaiAlpha = 1.702f;
+constexpr float kOaiLimit = 7.0f;
 
 struct MoeRows {
   Elt elt = Elt::kF32;          // hidden / out
@@ -26,6 +44,7 @@ struct MoeRows {
   int64_t top_k = 1;
   bool renormalize = false;
   bool sigmoid = false;
+  MoeExtras extras;  // gpt-oss: top-k softmax, biases, clamped SwiGLU
 };
 
 // Routing per token, then per active expert its slots' rows through gguf_matmul's
@@ -34,6 +53,14 @@ void fused_moe_rows(const MoeRows& a);
 
 // The routing alone (what the Metal moe_route kernel computes), for one token.
 void moe_route_token(const float* logits, int64_t num_experts, int64_t top_k, bool sigmoid,
-                     bool renormalize, int32_t* ids, float* weights);
+                     bool renormalize, int32_t* ids, float* weights, bool topk_softmax = false);
+
+// act = silu(g) * u, or gpt-oss's clamped SwiGLU when oai
+inline float moe_act(float g, float u, bool oai) {
+  if (!oai) return g / (1.0f + std::exp(-g)) * u;
+  g = std::min(g, kOaiLimit);
+  u = std::max(std::min(u, kOaiLimit), -kOaiLimit);
+  return (u + 1.0f) * g / (1.0f + std::exp(-kOaiAlpha * g));
+}
 
 }  // namespace vllm_metal::cpu

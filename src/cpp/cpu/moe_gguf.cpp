@@ -14,7 +14,7 @@ void fused_moe_gguf_rows(const MoeGgufRows& a) {
   const int64_t slots = t_n * k;
   for (int64_t t = 0; t < t_n; ++t) {
     moe_route_token(a.logits + t * e_n, e_n, k, a.sigmoid, a.renormalize, a.ids + t * k,
-                    a.weights + t * k);
+                    a.weights + t * k, a.extras.topk_softmax);
   }
   std::vector<std::vector<int64_t>> by_expert(e_n);
   for (int64_t s = 0; s < slots; ++s) by_expert[a.ids[s]].push_back(s);
@@ -44,7 +44,15 @@ void fused_moe_gguf_rows(const MoeGgufRows& a) {
     mats[1] = {a.up_type, a.w_up + e * i_n * up_rb, i_n, h_n, Elt::kF32, xe.data(), m, u.data(),
                a.exact};
     gguf_matmul_group(mats, 2);
-    for (int64_t j = 0; j < m * i_n; ++j) g[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+    const MoeExtras& x = a.extras;
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t c = 0; c < i_n; ++c) {
+        float gv = g[r * i_n + c], uv = u[r * i_n + c];
+        if (x.b_gate) gv += x.b_gate[e * i_n + c];
+        if (x.b_up) uv += x.b_up[e * i_n + c];
+        g[r * i_n + c] = moe_act(gv, uv, x.oai_act);
+      }
+    }
     GgufMatmul down{a.down_type, a.w_down + e * h_n * down_rb, h_n, i_n, Elt::kF32, g.data(), m,
                     d.data(), a.exact};
     gguf_matmul(down);
@@ -52,7 +60,8 @@ void fused_moe_gguf_rows(const MoeGgufRows& a) {
       const int64_t s = list[r];
       float* dst = acc.data() + (s / k) * h_n;
       const float w = a.weights[s];
-      for (int64_t h = 0; h < h_n; ++h) dst[h] += w * d[r * h_n + h];
+      const float* bd = x.b_down ? x.b_down + e * h_n : nullptr;
+      for (int64_t h = 0; h < h_n; ++h) dst[h] += w * (d[r * h_n + h] + (bd ? bd[h] : 0.0f));
     }
   }
   for (int64_t t = 0; t < t_n; ++t) {

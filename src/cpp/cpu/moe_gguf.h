@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "cpu/moe.h"
 #include "cpu/vec.h"
 #include "runtime/gguf_types.h"
 
@@ -25,6 +26,7 @@ struct MoeGgufRows {
   int64_t num_tokens = 0, hidden = 0, num_experts = 0, inter = 0, top_k = 1;
   bool renormalize = false, sigmoid = false;
   bool exact = false;  // gguf_matmul's exact
+  MoeExtras extras;
 };
 
 void fused_moe_gguf_rows(const MoeGgufRows& a);

@@ -36,16 +36,47 @@ void check_weight(const char* what, const mx::array& w, int e, int rows, int col
 
 }  // namespace
 
+void check_moe_scoring(const char* op, const std::string& scoring) {
+  if (scoring != "softmax" && scoring != "sigmoid" && scoring != "softmax_topk") {
+    throw std::invalid_argument(std::string("[") + op +
+                                "] scoring must be 'softmax', 'sigmoid' or 'softmax_topk', got '" +
+                                scoring + "'");
+  }
+}
+
+std::vector<mx::array> moe_bias_inputs(const char* op, const MoeOptions& o, int e, int i, int h,
+                                       mx::StreamOrDevice s) {
+  auto bad = [op](const std::string& msg) {
+    throw std::invalid_argument(std::string("[") + op + "] " + msg);
+  };
+  if (o.activation != "silu" && o.activation != "swiglu_oai") {
+    bad("activation must be 'silu' or 'swiglu_oai', got '" + o.activation + "'");
+  }
+  const int given = int(o.b_gate.has_value()) + int(o.b_up.has_value()) + int(o.b_down.has_value());
+  if (given == 0) return {};
+  if (given != 3) bad("b_gate, b_up and b_down are given all together or not at all");
+  std::vector<mx::array> out;
+  const std::pair<const mx::array*, std::pair<const char*, mx::Shape>> want[] = {
+      {&*o.b_gate, {"b_gate", {e, i}}}, {&*o.b_up, {"b_up", {e, i}}}, {&*o.b_down, {"b_down", {e, h}}}};
+  for (const auto& [b, spec] : want) {
+    check_float_dtype(op, spec.first, b->dtype());
+    if (b->shape() != spec.second) {
+      bad(std::string(spec.first) + " must be " + shape_string(spec.second) + ", got " +
+          shape_string(b->shape()));
+    }
+    out.push_back(mx::contiguous(mx::astype(*b, mx::float32, s), false, s));
+  }
+  return out;
+}
+
 mx::array fused_moe(const mx::array& hidden, const mx::array& router_logits,
                     const mx::array& w_gate, const mx::array& w_up, const mx::array& w_down,
                     int top_k, bool renormalize, const std::string& scoring,
-                    mx::StreamOrDevice s) {
+                    const MoeOptions& options, mx::StreamOrDevice s) {
   check_float_dtype(kOp, "hidden", hidden.dtype());
   check_float_dtype(kOp, "router_logits", router_logits.dtype());
   check_float_dtype(kOp, "w_gate", w_gate.dtype());
-  if (scoring != "softmax" && scoring != "sigmoid") {
-    fail("scoring must be 'softmax' or 'sigmoid', got '" + scoring + "'");
-  }
+  check_moe_scoring(kOp, scoring);
   if (hidden.ndim() != 2) fail("hidden must be [num_tokens, hidden], got " + shape_string(hidden.shape()));
   const int t = hidden.shape(0), h = hidden.shape(1);
   if (router_logits.ndim() != 2 || router_logits.shape(0) != t || router_logits.shape(1) < 1) {
@@ -67,6 +98,7 @@ mx::array fused_moe(const mx::array& hidden, const mx::array& router_logits,
          std::to_string(top_k));
   }
   if (i < 1) fail("the expert width I must be positive");
+  std::vector<mx::array> biases = moe_bias_inputs(kOp, options, e, i, h, s);
   if (t == 0) return mx::zeros({0, h}, hidden.dtype(), s);
 
   const mx::Stream stream = mx::to_stream(s);
@@ -77,12 +109,15 @@ mx::array fused_moe(const mx::array& hidden, const mx::array& router_logits,
   const mx::Shape act_shape = native_cpu ? mx::Shape{0} : mx::Shape{slots, i};
   const mx::Shape y_shape = native_cpu ? mx::Shape{0} : mx::Shape{slots, h};
   auto prim = std::make_shared<FusedMoe>(stream, backend, top_k, renormalize,
-                                         scoring == "sigmoid");
+                                         scoring == "sigmoid", scoring == "softmax_topk",
+                                         options.activation == "swiglu_oai");
+  std::vector<mx::array> inputs = {dense(hidden, s),
+                                   dense(mx::astype(router_logits, mx::float32, s), s),
+                                   dense(w_gate, s), dense(w_up, s), dense(w_down, s)};
+  inputs.insert(inputs.end(), biases.begin(), biases.end());
   auto outs = mx::array::make_arrays(
       {hidden.shape(), {t, top_k}, {t, top_k}, act_shape, y_shape},
-      {hidden.dtype(), mx::int32, mx::float32, mx::float32, mx::float32}, prim,
-      {dense(hidden, s), dense(mx::astype(router_logits, mx::float32, s), s), dense(w_gate, s),
-       dense(w_up, s), dense(w_down, s)});
+      {hidden.dtype(), mx::int32, mx::float32, mx::float32, mx::float32}, prim, inputs);
   return outs[0];
 }
 
@@ -95,6 +130,12 @@ KernelPlan plan_fused_moe(const MoeProblem& p) {
   args.top_k = static_cast<uint32_t>(p.top_k);
   args.renormalize = p.renormalize ? 1u : 0u;
   args.sigmoid = p.sigmoid ? 1u : 0u;
+  args.flags = (p.topk_softmax ? kMoeTopkSoftmax : 0u) | (p.oai_act ? kMoeOaiAct : 0u) |
+               (p.bias ? kMoeBias : 0u);
+  // outputs follow the inputs; without biases the bias slots are bound to the weights
+  // (never read: args.flags has no kMoeBias)
+  const int o = p.bias ? 8 : 5;
+  const int b_gate = p.bias ? 5 : 2, b_up = p.bias ? 6 : 3, b_down = p.bias ? 7 : 4;
   const std::string x_name = dtype_name(p.dtype), w_name = dtype_name(p.w_dtype);
   KernelPlan plan;
 
@@ -102,8 +143,8 @@ KernelPlan plan_fused_moe(const MoeProblem& p) {
   route.source = "moe";
   route.kernel = "moe_route";
   route.bind(0, 1);
-  route.bind(1, 6);
-  route.bind(2, 7);
+  route.bind(1, o + 1);
+  route.bind(2, o + 2);
   route.set_args(3, args);
   route.threadgroup = {64, 1, 1};
   route.grid = {ceil_div(p.num_tokens, 64), 1, 1};
@@ -115,9 +156,11 @@ KernelPlan plan_fused_moe(const MoeProblem& p) {
   gate_up.bind(0, 0);
   gate_up.bind(1, 2);
   gate_up.bind(2, 3);
-  gate_up.bind(3, 6);
-  gate_up.bind(4, 8);
+  gate_up.bind(3, o + 1);
+  gate_up.bind(4, o + 3);
   gate_up.set_args(5, args);
+  gate_up.bind(6, b_gate);
+  gate_up.bind(7, b_up);
   gate_up.threadgroup = {32 * kRowsPerGroup, 1, 1};
   gate_up.grid = {ceil_div(p.inter, kRowsPerGroup), static_cast<uint32_t>(p.num_experts), 1};
   plan.push_back(gate_up);
@@ -125,11 +168,12 @@ KernelPlan plan_fused_moe(const MoeProblem& p) {
   KernelLaunch down;
   down.source = "moe";
   down.kernel = "moe_down_" + w_name;
-  down.bind(0, 8);
+  down.bind(0, o + 3);
   down.bind(1, 4);
-  down.bind(2, 6);
-  down.bind(3, 9);
+  down.bind(2, o + 1);
+  down.bind(3, o + 4);
   down.set_args(4, args);
+  down.bind(5, b_down);
   down.threadgroup = {32 * kRowsPerGroup, 1, 1};
   down.grid = {ceil_div(p.hidden, kRowsPerGroup), static_cast<uint32_t>(p.num_experts), 1};
   plan.push_back(down);
@@ -137,9 +181,9 @@ KernelPlan plan_fused_moe(const MoeProblem& p) {
   KernelLaunch combine;
   combine.source = "moe";
   combine.kernel = "moe_combine_" + x_name;
-  combine.bind(0, 9);
-  combine.bind(1, 7);
-  combine.bind(2, 5);
+  combine.bind(0, o + 4);
+  combine.bind(1, o + 2);
+  combine.bind(2, o);
   combine.set_args(3, args);
   combine.threadgroup = {64, 1, 1};
   combine.grid = {ceil_div(p.hidden, 64), static_cast<uint32_t>(p.num_tokens), 1};
@@ -158,6 +202,9 @@ MoeProblem FusedMoe::problem(const std::vector<mx::array>& inputs) const {
   p.top_k = top_k_;
   p.renormalize = renormalize_;
   p.sigmoid = sigmoid_;
+  p.topk_softmax = topk_softmax_;
+  p.oai_act = oai_act_;
+  p.bias = inputs.size() > 5;
   return p;
 }
 
@@ -169,7 +216,7 @@ KernelPlan FusedMoe::plan(const std::vector<mx::array>& inputs,
 bool FusedMoe::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const FusedMoe&>(other);
   return top_k_ == o.top_k_ && renormalize_ == o.renormalize_ && sigmoid_ == o.sigmoid_ &&
-      backend() == o.backend();
+      topk_softmax_ == o.topk_softmax_ && oai_act_ == o.oai_act_ && backend() == o.backend();
 }
 
 void FusedMoe::eval_native_cpu(const std::vector<mx::array>& inputs,
@@ -185,6 +232,8 @@ void FusedMoe::eval_native_cpu(const std::vector<mx::array>& inputs,
   rows.top_k = p.top_k;
   rows.renormalize = p.renormalize;
   rows.sigmoid = p.sigmoid;
+  rows.extras.topk_softmax = p.topk_softmax;
+  rows.extras.oai_act = p.oai_act;
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& x : inputs) encoder.set_input_array(x);
   for (auto& x : outputs) encoder.set_output_array(x);
@@ -197,6 +246,11 @@ void FusedMoe::eval_native_cpu(const std::vector<mx::array>& inputs,
     rows.out = outputs[0].data<void>();
     rows.ids = outputs[1].data<int32_t>();
     rows.weights = outputs[2].data<float>();
+    if (inputs.size() > 5) {
+      rows.extras.b_gate = inputs[5].data<float>();
+      rows.extras.b_up = inputs[6].data<float>();
+      rows.extras.b_down = inputs[7].data<float>();
+    }
     cpu::fused_moe_rows(rows);
   });
 }

@@ -47,12 +47,11 @@ void check_experts(const char* what, const mx::array& blocks, gguf::GGMLType typ
 
 mx::array fused_moe_gguf(const mx::array& hidden, const mx::array& router_logits,
                          const MoeGgufWeights& w, int top_k, bool renormalize,
-                         const std::string& scoring, bool exact, mx::StreamOrDevice s) {
+                         const std::string& scoring, bool exact, const MoeOptions& options,
+                         mx::StreamOrDevice s) {
   check_float_dtype(kOp, "hidden", hidden.dtype());
   check_float_dtype(kOp, "router_logits", router_logits.dtype());
-  if (scoring != "softmax" && scoring != "sigmoid") {
-    fail("scoring must be 'softmax' or 'sigmoid', got '" + scoring + "'");
-  }
+  check_moe_scoring(kOp, scoring);
   if (hidden.ndim() != 2) fail("hidden must be [num_tokens, hidden], got " + shape_string(hidden.shape()));
   const int t = hidden.shape(0), h = hidden.shape(1);
   if (router_logits.ndim() != 2 || router_logits.shape(0) != t || router_logits.shape(1) < 1) {
@@ -68,6 +67,7 @@ mx::array fused_moe_gguf(const mx::array& hidden, const mx::array& router_logits
     fail("top_k must be in [1, num_experts = " + std::to_string(e) + "], got " +
          std::to_string(top_k));
   }
+  std::vector<mx::array> biases = moe_bias_inputs(kOp, options, e, w.inter, h, s);
   if (t == 0) return mx::zeros({0, h}, hidden.dtype(), s);
 
   const mx::Stream stream = mx::to_stream(s);
@@ -83,15 +83,21 @@ mx::array fused_moe_gguf(const mx::array& hidden, const mx::array& router_logits
   shape.top_k = top_k;
   shape.renormalize = renormalize;
   shape.sigmoid = scoring == "sigmoid";
+  shape.topk_softmax = scoring == "softmax_topk";
+  shape.oai_act = options.activation == "swiglu_oai";
+  shape.bias = !biases.empty();
   auto prim = std::make_shared<FusedMoeGguf>(stream, backend, shape, exact);
   auto flat = [&](const mx::array& b) { return mx::contiguous(mx::flatten(b, s), false, s); };
+  std::vector<mx::array> inputs = {
+      mx::contiguous(hidden, false, s),
+      mx::contiguous(mx::astype(router_logits, mx::float32, s), false, s), flat(w.gate),
+      flat(w.up), flat(w.down)};
+  inputs.insert(inputs.end(), biases.begin(), biases.end());
   auto outs = mx::array::make_arrays(
       {hidden.shape(), {t, top_k}, {t, top_k},
        native_cpu ? mx::Shape{0} : mx::Shape{slots, w.inter},
        native_cpu ? mx::Shape{0} : mx::Shape{slots, h}},
-      {hidden.dtype(), mx::int32, mx::float32, mx::float32, mx::float32}, prim,
-      {mx::contiguous(hidden, false, s), mx::contiguous(mx::astype(router_logits, mx::float32, s), false, s),
-       flat(w.gate), flat(w.up), flat(w.down)});
+      {hidden.dtype(), mx::int32, mx::float32, mx::float32, mx::float32}, prim, inputs);
   return outs[0];
 }
 
@@ -108,6 +114,9 @@ KernelPlan plan_fused_moe_gguf(const MoeGgufProblem& p) {
   dense.top_k = p.top_k;
   dense.renormalize = p.renormalize;
   dense.sigmoid = p.sigmoid;
+  dense.topk_softmax = p.topk_softmax;
+  dense.oai_act = p.oai_act;
+  dense.bias = p.bias;
   KernelPlan plan = plan_fused_moe(dense);
   MoeGgufArgs args{};
   std::memcpy(&args.moe, plan[0].args.data(), sizeof(MoeArgs));
@@ -145,7 +154,9 @@ bool FusedMoeGguf::is_equivalent(const mx::Primitive& other) const {
   const MoeGgufProblem &a = shape_, &b = o.shape_;
   return a.gate_type == b.gate_type && a.up_type == b.up_type && a.down_type == b.down_type &&
       a.num_experts == b.num_experts && a.inter == b.inter && a.top_k == b.top_k &&
-      a.renormalize == b.renormalize && a.sigmoid == b.sigmoid && exact_ == o.exact_ &&
+      a.renormalize == b.renormalize && a.sigmoid == b.sigmoid &&
+      a.topk_softmax == b.topk_softmax && a.oai_act == b.oai_act && a.bias == b.bias &&
+      exact_ == o.exact_ &&
       backend() == o.backend();
 }
 
@@ -165,6 +176,8 @@ void FusedMoeGguf::eval_native_cpu(const std::vector<mx::array>& inputs,
   rows.renormalize = p.renormalize;
   rows.sigmoid = p.sigmoid;
   rows.exact = exact_;
+  rows.extras.topk_softmax = p.topk_softmax;
+  rows.extras.oai_act = p.oai_act;
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& x : inputs) encoder.set_input_array(x);
   for (auto& x : outputs) encoder.set_output_array(x);
@@ -177,6 +190,11 @@ void FusedMoeGguf::eval_native_cpu(const std::vector<mx::array>& inputs,
     rows.out = outputs[0].data<void>();
     rows.ids = outputs[1].data<int32_t>();
     rows.weights = outputs[2].data<float>();
+    if (inputs.size() > 5) {
+      rows.extras.b_gate = inputs[5].data<float>();
+      rows.extras.b_up = inputs[6].data<float>();
+      rows.extras.b_down = inputs[7].data<float>();
+    }
     cpu::fused_moe_gguf_rows(rows);
   });
 }

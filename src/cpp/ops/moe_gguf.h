@@ -11,6 +11,7 @@
 #include "mlx/array.h"
 #include "mlx/utils.h"
 #include "ops/kernel_primitive.h"
+#include "ops/moe.h"
 #include "runtime/gguf_types.h"
 
 namespace vllm_metal {
@@ -24,7 +25,7 @@ struct MoeGgufWeights {
 mx::array fused_moe_gguf(const mx::array& hidden, const mx::array& router_logits,
                          const MoeGgufWeights& w, int top_k, bool renormalize,
                          const std::string& scoring, bool exact = false,
-                         mx::StreamOrDevice s = {});
+                         const MoeOptions& options = {}, mx::StreamOrDevice s = {});
 
 struct MoeGgufProblem {
   mx::Dtype dtype = mx::float32;
@@ -32,6 +33,7 @@ struct MoeGgufProblem {
                  down_type = gguf::GGMLType::kF32;
   int64_t num_tokens = 0, hidden = 0, num_experts = 0, inter = 0, top_k = 1;
   bool renormalize = false, sigmoid = false;
+  bool topk_softmax = false, oai_act = false, bias = false;  // MoeOptions (ops/moe.h)
 };
 
 // Array slots as plan_fused_moe's (ops/moe.h), inputs 2-4 holding blocks.

@@ -44,7 +44,7 @@ constexpr Entry kTypes[] = {
     {30, {"BF16", 1, 2, true}},
     {34, {"TQ1_0", 256, 54, false}},
     {35, {"TQ2_0", 256, 66, false}},
-    {39, {"MXFP4", 32, 17, false}},
+    {39, {"MXFP4", 32, 17, true}},
     {40, {"NVFP4", 64, 36, false}},
     {41, {"Q1_0", 128, 18, false}},
 };
