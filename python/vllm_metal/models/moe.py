@@ -60,6 +60,9 @@ class FusedMoeBlock(nn.Module):
     def _routed(self, x: mx.array) -> mx.array:
         sw = self.switch_mlp
         logits = self.gate(x)
+        if _is_streamed(sw):  # experts on disk, through the expert cache (expert_offload.py)
+            return sw.run(x, logits, top_k=self.top_k, scoring=self.scoring,
+                          renormalize=self.renormalize)
         if isinstance(sw, GGUFSwitchGLU):
             g, u, d = sw.gate_proj, sw.up_proj, sw.down_proj
             return ops.fused_moe_gguf(x, logits, g.weight, g.type_id, u.weight, u.type_id, d.weight,
@@ -123,9 +126,13 @@ def install_expert_blocks(lm: nn.Module, weights: dict) -> dict:
     return out
 
 
+def _is_streamed(sw: nn.Module) -> bool:
+    return type(sw).__name__ == "StreamedSwitchGLU"
+
+
 def _dense_experts(block: nn.Module) -> bool:
     sw = block.switch_mlp
-    if isinstance(sw, GGUFSwitchGLU):
+    if isinstance(sw, GGUFSwitchGLU) or _is_streamed(sw):
         return True
     projs = [sw.gate_proj, sw.up_proj, sw.down_proj]
     if getattr(sw, "activation", None) is not None and type(sw.activation).__name__ != "SwiGLU":
