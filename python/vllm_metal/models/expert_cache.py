@@ -229,7 +229,7 @@ class StreamedExperts:
             cache.stats.bytes_streamed += sum(len(b) for b in bufs)
             slot = pool.claim(key, pinned)
             pool.write(slot, [_to_mx(b, w, s) for b, w, s in zip(bufs, self.where[e], pool.projs)])
-        mx.eval(pool.arrays)
+            mx.eval(pool.arrays)  # one expert's staging copy alive at a time
 
     def run(self, x: mx.array, logits: mx.array, *, top_k: int, scoring: str,
             renormalize: bool) -> mx.array:

@@ -178,6 +178,20 @@ def _gguf_layer(ckpt, layer: int, num_experts: int):
     return out, tuple(types), sizes, int(infos[f"blk.{layer}.ffn_gate_exps.weight"].shape[1])
 
 
+def check_safetensors_layout(directory: Path, hf_config: dict) -> None:
+    """Before mlx-lm reads the checkpoint: every MoE layer's experts are where we look,
+    else a refusal naming the tensor (rather than mlx-lm's KeyError)."""
+    n = int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
+    if n == 0:
+        _refuse(f"{hf_config.get('architectures')} has no mixture-of-experts layers to stream")
+    skip = set(hf_config.get("mlp_only_layers") or [])
+    step = int(hf_config.get("decoder_sparse_step") or 1)
+    index = _safetensors_index(directory)
+    for i in range(int(hf_config["num_hidden_layers"])):
+        if i not in skip and (i + 1) % step == 0:
+            _safetensors_layer(index, i, n)
+
+
 def hide_gguf_experts(ckpt):
     """A view of `ckpt` without the expert tensors, so gguf_loader.load_weights never reads them."""
 

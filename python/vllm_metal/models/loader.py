@@ -115,6 +115,10 @@ def _load_safetensors(path: Path, dtype: str | None, linear: str, expert_offload
     hf_config = json.loads((path / "config.json").read_text())
     config = load_config(path)  # config.json + generation_config's eos_token_id
     arch = architecture_of(config)
+    if expert_offload is not None:
+        from vllm_metal.models.expert_offload import check_safetensors_layout
+
+        check_safetensors_layout(path, hf_config)
     # a *ForSequenceClassification checkpoint holds a score layer instead of lm_head:
     # the body loads into the causal LM, the score layer comes from score_weights()
     lm, _ = mlx_lm_load_model(path, lazy=True, strict=not is_sequence_classifier(hf_config),
