@@ -15,9 +15,11 @@ exactly the token's experts with their weights. When one layer's batch needs mor
 experts than the pool has slots (a long prefill), the layer runs in rounds of
 at most `slots` experts and the rounds' outputs add up.
 
-Prefetch: after a layer's ids are known, the ids the next MoE layer picked in the
-previous step are read on a background thread (bytes only; the main thread installs
-them), so the next layer's misses are often already read.
+Prefetch: after a layer's ids are known, the experts the next MoE layer is likely to
+pick are read on a background thread (bytes only; the main thread installs them) while
+this layer computes. The guess ("router", default) is the next layer's router applied
+to this layer's input (the residual stream changes little from one layer to the next);
+"last" takes the ids the next layer picked in the previous step.
 """
 
 from __future__ import annotations
@@ -144,8 +146,9 @@ def _to_mx(buf: bytearray, where: ExpertBytes, spec: ProjSpec) -> mx.array:
 class ExpertCache:
     """The pools, the reader, the stats and the prefetcher of one model."""
 
-    def __init__(self, pools: list, *, prefetch: bool = True):
+    def __init__(self, pools: list, *, prefetch: bool = True, guess: str = "router"):
         self.pools = pools
+        self.guess = guess
         self.reader = FileReader()
         self.stats = ExpertStats()
         self.prefetch_enabled = prefetch
@@ -156,12 +159,18 @@ class ExpertCache:
     def nbytes(self) -> int:
         return sum(p.nbytes() for p in self.pools)
 
-    def prefetch(self, layer: "StreamedExperts"):
-        """Read (on the background thread) the experts the next layer picked last step."""
+    def prefetch(self, layer: "StreamedExperts", x: mx.array, top_k: int):
+        """Start reading (on the background thread) the experts the next layer will likely pick."""
         if self._executor is None or layer.next is None:
             return
         nxt = layer.next
-        for e in nxt.last_ids:
+        if self.guess == "router" and nxt.gate is not None:
+            logits = nxt.gate(x).astype(mx.float32)
+            guess = mx.argpartition(-logits, kth=top_k - 1, axis=-1)[:, :top_k]
+            guess = sorted(set(np.array(guess).reshape(-1).tolist()))
+        else:
+            guess = nxt.last_ids
+        for e in guess:
             key = (nxt.layer, e)
             if key in nxt.pool.lru or key in self._prefetched:
                 continue
@@ -212,6 +221,7 @@ class StreamedExperts:
         self.exact = True  # GGUF activations (gguf_linear.set_exact_activations)
         self.last_ids: list = []  # the experts this layer used last step (prefetch guess)
         self.next: StreamedExperts | None = None
+        self.gate = None  # this layer's router (the previous layer's prefetch guess)
 
     def _load(self, experts: list, pinned: set) -> None:
         pool, cache = self.pool, self.cache
@@ -237,7 +247,7 @@ class StreamedExperts:
         mx.eval(ids, z)
         ids_np = np.array(ids)
         needed = sorted(set(ids_np.reshape(-1).tolist()))
-        self.cache.prefetch(self)
+        self.cache.prefetch(self, x, top_k)
         pool = self.pool
         # resident experts first, so a round needing no reads comes first
         needed.sort(key=lambda e: (self.layer, e) not in pool.lru)

@@ -5,6 +5,8 @@ The option (one of the three sizes):
   cache_fraction  the share of all the model's experts the cache holds (0 < f <= 1);
   cache_experts   how many experts (gate + up + down of one expert of one layer) it holds;
   prefetch        read the next layer's likely experts in the background (default true);
+  prefetch_guess  "router" (default: the next layer's router on this layer's input) or
+                  "last" (the experts the next layer used in the previous step);
   policy          "lru" (default) or "fifo" (for measuring what LRU buys).
 
 At load, each MoE layer's mlx-lm `switch_mlp` (stacked expert weights) is replaced by
@@ -32,7 +34,7 @@ from vllm_metal.models.expert_cache import (ExpertBytes, ExpertCache, ExpertPool
 
 OPTION = "moe_expert_offload"
 _SIZES = ("cache_gb", "cache_fraction", "cache_experts")
-_KEYS = set(_SIZES) | {"prefetch", "policy"}
+_KEYS = set(_SIZES) | {"prefetch", "prefetch_guess", "policy"}
 _PROJS = ("gate_proj", "up_proj", "down_proj")
 _GGUF_PROJS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _FLOAT_DTYPES = {"F32", "F16", "BF16"}
@@ -44,6 +46,7 @@ class OffloadConfig:
     cache_fraction: float | None = None
     cache_experts: int | None = None
     prefetch: bool = True
+    prefetch_guess: str = "router"
     policy: str = "lru"
 
     @classmethod
@@ -74,7 +77,11 @@ class OffloadConfig:
         prefetch = value.get("prefetch", True)
         if not isinstance(prefetch, bool):
             raise ValueError(f"[vllm-metal] {OPTION}.prefetch must be true or false, got {prefetch!r}")
-        return cls(**{given[0]: size}, prefetch=prefetch, policy=policy)
+        guess = value.get("prefetch_guess", "router")
+        if guess not in ("router", "last"):
+            raise ValueError(f"[vllm-metal] {OPTION}.prefetch_guess must be 'router' or 'last', "
+                             f"got {guess!r}")
+        return cls(**{given[0]: size}, prefetch=prefetch, prefetch_guess=guess, policy=policy)
 
     @classmethod
     def from_additional(cls, additional: dict | None) -> "OffloadConfig | None":
@@ -267,11 +274,12 @@ def install(lm: nn.Module, cfg: OffloadConfig, *, directory: Path | None = None,
     slots = _slot_counts(cfg, groups, expert_bytes, top_k)
     pools = {sig: ExpertPool(slots[sig], found[groups[sig][0][0]][1], policy=cfg.policy)
              for sig in groups}
-    cache = ExpertCache(list(pools.values()), prefetch=cfg.prefetch)
+    cache = ExpertCache(list(pools.values()), prefetch=cfg.prefetch, guess=cfg.prefetch_guess)
     prev = None
     for i, mlp in layers:
         where, _, gg, inter = found[i]
         streamed = StreamedExperts(cache, pools[sigs[i]], i, where, num_experts, gg, inter)
+        streamed.gate = mlp.gate  # the module FusedMoeBlock keeps: its weights load later
         mlp.switch_mlp = StreamedSwitchGLU(streamed)
         cache.layers.append(streamed)
         if prev is not None:
