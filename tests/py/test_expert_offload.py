@@ -80,6 +80,26 @@ def test_streamed_gguf_blocks_tokens_match_resident(tiny, tmp_path):
     assert s.bytes_streamed == s.misses * per_expert
 
 
+def test_streamed_qwen3_5_moe_tokens_match_resident(tmp_path):
+    """Qwen3.5-MoE (hybrid layers, shared expert beside the routed ones): the published
+    fused layout (experts.gate_up_proj) from safetensors, and a Q8_0 qwen35moe GGUF."""
+    from qwen3_5_checkpoint import MOE_CONFIG, random_model, run_packed_greedy, write_checkpoint
+    from qwen3_5_checkpoint import write_gguf as write_qwen35_gguf
+
+    path = write_checkpoint(tmp_path / "st", seed=0, config=MOE_CONFIG)
+    gguf_path = write_qwen35_gguf(random_model(seed=0, config=MOE_CONFIG), tmp_path / "q8.gguf",
+                                  config=MOE_CONFIG, qtype="Q8_0")
+    ps = [[5, 9, 33, 7, 100], [3, 4, 200, 17, 18, 19, 40]]
+    option = OffloadConfig.parse({"cache_fraction": 0.25})
+    for source, dtype in ((path, "float32"), (gguf_path, None)):
+        want, _ = run_packed_greedy(load_model(str(source), dtype), ps, 8)
+        loaded = load_model(str(source), dtype, expert_offload=option)
+        got, _ = run_packed_greedy(loaded, ps, 8)
+        assert got == want, source
+        assert sum(p.slots for p in loaded.expert_cache.pools) == 4 * 8 // 4
+        assert loaded.expert_cache.stats.misses > 0
+
+
 _MEASURE = """
 import json, sys
 import psutil
@@ -178,7 +198,7 @@ def _vllm_config(archs, *, runner="generate", option=None, top_k=2, experts=8, l
 
 @pytest.mark.parametrize("kw, words", [
     (dict(archs={"Qwen3ForCausalLM"}), "without mixture-of-experts"),
-    (dict(archs={"Qwen3_5MoeForCausalLM"}), "this MoE model"),
+    (dict(archs={"OlmoeForCausalLM"}), "this MoE model"),
     (dict(archs={"Qwen3MoeForCausalLM"}, runner="pooling"), "pooling"),
     (dict(archs={"Qwen3MoeForCausalLM"}, option={"cache_experts": 1}), "top-k needs 2"),
     (dict(archs={"Qwen3MoeForCausalLM"}, option={"cache_fraction": 0.01}), "top-k needs 2"),
@@ -188,7 +208,7 @@ def test_startup_refusals(kw, words):
     from vllm_metal.platform import UnsupportedConfiguration, _refuse_unsupported_offload
 
     archs = kw.pop("archs")
-    if "Qwen3MoeForCausalLM" not in archs and "Moe" not in next(iter(archs)):
+    if "Moe" not in next(iter(archs)) and "moe" not in next(iter(archs)):
         kw.setdefault("experts", None)
     cfg = _vllm_config(archs, **kw)
     with pytest.raises(UnsupportedConfiguration, match=words):

@@ -108,7 +108,10 @@ def _refuse(msg: str):
 
 # ---- where the experts are ---------------------------------------------------------
 def _safetensors_index(directory: Path) -> dict:
-    """name -> (path, absolute offset, nbytes, dtype, shape) over every *.safetensors."""
+    """name -> (path, absolute offset, nbytes, dtype, shape) over every *.safetensors, under
+    the text model's names (a vision + language checkpoint's language_model prefix dropped)."""
+    from vllm_metal.models.qwen3_5_loader import text_weight_name
+
     index = {}
     for file in sorted(directory.glob("*.safetensors")):
         with open(file, "rb") as f:
@@ -118,7 +121,10 @@ def _safetensors_index(directory: Path) -> dict:
             if name == "__metadata__":
                 continue
             start, end = info["data_offsets"]
-            index[name] = (str(file), 8 + n + start, end - start, info["dtype"], tuple(info["shape"]))
+            name = text_weight_name(name)
+            if name is not None:
+                index[name] = (str(file), 8 + n + start, end - start, info["dtype"],
+                               tuple(info["shape"]))
     return index
 
 
@@ -130,6 +136,9 @@ def _safetensors_layer(index: dict, layer: int, num_experts: int) -> list:
             if quant in index:
                 _refuse(f"{quant}: MLX-quantized experts cannot be streamed yet; serve a "
                         f"float16/bfloat16 checkpoint or a GGUF file")
+    fused = _fused_layer(index, pre, num_experts)
+    if fused is not None:
+        return fused
     out = [[None] * 3 for _ in range(num_experts)]
     shapes = [None] * 3
     for j, proj in enumerate(_PROJS):
@@ -157,6 +166,29 @@ def _safetensors_layer(index: dict, layer: int, num_experts: int) -> list:
             if shapes[j] is None:
                 shapes[j] = shape
     return out, shapes
+
+
+def _fused_layer(index: dict, pre: str, num_experts: int):
+    """HF's fused layout (the published Qwen3.5-MoE checkpoints): experts.gate_up_proj
+    [E, 2I, H] (expert e's gate rows, then its up rows: two contiguous halves of its
+    slice) and experts.down_proj [E, H, I]; None when the layer is not in it."""
+    gate_up, down = index.get(f"{pre}.experts.gate_up_proj"), index.get(f"{pre}.experts.down_proj")
+    if gate_up is None and down is None:
+        return None
+    if gate_up is None or down is None:
+        _refuse(f"{pre}.experts: gate_up_proj and down_proj must both be present")
+    for (path, off, nbytes, dtype, shape), name in ((gate_up, "gate_up_proj"), (down, "down_proj")):
+        if len(shape) != 3 or shape[0] != num_experts or dtype not in _FLOAT_DTYPES:
+            _refuse(f"{pre}.experts.{name}: expected [{num_experts}, rows, cols] in "
+                    f"{sorted(_FLOAT_DTYPES)}, got {shape} {dtype}")
+    gpath, goff, gbytes, gdtype, gshape = gate_up
+    dpath, doff, dbytes, ddtype, dshape = down
+    gper, dper = gbytes // num_experts, dbytes // num_experts
+    out = [[ExpertBytes(gpath, goff + e * gper, gper // 2, gdtype),
+            ExpertBytes(gpath, goff + e * gper + gper // 2, gper // 2, gdtype),
+            ExpertBytes(dpath, doff + e * dper, dper, ddtype)] for e in range(num_experts)]
+    half = (gshape[1] // 2, gshape[2])
+    return out, [half, half, tuple(dshape[1:])]
 
 
 def _gguf_layer(ckpt, layer: int, num_experts: int):
@@ -188,6 +220,9 @@ def _gguf_layer(ckpt, layer: int, num_experts: int):
 def check_safetensors_layout(directory: Path, hf_config: dict) -> None:
     """Before mlx-lm reads the checkpoint: every MoE layer's experts are where we look,
     else a refusal naming the tensor (rather than mlx-lm's KeyError)."""
+    from vllm_metal.models.qwen3_5_loader import text_config
+
+    hf_config = text_config(hf_config)
     n = int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
     if n == 0:
         _refuse(f"{hf_config.get('architectures')} has no mixture-of-experts layers to stream")

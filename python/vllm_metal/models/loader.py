@@ -65,20 +65,20 @@ def load(model_path: str, dtype: str | None = None, *, linear: str = "gguf", exp
     if ggufs and not list(path.glob("model*.safetensors")):
         return _load_gguf(ggufs[0], path, dtype, linear, expert_offload)
     hf_config = json.loads((path / "config.json").read_text())
-    if expert_offload is not None and (_is_encoder(hf_config) or _is_qwen3_5(hf_config)):
+    if expert_offload is not None and _is_encoder(hf_config):
         _refuse_offload(hf_config)
     if _is_encoder(hf_config):
         return _load_encoder(path, hf_config, dtype, linear)
     if _is_qwen3_5(hf_config):
         from vllm_metal.models import qwen3_5_loader
 
-        return qwen3_5_loader.load_safetensors(path, dtype, linear)
+        return qwen3_5_loader.load_safetensors(path, dtype, linear, expert_offload)
     return _load_safetensors(path, dtype, linear, expert_offload)
 
 
 def _refuse_offload(hf_config: dict):
     raise ValueError(f"[vllm-metal] moe_expert_offload: not for {hf_config.get('architectures')} "
-                     f"(streamed: Qwen3-MoE from safetensors or GGUF)")
+                     f"(streamed: Qwen3-MoE and Qwen3.5-MoE, safetensors or GGUF)")
 
 
 def _is_qwen3_5(config: dict) -> bool:
@@ -167,15 +167,13 @@ def _load_gguf(gguf_path: Path, directory: Path | None, dtype: str | None, linea
         hf_config = json.loads((directory / "config.json").read_text())
     else:
         hf_config = gguf_loader.hf_config(ckpt)
-    if expert_offload is not None and _is_qwen3_5(hf_config):
-        _refuse_offload(hf_config)
     if expert_offload is not None and linear != "gguf":
         raise ValueError("[vllm-metal] moe_expert_offload: GGUF experts stream in block form "
                          "(linear='gguf'), not on the dequantized reference path")
     if _is_qwen3_5(hf_config):
         from vllm_metal.models import qwen3_5_loader
 
-        return qwen3_5_loader.load_gguf(gguf_path, hf_config, dtype, linear)
+        return qwen3_5_loader.load_gguf(gguf_path, hf_config, dtype, linear, expert_offload)
     target = _dtype(dtype or gguf_loader.native_dtype(ckpt))
     arch = architecture_of(hf_config)
     model_class, args_class = mlx_lm_classes(arch)
