@@ -54,7 +54,9 @@ print(json.dumps(dict(load_s=load_s, decode_tok_s=len(decode) / sum(decode), tok
 CASES = [
     ("resident", None),
     ("100%", {"cache_fraction": 1.0}),
+    ("100% no prefetch", {"cache_fraction": 1.0, "prefetch": False}),
     ("50%", {"cache_fraction": 0.5}),
+    ("50% no prefetch", {"cache_fraction": 0.5, "prefetch": False}),
     ("50% fifo", {"cache_fraction": 0.5, "policy": "fifo"}),
     ("25%", {"cache_fraction": 0.25}),
     ("25% prefetch last", {"cache_fraction": 0.25, "prefetch_guess": "last"}),

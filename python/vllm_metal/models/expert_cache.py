@@ -17,7 +17,7 @@ at most `slots` experts and the rounds' outputs add up.
 
 Prefetch: after a layer's ids are known, the experts the next MoE layer is likely to
 pick are read on a background thread (bytes only; the main thread installs them) while
-this layer computes. The guess ("router", default) is the next layer's router applied
+this layer computes (at most 2 top-k experts' bytes in flight). The guess ("router", default) is the next layer's router applied
 to this layer's input (the residual stream changes little from one layer to the next);
 "last" takes the ids the next layer picked in the previous step.
 """
@@ -166,11 +166,14 @@ class ExpertCache:
         nxt = layer.next
         if self.guess == "router" and nxt.gate is not None:
             logits = nxt.gate(x).astype(mx.float32)
-            guess = mx.argpartition(-logits, kth=top_k - 1, axis=-1)[:, :top_k]
-            guess = sorted(set(np.array(guess).reshape(-1).tolist()))
+            picked = np.array(mx.argpartition(-logits, kth=top_k - 1, axis=-1)[:, :top_k])
+            ids, counts = np.unique(picked, return_counts=True)
+            guess = ids[np.argsort(-counts, kind="stable")].tolist()  # most picked first
         else:
-            guess = nxt.last_ids
-        for e in guess:
+            guess = list(nxt.last_ids)
+        # at most 2 top-k experts in flight: a prefill's guess is most of the layer, whose
+        # bytes would sit in memory beside the cache
+        for e in guess[:2 * top_k]:
             key = (nxt.layer, e)
             if key in nxt.pool.lru or key in self._prefetched:
                 continue
