@@ -80,8 +80,8 @@ def main() -> None:
     sizes = write_qwen3_moe(path, hidden=args.hidden, inter=args.inter, experts=args.experts,
                             top_k=args.top_k, layers=args.layers, vocab=4096, heads=8, kv_heads=2,
                             head_dim=128, dtype="float16")
-    print(json.dumps({"model": vars(args), **sizes}))
-    reference = None
+    head = {"model": vars(args), **sizes}
+    rows, reference = [], None
     for name, option in CASES:
         r = subprocess.run([sys.executable, "-c", _CASE, str(path), json.dumps(option),
                             str(args.new_tokens)], capture_output=True, text=True)
@@ -92,14 +92,24 @@ def main() -> None:
         reference = reference or tokens
         lookups = d.get("hits", 0) + d.get("misses", 0)
         mib = 2**20
-        print(json.dumps({
+        rows.append({
             "case": name, "decode_tok_s": round(d["decode_tok_s"], 2), "load_s": round(d["load_s"], 2),
             "peak_rss_mib": round(d["peak_rss"] / mib), "mlx_peak_mib": round(d["mlx_peak"] / mib),
             "cache_mib": round(d["cache"] / mib),
             "hit_rate": round(d["hits"] / lookups, 3) if lookups else None,
             "gib_streamed": round(d.get("bytes_streamed", 0) / 2**30, 2),
-            "prefetched": d.get("prefetched"), "same_tokens": tokens == reference}), flush=True)
-
+            "prefetched": d.get("prefetched"), "same_tokens": tokens == reference})
+        print(f"{name}: done", file=sys.stderr, flush=True)
+    print(f"experts {sizes['expert_bytes'] / 2**20:.0f} MiB, other weights "
+          f"{sizes['other_bytes'] / 2**20:.0f} MiB")
+    print("| " + " | ".join(rows[0]) + " |")
+    print("|" + "---|" * len(rows[0]))
+    for row in rows:
+        print("| " + " | ".join(str(v) for v in row.values()) + " |")
+    print("# JSON")
+    print(json.dumps(head))
+    for row in rows:
+        print(json.dumps(row))
 
 if __name__ == "__main__":
     main()

@@ -196,7 +196,8 @@ class ExpertCache:
 
 def routing_z(logits: mx.array, top_k: int, scoring: str, renormalize: bool):
     """-> (ids [T, k] int32, z [T, k] float32): each token's experts and logit(p) of their
-    routing weights, as the fused op computes them (top-k of the logits)."""
+    routing weights, as the fused op computes them (top-k of the logits; on an exact tie of
+    two logits the pick may differ from the op's lower-id rule)."""
     logits = logits.astype(mx.float32)
     ids = mx.argpartition(-logits, kth=top_k - 1, axis=-1)[:, :top_k]
     if scoring == "softmax":

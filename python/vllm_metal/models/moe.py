@@ -7,7 +7,9 @@ their parameter names. Qwen3-Next / Qwen3.5-MoE blocks add a shared expert (a de
 MLP run beside the op) scaled by sigmoid(shared_expert_gate(x)). Blocks whose experts
 are MLX-quantized keep mlx-lm's module (gather_qmm). GGUF experts (llama.cpp's
 ffn_*_exps, kept in block form) are installed by `install_expert_blocks` as
-GGUFSwitchGLU and run on ops.fused_moe_gguf.
+GGUFSwitchGLU and run on ops.fused_moe_gguf. With --additional-config moe_expert_offload,
+switch_mlp is an expert_offload.StreamedSwitchGLU: the experts stream from disk through
+a bounded cache (expert_cache.py) and the same ops run on its slots.
 """
 
 from __future__ import annotations
