@@ -52,7 +52,7 @@ class ExpertStatsCollector:
             with open(self.path) as f:
                 s = json.load(f)
         except (OSError, ValueError):
-            s = dict(hits=0, misses=0, bytes_streamed=0, prefetched=0)
+            s = dict(hits=0, misses=0, bytes_streamed=0, prefetched=0, prefetch_wasted=0)
         yield CounterMetricFamily("vllm_metal:moe_expert_cache_hits",
                                   "Expert lookups the MoE expert cache served", value=s["hits"])
         yield CounterMetricFamily("vllm_metal:moe_expert_cache_misses",
@@ -62,6 +62,9 @@ class ExpertStatsCollector:
         yield CounterMetricFamily("vllm_metal:moe_expert_prefetched",
                                   "Misses whose bytes the background prefetch had read",
                                   value=s["prefetched"])
+        yield CounterMetricFamily("vllm_metal:moe_expert_prefetch_wasted",
+                                  "Experts the prefetch read that the layer did not use",
+                                  value=s.get("prefetch_wasted", 0))
         total = s["hits"] + s["misses"]
         yield GaugeMetricFamily("vllm_metal:moe_expert_cache_hit_rate",
                                 "Hits / lookups since start", value=s["hits"] / total if total else 0.0)

@@ -47,8 +47,8 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("option", [
-    {"cache_fraction": 0.25},
-    {"cache_fraction": 0.25, "prefetch": False, "policy": "fifo"},
+    {"cache_fraction": 0.25, "prefetch": True},
+    {"cache_fraction": 0.25, "policy": "fifo"},
     {"cache_experts": 6},
 ], ids=["lru-prefetch", "fifo-no-prefetch", "6-experts"])
 def test_streamed_safetensors_tokens_match_resident(tiny, option):
@@ -64,7 +64,7 @@ def test_streamed_safetensors_tokens_match_resident(tiny, option):
     assert s.misses > total  # a 25% cache re-reads experts
     # every miss reads one expert's three projections: float32 [I, H] x 2 + [H, I]
     assert s.bytes_streamed == s.misses * 3 * config.moe_intermediate_size * config.hidden_size * 4
-    assert (s.prefetched > 0) == option.get("prefetch", True)
+    assert (s.prefetched > 0) == option.get("prefetch", False)
 
 
 def test_streamed_gguf_blocks_tokens_match_resident(tiny, tmp_path):

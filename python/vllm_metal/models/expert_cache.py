@@ -52,10 +52,11 @@ class ExpertStats:
     misses: int = 0
     bytes_streamed: int = 0
     prefetched: int = 0  # misses whose bytes a prefetch had already read
+    prefetch_wasted: int = 0  # experts a prefetch read that the layer did not need
 
     def as_dict(self) -> dict:
         return dict(hits=self.hits, misses=self.misses, bytes_streamed=self.bytes_streamed,
-                    prefetched=self.prefetched)
+                    prefetched=self.prefetched, prefetch_wasted=self.prefetch_wasted)
 
 
 _NP_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "blocks": np.uint8}
@@ -146,7 +147,7 @@ def _to_mx(buf: bytearray, where: ExpertBytes, spec: ProjSpec) -> mx.array:
 class ExpertCache:
     """The pools, the reader, the stats and the prefetcher of one model."""
 
-    def __init__(self, pools: list, *, prefetch: bool = True, guess: str = "router"):
+    def __init__(self, pools: list, *, prefetch: bool = False, guess: str = "router"):
         self.pools = pools
         self.guess = guess
         self.reader = FileReader()
@@ -187,6 +188,7 @@ class ExpertCache:
     def drop_stale_prefetches(self, layer: int):
         for key in [k for k in self._prefetched if k[0] == layer]:
             self._prefetched.pop(key).result()
+            self.stats.prefetch_wasted += 1
 
     def close(self):
         if self._executor is not None:

@@ -4,7 +4,8 @@ The option (one of the three sizes):
   cache_gb        the expert cache's size in GiB (all pools together);
   cache_fraction  the share of all the model's experts the cache holds (0 < f <= 1);
   cache_experts   how many experts (gate + up + down of one expert of one layer) it holds;
-  prefetch        read the next layer's likely experts in the background (default true);
+  prefetch        read the next layer's likely experts in the background (default false:
+                  it lost on this machine, docs/benchmarks.md#moe-expert-streaming);
   prefetch_guess  "router" (default: the next layer's router on this layer's input) or
                   "last" (the experts the next layer used in the previous step);
   policy          "lru" (default) or "fifo" (for measuring what LRU buys).
@@ -45,7 +46,7 @@ class OffloadConfig:
     cache_gb: float | None = None
     cache_fraction: float | None = None
     cache_experts: int | None = None
-    prefetch: bool = True
+    prefetch: bool = False
     prefetch_guess: str = "router"
     policy: str = "lru"
 
@@ -74,7 +75,7 @@ class OffloadConfig:
         policy = value.get("policy", "lru")
         if policy not in ("lru", "fifo"):
             raise ValueError(f"[vllm-metal] {OPTION}.policy must be 'lru' or 'fifo', got {policy!r}")
-        prefetch = value.get("prefetch", True)
+        prefetch = value.get("prefetch", False)
         if not isinstance(prefetch, bool):
             raise ValueError(f"[vllm-metal] {OPTION}.prefetch must be true or false, got {prefetch!r}")
         guess = value.get("prefetch_guess", "router")

@@ -14,8 +14,10 @@ import numpy as np
 def write_qwen3_moe(path: Path, *, hidden: int = 256, inter: int = 512, experts: int = 16,
                     top_k: int = 2, layers: int = 4, vocab: int = 320, heads: int = 4,
                     kv_heads: int = 2, head_dim: int = 64, dtype: str = "float32",
-                    seed: int = 0) -> dict:
-    """Writes config.json + model.safetensors; returns {"expert_bytes", "other_bytes"}."""
+                    seed: int = 0, router_skew: float = 0.0) -> dict:
+    """Writes config.json + model.safetensors; returns {"expert_bytes", "other_bytes"}.
+    router_skew > 0: router row e scaled by 1 + skew * (1 - e / E), so low-numbered experts
+    win more often (real routers are skewed; random ones pick about uniformly)."""
     from safetensors.numpy import save_file
 
     path = Path(path)
@@ -40,7 +42,8 @@ def write_qwen3_moe(path: Path, *, hidden: int = 256, inter: int = 512, experts:
         t[p + "self_attn.o_proj.weight"] = w(hidden, heads * head_dim)
         t[p + "self_attn.q_norm.weight"] = np.ones(head_dim, np_dtype)
         t[p + "self_attn.k_norm.weight"] = np.ones(head_dim, np_dtype)
-        t[p + "mlp.gate.weight"] = w(experts, hidden, scale=1.0)
+        scale = 1 + router_skew * (1 - np.arange(experts) / experts)
+        t[p + "mlp.gate.weight"] = (w(experts, hidden, scale=1.0) * scale[:, None]).astype(np_dtype)
         for e in range(experts):
             q = f"{p}mlp.experts.{e}."
             t[q + "gate_proj.weight"] = w(inter, hidden)
