@@ -59,6 +59,7 @@ CASES = [
     ("50%", {"cache_fraction": 0.5}),
     ("50% fifo", {"cache_fraction": 0.5, "policy": "fifo"}),
     ("25%", {"cache_fraction": 0.25}),
+    ("25% fifo", {"cache_fraction": 0.25, "policy": "fifo"}),
     ("25% prefetch", {"cache_fraction": 0.25, "prefetch": True}),
     ("25% prefetch last", {"cache_fraction": 0.25, "prefetch": True, "prefetch_guess": "last"}),
 ]
