@@ -80,6 +80,27 @@ def test_streamed_gguf_blocks_tokens_match_resident(tiny, tmp_path):
     assert s.bytes_streamed == s.misses * per_expert
 
 
+def test_streamed_on_emulated_metal_kernels_matches_resident(tmp_path):
+    """The streamed layers' fused_moe / fused_moe_gguf (and the rest of the model) on their
+    Metal kernels in the emulator, against the resident model on the CPU kernels; head_dim
+    64, a size the Metal attention kernels take."""
+    from vllm_metal import ops
+
+    config, _ = write_checkpoint(tmp_path, seed=0, vocab_size=VOCAB, num_experts=8, head_dim=64)
+    gguf_path = write_gguf(tmp_path, config, tmp_path / "tiny.gguf", "Q8_0")
+    option = OffloadConfig.parse({"cache_fraction": 0.25})
+    for source, dtype in ((tmp_path, "float32"), (gguf_path, None)):
+        want = _generate(load_model(str(source), dtype), 6)
+        previous = ops.kernel_backend()
+        ops.set_kernel_backend("emulated")
+        try:
+            loaded = load_model(str(source), dtype, expert_offload=option)
+            assert _generate(loaded, 6) == want, source
+        finally:
+            ops.set_kernel_backend(previous)
+        assert loaded.expert_cache.stats.misses > 0
+
+
 def test_streamed_qwen3_5_moe_tokens_match_resident(tmp_path):
     """Qwen3.5-MoE (hybrid layers, shared expert beside the routed ones): the published
     fused layout (experts.gate_up_proj) from safetensors, and a Q8_0 qwen35moe GGUF."""

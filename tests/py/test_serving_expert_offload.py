@@ -1,7 +1,8 @@
 """Served Qwen3-MoE with --additional-config moe_expert_offload, a cache of 25% of the
 experts: greedy tokens equal transformers' (as the fully resident server's do,
-test_serving_qwen3_moe.py), a concurrent batch equals solo, and the cache's counters
-appear on /metrics and count; a non-MoE model with the option is refused at startup."""
+test_serving_qwen3_moe.py), from safetensors and from a GGUF file, a concurrent batch
+equals solo, and the cache's counters appear on /metrics and count; a non-MoE model with
+the option is refused at startup."""
 
 from __future__ import annotations
 
@@ -74,6 +75,22 @@ def test_streamed_concurrent_batch_equals_solo(server, checkpoint):
         got = list(pool.map(lambda p: complete_ids(server, p, 12), ps))
     assert got == want, server.tail()
     assert server.alive()
+
+
+def test_streamed_gguf_served_tokens_match_transformers(checkpoint, tmp_path):
+    from test_models_qwen3_moe_gguf import write_gguf
+
+    path, hf, config = checkpoint
+    gguf_path = write_gguf(path, config, tmp_path / "tiny-qwen3moe.gguf", "F32")
+    ps = prompts(3, 2)
+    want = hf_greedy(hf, ps, 12)
+    s = Server(str(gguf_path), "qwen3_moe-gguf-streamed", SERVER_ARGS + OFFLOAD)
+    try:
+        got = [complete_ids(s, p, 12) for p in ps]
+        assert got == want, s.tail()
+        assert expert_metrics(s)["cache_misses_total"] > 0
+    finally:
+        s.stop()
 
 
 def test_non_moe_model_refused_at_startup(tmp_path):
