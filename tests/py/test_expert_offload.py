@@ -190,6 +190,26 @@ def test_cache_smaller_than_top_k_refused(tiny):
         load_model(str(path), "float32", expert_offload=OffloadConfig.parse({"cache_gb": 1e-5}))
 
 
+def test_cache_gb_sizes_the_pool_in_bytes(tiny):
+    path, config = tiny
+    per_expert = 3 * config.moe_intermediate_size * config.hidden_size * 4  # float32
+    gb = (5 * per_expert + per_expert // 2) / 2**30  # room for 5.5 experts: 5 slots
+    loaded = load_model(str(path), "float32", expert_offload=OffloadConfig.parse({"cache_gb": gb}))
+    assert [p.slots for p in loaded.expert_cache.pools] == [5]
+    assert loaded.expert_cache.nbytes() == 5 * per_expert
+
+
+def test_mlx_quantized_experts_refused(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    write_qwen3_moe(tmp_path, hidden=64, inter=32, experts=4, layers=1, head_dim=16)
+    t = load_file(str(tmp_path / "model.safetensors"))
+    t["model.layers.0.mlp.experts.0.gate_proj.scales"] = np.ones((32, 1), np.float32)
+    save_file(t, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj\.scales: MLX-quantized experts"):
+        load_model(str(tmp_path), "float32", expert_offload=OffloadConfig.parse({"cache_gb": 1}))
+
+
 def test_non_moe_model_refused(tmp_path):
     from vllm_metal.models.testing import tiny_config, write_random_checkpoint
 
