@@ -121,6 +121,55 @@ def test_streamed_qwen3_5_moe_tokens_match_resident(tmp_path):
         assert loaded.expert_cache.stats.misses > 0
 
 
+def _write_mixed_gguf(checkpoint_dir, config, path, layer_types):
+    """The tiny checkpoint as a qwen3moe GGUF whose layers' experts have different types
+    (as a Q4_K_M file's ffn_down_exps: Q6_K in some layers, Q4_K in others)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    from test_models_qwen3_moe_gguf import _EXPERTS
+
+    plain = path.with_suffix(".plain.gguf")
+    write_gguf(checkpoint_dir, config, plain, "F32")
+    reader = gguf.GGUFReader(str(plain))
+    st = load_file(str(checkpoint_dir / "model.safetensors"))
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(field.name, value, vtype, sub_type=field.types[-1])
+        else:
+            w.add_key_value(field.name, value, vtype)
+    for t in reader.tensors:
+        layer = int(t.name.split(".")[1]) if t.name.startswith("blk.") else None
+        kind = t.name.split(".")[2] if layer is not None else None
+        if kind in _EXPERTS.values():
+            hf = {v: k for k, v in _EXPERTS.items()}[kind]
+            stacked = np.stack([st[f"model.layers.{layer}.mlp.experts.{e}.{hf}.weight"]
+                                for e in range(config.num_experts)])
+            qt = gguf.GGMLQuantizationType[layer_types[layer]]
+            w.add_tensor(t.name, gguf.quants.quantize(stacked, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(t.name, np.array(t.data).reshape([int(d) for d in reversed(t.shape)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_layers_with_different_expert_types_get_their_own_pools(tiny, tmp_path):
+    path, config = tiny
+    gguf_path = _write_mixed_gguf(path, config, tmp_path / "mixed.gguf", ["Q8_0", "Q4_0"])
+    want = _generate(load_model(str(gguf_path)))
+    loaded = load_model(str(gguf_path), expert_offload=OffloadConfig.parse({"cache_fraction": 0.25}))
+    assert _generate(loaded) == want
+    assert [p.slots for p in loaded.expert_cache.pools] == [2, 2]  # 25% of each layer's 8
+
+
 _MEASURE = """
 import json, sys
 import psutil
