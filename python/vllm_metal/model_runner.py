@@ -36,6 +36,7 @@ import numpy as np
 from vllm.v1.outputs import AsyncModelRunnerOutput
 
 from vllm_metal import _core, envs, kv_plan, ops
+from vllm_metal.expert_metrics import STATS_KEY, StatsWriter
 from vllm_metal.models import AttentionContext, load_model
 from vllm_metal.models.linear_choice import model_runs_on_gpu
 from vllm_metal.sampling import Sampler, SamplingTable, custom_processors, gather_batch
@@ -126,6 +127,7 @@ class MetalModelRunner(DeltaHooks):
         self.scheduler_config = vllm_config.scheduler_config
         self.use_v2 = bool(getattr(vllm_config, "use_v2_model_runner", True))
         self.loaded = None
+        self.expert_stats = None  # expert_metrics.StatsWriter with moe_expert_offload
         self.model = None
         self.kv_caches: list[tuple[mx.array, mx.array]] = []
         self.packer = None
@@ -156,7 +158,14 @@ class MetalModelRunner(DeltaHooks):
     # ---- setup ------------------------------------------------------------------
     def load_model(self) -> None:
         dtype = _dtype_name(self.model_config.dtype)
-        self.loaded = load_model(self.model_config.model, dtype)
+        from vllm_metal.models.expert_offload import OffloadConfig
+
+        additional = self.vllm_config.additional_config or {}
+        self.loaded = load_model(self.model_config.model, dtype,
+                                 expert_offload=OffloadConfig.from_additional(additional))
+        self.expert_stats = None  # the expert cache's counters -> /metrics (expert_metrics.py)
+        if self.loaded.expert_cache is not None and additional.get(STATS_KEY):
+            self.expert_stats = StatsWriter(additional[STATS_KEY], self.loaded.expert_cache)
         self.model = self.loaded.model
         spec = self.loaded.spec
         logger.info("vllm-metal loaded %s: %d layers, %d kv heads x %d, cache %s",
@@ -700,6 +709,8 @@ class MetalModelRunner(DeltaHooks):
             if self.lora is not None:
                 self.lora.end_step()
         self.kv_caches = ctx.kv_caches  # the updated caches
+        if self.expert_stats is not None:  # streamed layers evaluated in the forward
+            self.expert_stats.write()
         if self.draft is not None:  # the same tokens into the draft's cache (draft_model.py)
             self.draft.forward_step(input_ids, fields, target_ctx=ctx, req_ids=list(p.req_ids))
         return logits

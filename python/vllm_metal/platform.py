@@ -47,6 +47,10 @@ SUPPORTED_ARCHITECTURES = {
 HYBRID_ARCHITECTURES = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
                         "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"}
 
+# --additional-config moe_expert_offload: MoE models whose experts stream (models/expert_offload.py)
+STREAMED_MOE_ARCHITECTURES = {"Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM",
+                              "Qwen3_5MoeForConditionalGeneration"}
+
 # --runner pooling only: the decoder body plus a score layer (pooling.py)
 SEQUENCE_CLASSIFIERS = {
     "LlamaForSequenceClassification",
@@ -195,6 +199,10 @@ class MetalPlatform(Platform):
         if vllm_config.model_config is not None and is_hybrid_config(vllm_config.model_config.hf_text_config):
             configure_prefix_caching(vllm_config)
         _name_gguf_models_after_their_file(vllm_config)
+        if "moe_expert_offload" in (vllm_config.additional_config or {}):
+            from vllm_metal.expert_metrics import prepare
+
+            prepare(vllm_config)  # the cache's counters on /metrics
 
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:
@@ -311,6 +319,40 @@ def _refuse_unsupported(vllm_config: VllmConfig) -> None:
         _refuse(f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype}", "use auto")
     if model.quantization not in (None, "gguf"):
         _refuse(f"quantization '{model.quantization}'", "serve safetensors in float16/bfloat16 or a GGUF file")
+    if "moe_expert_offload" in (vllm_config.additional_config or {}):
+        _refuse_unsupported_offload(vllm_config, archs)
+
+
+def _refuse_unsupported_offload(vllm_config: VllmConfig, archs: set[str]) -> None:
+    """moe_expert_offload: a well-formed option, a MoE model we stream, a cache that can hold
+    one layer's top-k (in experts; a size in GiB is checked against the file at load)."""
+    from vllm_metal.models.expert_offload import OffloadConfig
+
+    try:
+        cfg = OffloadConfig.parse(vllm_config.additional_config["moe_expert_offload"])
+    except ValueError as e:
+        raise UnsupportedConfiguration(str(e)) from None
+    model = vllm_config.model_config
+    if model.runner_type != "generate":
+        _refuse("moe_expert_offload with --runner pooling")
+    hf = model.hf_text_config
+    num_experts = getattr(hf, "num_experts", None)
+    if not archs & STREAMED_MOE_ARCHITECTURES:
+        what = "a model without mixture-of-experts layers" if not num_experts else "this MoE model"
+        _refuse(f"moe_expert_offload with {what} ({sorted(archs)})",
+                f"experts stream for {', '.join(sorted(STREAMED_MOE_ARCHITECTURES))}")
+    top_k = int(getattr(hf, "num_experts_per_tok", 1))
+    moe_layers = sum(1 for i in range(hf.num_hidden_layers)
+                     if i not in (getattr(hf, "mlp_only_layers", None) or []))
+    total = moe_layers * int(num_experts)
+    held = None
+    if cfg.cache_experts is not None:
+        held = int(cfg.cache_experts)
+    elif cfg.cache_fraction is not None:
+        held = int(-(-cfg.cache_fraction * total // 1))
+    if held is not None and held < top_k:
+        _refuse(f"moe_expert_offload with a cache of {held} experts",
+                f"one layer's top-k needs {top_k} (the model has {total} experts)")
 
 
 def _refuse_unsupported_encoder(vllm_config: VllmConfig) -> None:

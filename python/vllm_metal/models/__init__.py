@@ -42,10 +42,12 @@ class LoadedModel:
     # hybrid models (Qwen3.5): attention vs linear-attention layers and the per-request
     # state they keep (models/qwen3_5_loader.HybridSpec); None for attention-only models
     hybrid: Any = None
+    # --additional-config moe_expert_offload: the experts' cache (models/expert_cache.py)
+    expert_cache: Any = None
 
 
 def load_model(model_path: str, dtype: str | None = None, *, linear: str = "gguf",
-               int8_activations: bool | None = None) -> LoadedModel:
+               int8_activations: bool | None = None, expert_offload=None) -> LoadedModel:
     """Load a local checkpoint; dtype "float16" | "bfloat16" | "float32" | None
     (None: the dtype the weights are stored in; never upcast to float32).
 
@@ -53,12 +55,14 @@ def load_model(model_path: str, dtype: str | None = None, *, linear: str = "gguf
     kept in block form; "mlx": the reference path (GGUF weights dequantized at
     load, MLX matmul). int8_activations: on the CPU, round activations to 8-bit
     blocks for the integer-capable GGUF types (llama.cpp's scheme, faster);
-    None reads VLLM_METAL_INT8_ACTIVATIONS (default off: float32 sums)."""
+    None reads VLLM_METAL_INT8_ACTIVATIONS (default off: float32 sums).
+    expert_offload: an expert_offload.OffloadConfig: MoE experts stay on disk and
+    stream through a bounded cache."""
     from vllm_metal import envs
     from vllm_metal.models.gguf_linear import set_exact_activations
     from vllm_metal.models.loader import load
 
-    loaded = load(model_path, dtype, linear=linear)
+    loaded = load(model_path, dtype, linear=linear, expert_offload=expert_offload)
     if int8_activations is None:
         int8_activations = envs.VLLM_METAL_INT8_ACTIVATIONS
     set_exact_activations(loaded.model, not int8_activations)

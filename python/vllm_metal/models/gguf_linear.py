@@ -171,10 +171,11 @@ def install_block_weights(lm: nn.Module, weights: dict) -> dict[str, mx.array]:
 def set_exact_activations(lm: nn.Module, exact: bool) -> None:
     """Every GGUFLinear / GGUFEmbedding and GGUF expert stack (moe.GGUFSwitchGLU) of `lm`
     multiplies float32 activations (exact) or 8-bit rounded ones (not exact)."""
+    from vllm_metal.models.expert_offload import StreamedSwitchGLU
     from vllm_metal.models.moe import GGUFSwitchGLU
 
     for _, m in lm.named_modules():
-        if isinstance(m, (_BlockWeight, GGUFSwitchGLU)):
+        if isinstance(m, (_BlockWeight, GGUFSwitchGLU, StreamedSwitchGLU)):
             m.exact = exact
 
 

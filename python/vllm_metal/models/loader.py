@@ -50,28 +50,35 @@ def _dtype_name(dtype: mx.Dtype) -> str:
 _LINEARS = ("gguf", "mlx")
 
 
-def load(model_path: str, dtype: str | None = None, *, linear: str = "gguf"):
+def load(model_path: str, dtype: str | None = None, *, linear: str = "gguf", expert_offload=None):
     """-> LoadedModel; see vllm_metal.models.load_model."""
     if linear not in _LINEARS:
         raise ValueError(f"[vllm-metal] linear must be one of {_LINEARS}, got {linear!r}")
     path = Path(model_path).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return _load_gguf(path, None, dtype, linear)
+        return _load_gguf(path, None, dtype, linear, expert_offload)
     if not path.is_dir():
         raise FileNotFoundError(f"[vllm-metal] model path not found: {model_path}")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"[vllm-metal] {model_path} has no config.json")
     ggufs = [path / GGUF_FILE_IN_DIR] if (path / GGUF_FILE_IN_DIR).exists() else []
     if ggufs and not list(path.glob("model*.safetensors")):
-        return _load_gguf(ggufs[0], path, dtype, linear)
+        return _load_gguf(ggufs[0], path, dtype, linear, expert_offload)
     hf_config = json.loads((path / "config.json").read_text())
+    if expert_offload is not None and _is_encoder(hf_config):
+        _refuse_offload(hf_config)
     if _is_encoder(hf_config):
         return _load_encoder(path, hf_config, dtype, linear)
     if _is_qwen3_5(hf_config):
         from vllm_metal.models import qwen3_5_loader
 
-        return qwen3_5_loader.load_safetensors(path, dtype, linear)
-    return _load_safetensors(path, dtype, linear)
+        return qwen3_5_loader.load_safetensors(path, dtype, linear, expert_offload)
+    return _load_safetensors(path, dtype, linear, expert_offload)
+
+
+def _refuse_offload(hf_config: dict):
+    raise ValueError(f"[vllm-metal] moe_expert_offload: not for {hf_config.get('architectures')} "
+                     f"(streamed: Qwen3-MoE and Qwen3.5-MoE, safetensors or GGUF)")
 
 
 def _is_qwen3_5(config: dict) -> bool:
@@ -102,12 +109,16 @@ def _load_encoder(path: Path, hf_config: dict, dtype: str | None, linear: str):
     return LoadedModel(model=model, spec=spec, hf_config=hf_config, eos_token_ids=[])
 
 
-def _load_safetensors(path: Path, dtype: str | None, linear: str):
+def _load_safetensors(path: Path, dtype: str | None, linear: str, expert_offload=None):
     from mlx_lm.utils import load_config, load_model as mlx_lm_load_model
 
     hf_config = json.loads((path / "config.json").read_text())
     config = load_config(path)  # config.json + generation_config's eos_token_id
     arch = architecture_of(config)
+    if expert_offload is not None:
+        from vllm_metal.models.expert_offload import check_safetensors_layout
+
+        check_safetensors_layout(path, hf_config)
     # a *ForSequenceClassification checkpoint holds a score layer instead of lm_head:
     # the body loads into the causal LM, the score layer comes from score_weights()
     lm, _ = mlx_lm_load_model(path, lazy=True, strict=not is_sequence_classifier(hf_config),
@@ -117,9 +128,16 @@ def _load_safetensors(path: Path, dtype: str | None, linear: str):
         from vllm_metal.models.gpt_oss import install_mxfp4_experts
 
         install_mxfp4_experts(lm)
-    stored = _stored_dtype(lm)
+    stored = _stored_dtype(lm)  # dtypes only: reads no weight
     target = _dtype(dtype) if dtype else stored
-    return _finish(lm, config, hf_config, target, _eos_ids(config.get("eos_token_id")), linear)
+    cache = None
+    if expert_offload is not None:  # before anything reads them: the experts stay on disk
+        from vllm_metal.models import expert_offload as offload
+
+        cache = offload.install(lm, expert_offload, directory=path, dtype=target)
+    loaded = _finish(lm, config, hf_config, target, _eos_ids(config.get("eos_token_id")), linear)
+    loaded.expert_cache = cache
+    return loaded
 
 
 def is_sequence_classifier(hf_config: dict) -> bool:
@@ -144,7 +162,8 @@ def score_weights(model_path: str):
     return None
 
 
-def _load_gguf(gguf_path: Path, directory: Path | None, dtype: str | None, linear: str):
+def _load_gguf(gguf_path: Path, directory: Path | None, dtype: str | None, linear: str,
+               expert_offload=None):
     from vllm_metal.models import gguf_loader
 
     ckpt = gguf_loader.GGUFCheckpoint(str(gguf_path))
@@ -152,15 +171,26 @@ def _load_gguf(gguf_path: Path, directory: Path | None, dtype: str | None, linea
         hf_config = json.loads((directory / "config.json").read_text())
     else:
         hf_config = gguf_loader.hf_config(ckpt)
+    if expert_offload is not None and linear != "gguf":
+        raise ValueError("[vllm-metal] moe_expert_offload: GGUF experts stream in block form "
+                         "(linear='gguf'), not on the dequantized reference path")
     if _is_qwen3_5(hf_config):
         from vllm_metal.models import qwen3_5_loader
 
-        return qwen3_5_loader.load_gguf(gguf_path, hf_config, dtype, linear)
+        return qwen3_5_loader.load_gguf(gguf_path, hf_config, dtype, linear, expert_offload)
     target = _dtype(dtype or gguf_loader.native_dtype(ckpt))
     arch = architecture_of(hf_config)
     model_class, args_class = mlx_lm_classes(arch)
     lm = model_class(args_class.from_dict(mlx_lm_config(hf_config)))
-    weights = gguf_loader.load_weights(ckpt, hf_config, target, blocks=linear == "gguf")
+    cache = None
+    if expert_offload is not None:  # the expert tensors are never read at load
+        from vllm_metal.models import expert_offload as offload
+
+        cache = offload.install(lm, expert_offload, ckpt=ckpt)
+        weights = gguf_loader.load_weights(offload.hide_gguf_experts(ckpt), hf_config, target,
+                                           blocks=True)
+    else:
+        weights = gguf_loader.load_weights(ckpt, hf_config, target, blocks=linear == "gguf")
     if hasattr(lm, "sanitize"):
         weights = lm.sanitize(weights)
     if arch.model_type == "gpt_oss":  # experts under mlp.experts, with biases
@@ -175,7 +205,9 @@ def _load_gguf(gguf_path: Path, directory: Path | None, dtype: str | None, linea
 
         install_mxfp4_experts(lm)
     lm.eval()
-    return _finish(lm, hf_config, hf_config, target, gguf_loader.eos_token_ids(ckpt), linear)
+    loaded = _finish(lm, hf_config, hf_config, target, gguf_loader.eos_token_ids(ckpt), linear)
+    loaded.expert_cache = cache
+    return loaded
 
 
 def _stored_dtype(lm) -> mx.Dtype:

@@ -7,7 +7,9 @@ their parameter names. Qwen3-Next / Qwen3.5-MoE blocks add a shared expert (a de
 MLP run beside the op) scaled by sigmoid(shared_expert_gate(x)). Blocks whose experts
 are MLX-quantized keep mlx-lm's module (gather_qmm). GGUF experts (llama.cpp's
 ffn_*_exps, kept in block form) are installed by `install_expert_blocks` as
-GGUFSwitchGLU and run on ops.fused_moe_gguf.
+GGUFSwitchGLU and run on ops.fused_moe_gguf. With --additional-config moe_expert_offload,
+switch_mlp is an expert_offload.StreamedSwitchGLU: the experts stream from disk through
+a bounded cache (expert_cache.py) and the same ops run on its slots.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class FusedMoeBlock(nn.Module):
     def _routed(self, x: mx.array) -> mx.array:
         sw = self.switch_mlp
         logits = self.gate(x)
+        if _is_streamed(sw):  # experts on disk, through the expert cache (expert_offload.py)
+            return sw.run(x, logits, top_k=self.top_k, scoring=self.scoring,
+                          renormalize=self.renormalize)
         if isinstance(sw, GGUFSwitchGLU):
             g, u, d = sw.gate_proj, sw.up_proj, sw.down_proj
             return ops.fused_moe_gguf(x, logits, g.weight, g.type_id, u.weight, u.type_id, d.weight,
@@ -124,9 +129,13 @@ def install_expert_blocks(lm: nn.Module, weights: dict) -> dict:
     return out
 
 
+def _is_streamed(sw: nn.Module) -> bool:
+    return type(sw).__name__ == "StreamedSwitchGLU"
+
+
 def _dense_experts(block: nn.Module) -> bool:
     sw = block.switch_mlp
-    if isinstance(sw, GGUFSwitchGLU):
+    if isinstance(sw, GGUFSwitchGLU) or _is_streamed(sw):
         return True
     projs = [sw.gate_proj, sw.up_proj, sw.down_proj]
     if getattr(sw, "activation", None) is not None and type(sw.activation).__name__ != "SwiGLU":

@@ -106,22 +106,31 @@ def model_classes():
     return TextModel, qwen3_5.TextModelArgs
 
 
-def load_safetensors(path: Path, dtype: str | None, linear: str):
+def load_safetensors(path: Path, dtype: str | None, linear: str, expert_offload=None):
     from mlx_lm.utils import load_config, load_model as mlx_lm_load_model
 
-    from vllm_metal.models import loader
+    from vllm_metal.models import expert_offload as offload, loader
 
     hf_config = json.loads((path / "config.json").read_text())
     config = text_config(load_config(path))
+    if expert_offload is not None:
+        offload.check_safetensors_layout(path, hf_config)
     lm, _ = mlx_lm_load_model(path, lazy=True, model_config=config,
                               get_model_classes=lambda config: model_classes())
     stored = loader._stored_dtype(lm)
     target = loader._dtype(dtype) if dtype else stored
-    return finish(lm, config, hf_config, target, loader._eos_ids(config.get("eos_token_id")), linear)
+    cache = None
+    if expert_offload is not None:  # before anything reads them: the experts stay on disk
+        cache = offload.install(lm, expert_offload, directory=path, dtype=target)
+    loaded = finish(lm, config, hf_config, target, loader._eos_ids(config.get("eos_token_id")),
+                    linear)
+    loaded.expert_cache = cache
+    return loaded
 
 
-def load_gguf(gguf_path: Path, hf_config: dict, dtype: str | None, linear: str):
-    from vllm_metal.models import gguf_loader, gguf_qwen35, loader
+def load_gguf(gguf_path: Path, hf_config: dict, dtype: str | None, linear: str,
+              expert_offload=None):
+    from vllm_metal.models import expert_offload as offload, gguf_loader, gguf_qwen35, loader
     from vllm_metal.models.gguf_linear import install_block_weights
     from vllm_metal.models.moe import install_expert_blocks
 
@@ -130,13 +139,19 @@ def load_gguf(gguf_path: Path, hf_config: dict, dtype: str | None, linear: str):
     target = loader._dtype(dtype or gguf_loader.native_dtype(ckpt))
     model_class, args_class = model_classes()
     lm = model_class(args_class.from_dict(config))
+    cache = None
+    if expert_offload is not None:  # the expert tensors are never read at load
+        cache = offload.install(lm, expert_offload, ckpt=ckpt)
+        ckpt = offload.hide_gguf_experts(ckpt)
     # already in mlx-lm's sanitized form (gguf_qwen35.py); sanitize would re-centre norms
     weights = gguf_qwen35.load_weights(ckpt, config, target, blocks=linear == "gguf")
     weights = install_expert_blocks(lm, weights)  # qwen35moe: ffn_*_exps in block form
     weights = install_block_weights(lm, weights)
     lm.load_weights(list(weights.items()), strict=True)
     lm.eval()
-    return finish(lm, config, hf_config, target, gguf_loader.eos_token_ids(ckpt), linear)
+    loaded = finish(lm, config, hf_config, target, gguf_loader.eos_token_ids(ckpt), linear)
+    loaded.expert_cache = cache
+    return loaded
 
 
 def finish(lm, config: dict, hf_config: dict, dtype: mx.Dtype, eos_ids: list[int], linear: str):
