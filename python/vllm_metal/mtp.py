@@ -107,9 +107,14 @@ class MtpHead:
             raise ValueError(f"[vllm-metal] speculative method 'mtp': the checkpoint {model_path} "
                              "has no MTP block (no mtp.* tensors)")
         args = lm.args
-        if args.num_experts:
-            raise ValueError("[vllm-metal] speculative method 'mtp' for a Qwen3.5-MoE target "
-                             "is not supported yet")
+        if args.num_experts:  # Qwen3.5-MoE: the block's MLP is an MoE block like the model's
+            from vllm_metal.models.qwen3_5_loader import stack_experts
+
+            inner = "model.layers.0."
+            stacked = stack_experts({(inner + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
+                                     for k, v in weights.items()}, args.num_experts)
+            weights = {("layers.0." + k[len(inner):] if k.startswith(inner) else k): v
+                       for k, v in stacked.items()}
         first = next(layer.self_attn for layer in target.model.layers if not layer.is_linear)
         block = MtpBlock(args)
         self.dtype = getattr(mx, target.spec.dtype)  # the target's activations
@@ -126,6 +131,12 @@ class MtpHead:
                                  f"model needs {tuple(want[name])}")
             weights[name] = value.astype(self.dtype)
         block.load_weights(list(weights.items()), strict=True)
+        if args.num_experts:
+            from types import SimpleNamespace
+
+            from vllm_metal.models.moe import swap_moe_blocks
+
+            swap_moe_blocks(SimpleNamespace(model=block))  # dense experts on ops.fused_moe
         block.finish(lambda source: PagedGatedAttention(
             source, layer_idx=0, rotary_dim=first.rotary_dim, base=first.base,
             sections=first.sections))

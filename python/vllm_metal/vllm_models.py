@@ -81,7 +81,7 @@ class Qwen3_5MTP(torch.nn.Module):
 
 
 class Qwen3_5MoeMTP(Qwen3_5MTP):
-    """Qwen3.5-MoE's MTP block (refused by the runner for now: mtp.py)."""
+    """Qwen3.5-MoE's MTP block (its MLP an MoE block: mtp.py)."""
 
 
 # architecture -> "module:class", registered by vllm_metal.register_general

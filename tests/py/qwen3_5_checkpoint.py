@@ -75,6 +75,11 @@ def hf_weights(model, expert_layout: str = "fused") -> dict[str, np.ndarray]:
         elif name.endswith(_CENTRED_NORMS):
             v = v - 1.0
         out[name] = v
+    return experts_to_hf(out, expert_layout)
+
+
+def experts_to_hf(out: dict, expert_layout: str = "fused") -> dict:
+    """mlx-lm's stacked switch_mlp experts in `out` renamed and laid out as HF's."""
     for name in [n for n in out if n.endswith(".switch_mlp.gate_proj.weight")]:
         prefix = name[:-len(".switch_mlp.gate_proj.weight")]
         projs = {p: out.pop(f"{prefix}.switch_mlp.{p}.weight")
@@ -108,8 +113,10 @@ def random_mtp_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     args = qwen3_5.TextModelArgs.from_dict(config)
     h = config["hidden_size"]
     layer = qwen3_5.DecoderLayer(args, args.full_attention_interval - 1)
-    out = {f"mtp.layers.0.{k}": np.array(v.astype(mx.float32))
-           for k, v in tree_flatten(layer.parameters())}
+    if config.get("num_experts"):  # sharper routing, as random_model's
+        layer.mlp.gate.weight = 4 * layer.mlp.gate.weight
+    out = experts_to_hf({f"mtp.layers.0.{k}": np.array(v.astype(mx.float32))
+                         for k, v in tree_flatten(layer.parameters())})
     out["mtp.fc.weight"] = np.array(mx.random.normal((h, 2 * h)) / np.sqrt(2 * h))
     for name in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
                  "mtp.norm.weight"):

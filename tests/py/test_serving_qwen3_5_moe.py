@@ -79,3 +79,23 @@ def test_qwen35moe_gguf_file_is_served(tmp_path, reference):
         assert got == want
     finally:
         s.stop()
+
+
+def test_mtp_speculation_matches_mlx_lm(tmp_path, reference):
+    """The checkpoint's MTP block (an MoE layer here) drafts; tokens stay mlx-lm's greedy ones."""
+    import json
+
+    from test_serving_qwen3_5 import draft_tokens, jobs
+
+    ckpt = write_checkpoint(tmp_path / "mtp", seed=0, config=MOE_CONFIG, mtp=True)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    s = Server(str(ckpt), "qwen3_5_moe-tiny", [*SERVER_ARGS, "--speculative-config", json.dumps(spec)])
+    try:
+        work = jobs(15, 3)
+        with cf.ThreadPoolExecutor(len(work)) as pool:
+            got = list(pool.map(lambda j: complete_ids(s, *j), work))
+        metrics = s.client.get("/metrics").text
+    finally:
+        s.stop()
+    assert got == [greedy(reference, p, n) for p, n in work]
+    assert draft_tokens(metrics) >= 2 * 15
