@@ -300,11 +300,10 @@ def test_the_draft_cache_comes_out_of_the_same_budget(tmp_path):
 def eagle3_head(tmp_path_factory):
     """A random EAGLE3 head for SmolLM2 (speculators format, a 2,000-token draft
     vocabulary mapped into SmolLM2's by d2t): its drafts are mostly rejected."""
-    from test_eagle3 import write_head
+    from vllm_metal.models.testing import write_random_eagle3_head
 
-    target_cfg = {"hidden_size": 576, "vocab_size": 49152}
-    head, *_ = write_head(tmp_path_factory.mktemp("eagle3"), target_cfg, draft_vocab=2000, aux=None,
-                          heads=9, kv=3)
+    head, *_ = write_random_eagle3_head(tmp_path_factory.mktemp("eagle3"), 576, 49152,
+                                        draft_vocab=2000, heads=9, kv=3)
     return head
 
 

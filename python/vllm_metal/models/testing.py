@@ -468,3 +468,62 @@ def measure_gguf_tolerances(names=("llama", "llama_untied_bias", "qwen2", "qwen3
             print(f"{qtype:8s} worst {out[qtype]:.2e}  bound {bound:.0e}  "
                   f"8-bit activations: {uses_8bit_activations(qtype)}", flush=True)
     return out
+
+
+def write_random_eagle3_head(out, target_hidden: int, target_vocab: int, *, seed: int = 0,
+                             norm_before_residual: bool = True, speculators: bool = True,
+                             draft_vocab: int = 120, aux=None, heads: int = 4, kv: int = 2,
+                             intermediate: int = 96):
+    """A random EAGLE3 head as wide as its target (it reads the target's embeddings), in
+    the speculators format (or the original layout: midlayer.*), with a draft vocabulary
+    of `draft_vocab` target ids (d2t); aux None: the target's default layers. Returns
+    (directory, tensors, layer config, the target ids of the draft vocabulary)."""
+    out = Path(out)
+    rng = np.random.default_rng(seed)
+    h = target_hidden
+    d, inter = h // heads, intermediate
+
+    def w(*shape, scale=0.2):
+        return (rng.normal(size=shape) * scale).astype(np.float32)
+
+    layer = "layers.0." if speculators else "midlayer."
+    t = {"fc.weight": w(h, 3 * target_hidden),
+         f"{layer}self_attn.q_proj.weight": w(heads * d, 2 * h),
+         f"{layer}self_attn.k_proj.weight": w(kv * d, 2 * h),
+         f"{layer}self_attn.v_proj.weight": w(kv * d, 2 * h),
+         f"{layer}self_attn.o_proj.weight": w(h, heads * d),
+         f"{layer}mlp.gate_proj.weight": w(inter, h), f"{layer}mlp.up_proj.weight": w(inter, h),
+         f"{layer}mlp.down_proj.weight": w(h, inter),
+         "norm.weight": 1 + w(h, scale=0.1), "lm_head.weight": w(draft_vocab, h, scale=0.5)}
+    for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        t[f"{layer}{n}.weight"] = 1 + w(h, scale=0.1)
+    keep = np.sort(rng.choice(target_vocab, draft_vocab, replace=False))
+    t["d2t"] = (keep - np.arange(draft_vocab)).astype(np.int64)
+    t2d = np.zeros(target_vocab, bool)
+    t2d[keep] = True
+    t["t2d"] = t2d
+    layer_cfg = dict(model_type="llama", hidden_size=h, intermediate_size=inter,
+                     num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv,
+                     head_dim=d, rms_norm_eps=1e-5, vocab_size=target_vocab,
+                     rope_theta=10000.0, max_position_embeddings=512, architectures=["LlamaForCausalLM"],
+                     dtype="float32")
+    if speculators:
+        config = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+                  "torch_dtype": "float32",
+                  "transformer_layer_config": layer_cfg, "draft_vocab_size": draft_vocab,
+                  "norm_before_residual": norm_before_residual,
+                  "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                         "proposal_methods": [{"proposal_type": "greedy",
+                                                               "speculative_tokens": 3}],
+                                         "verifier": {"name_or_path": "tiny-llama",
+                                                      "architectures": ["LlamaForCausalLM"]}}}
+    else:
+        config = dict(layer_cfg, architectures=["LlamaForCausalLMEagle3"],
+                      draft_vocab_size=draft_vocab)
+    if aux is not None:
+        config["eagle_aux_hidden_state_layer_ids"] = list(aux)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    mx.save_safetensors(str(out / "model.safetensors"),
+                        {k: mx.array(v) for k, v in t.items()}, metadata={"format": "pt"})
+    return out, t, layer_cfg, keep
