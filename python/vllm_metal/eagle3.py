@@ -95,6 +95,7 @@ class Eagle3Head:
         from mlx.utils import tree_flatten
 
         from vllm_metal.models.layers import PagedAttention, RMSNorm
+        from vllm_metal.models.linear_choice import choose_dense_layers
         from vllm_metal.models.rope import rope_config
 
         path = Path(model_path)
@@ -154,6 +155,7 @@ class Eagle3Head:
         for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
             setattr(layer, name, RMSNorm.replacing(getattr(layer, name)))
         module.norm = RMSNorm.replacing(module.norm)
+        choose_dense_layers(module, "gguf")  # on the CPU our GEMM, on Apple GPUs MLX's
         module.eval()
         mx.eval(module.parameters())
         self.module, self.lm = module, lm

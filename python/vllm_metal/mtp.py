@@ -96,6 +96,7 @@ class MtpHead:
     name = "MTP block"
 
     def __init__(self, target, model_path: str) -> None:
+        from vllm_metal.models.linear_choice import choose_dense_layers
         from vllm_metal.models.qwen3_5_paged import PagedGatedAttention
 
         lm = getattr(target.model, "lm", None)
@@ -140,6 +141,7 @@ class MtpHead:
         block.finish(lambda source: PagedGatedAttention(
             source, layer_idx=0, rotary_dim=first.rotary_dim, base=first.base,
             sections=first.sections))
+        choose_dense_layers(block, "gguf")  # on the CPU our GEMM, on Apple GPUs MLX's
         block.eval()
         mx.eval(block.parameters())
         self.block, self.lm = block, lm
