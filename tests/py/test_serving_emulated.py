@@ -247,12 +247,13 @@ def test_batch_invariant_mode_gives_each_request_its_solo_logprobs_bitwise(serve
 SPEC_JOBS = [([5 + (i % 7) for i in range(n)], m) for n, m in [(21, 14), (9, 12), (30, 10)]]
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
 def test_speculative_decoding_on_the_emulated_gpu_path(tmp_path, method):
     """Speculation on the Metal path (steps with several tokens of one request, its drafts,
     through the decoder layer's plan): the greedy tokens of the CPU path decoded one token
     at a time, and drafts proposed and kept. draft_model: the checkpoint drafts for itself
-    (its cache and decode passes on the emulated kernels too)."""
+    (its cache and decode passes on the emulated kernels too). eagle3: a random head (its
+    drafts mostly rejected) reading the target's inner states through the Metal plan."""
     import json
     import re
 
@@ -266,6 +267,15 @@ def test_speculative_decoding_on_the_emulated_gpu_path(tmp_path, method):
             "prompt_lookup_max": 3}
     if method == "draft_model":
         spec = {"method": "draft_model", "model": str(checkpoint), "num_speculative_tokens": 3}
+    if method == "eagle3":
+        from vllm_metal.models.testing import write_random_eagle3_head
+
+        args = loaded.model.lm.args
+        head, *_ = write_random_eagle3_head(tmp_path / "head", args.hidden_size, args.vocab_size,
+                                            draft_vocab=args.vocab_size // 2, aux=[1, 1, 2],
+                                            heads=args.num_attention_heads,
+                                            kv=args.num_key_value_heads)
+        spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
     (tmp_path / "sitecustomize.py").write_text(STEP_LOG_HOOK)
     env = {**EMULATED_GPU_PATH, "KV_COPY_LOG": str(tmp_path / "steps.log"),
            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
@@ -279,6 +289,11 @@ def test_speculative_decoding_on_the_emulated_gpu_path(tmp_path, method):
         server.stop()
     step_log(tmp_path / "steps.log")  # the emulated Metal kernels ran
     assert got == want
-    accepted = sum(float(v) for v in re.findall(
-        r"^vllm:spec_decode_num_accepted_tokens_total(?:{[^}]*})? ([0-9.e+]+)$", metrics, re.M))
-    assert accepted > 0
+
+    def total(name):
+        return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", metrics, re.M))
+
+    if method == "eagle3":
+        assert total("vllm:spec_decode_num_draft_tokens_total") > 0
+    else:
+        assert total("vllm:spec_decode_num_accepted_tokens_total") > 0
