@@ -100,22 +100,11 @@ class DraftModel:
         out = np.full((n, max(steps, 0)), -1, np.int64)
         if n == 0 or steps <= 0:
             return out
-        bs = self.block_size
         ids = mx.array(tokens.astype(np.int32))
-        seqs = np.arange(n + 1, dtype=np.int32)
         drafts = []
         for j in range(steps):
             pos = np.minimum(positions + j, self.max_model_len - 1).astype(np.int64)
-            width = int(pos.max()) // bs + 1
-            table = block_tables[:, :width]
-            slots = table[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
-            slots[j >= room] = -1  # past a request's room: not written (the row is dropped)
-            ctx = AttentionContext(
-                positions=mx.array(pos.astype(np.int32)), slot_mapping=mx.array(slots),
-                block_tables=mx.array(np.ascontiguousarray(table, np.int32)),
-                seq_lens=mx.array((pos + 1).astype(np.int32)), cu_seqlens_q=mx.array(seqs),
-                num_decode_seqs=n, max_seq_len=int(pos.max()) + 1, max_query_len=1,
-                logits_indices=mx.array(seqs[:-1]), kv_caches=self.kv_caches)
+            ctx = decode_context(pos, block_tables, self.block_size, j < room, self.kv_caches)
             logits = self.model(ids, ctx)
             self.kv_caches = ctx.kv_caches
             ids = mx.argmax(logits, axis=-1).astype(mx.int32)
@@ -141,3 +130,23 @@ def held_block_tables(packer, ids: list[str], group: int) -> tuple[np.ndarray, n
     for i, b in enumerate(held):
         tables[i, :len(b)] = b
     return tables, np.array([len(b) for b in held], np.int64)
+
+
+def decode_context(pos: np.ndarray, block_tables: np.ndarray, block_size: int, write: np.ndarray,
+                   kv_caches: list) -> AttentionContext:
+    """One query row per request at positions pos (int64 [n]) over its held blocks
+    (block_tables [n, width]); rows where `write` is False write no K/V (past the
+    request's room: the row is dropped)."""
+    n = len(pos)
+    seqs = np.arange(n + 1, dtype=np.int32)
+    width = int(pos.max()) // block_size + 1
+    table = block_tables[:, :width]
+    slots = table[np.arange(n), np.minimum(pos // block_size, width - 1)].astype(np.int64)
+    slots = slots * block_size + pos % block_size
+    slots[~write] = -1
+    return AttentionContext(
+        positions=mx.array(pos.astype(np.int32)), slot_mapping=mx.array(slots),
+        block_tables=mx.array(np.ascontiguousarray(table, np.int32)),
+        seq_lens=mx.array((pos + 1).astype(np.int32)), cu_seqlens_q=mx.array(seqs),
+        num_decode_seqs=n, max_seq_len=int(pos.max()) + 1, max_query_len=1,
+        logits_indices=mx.array(seqs[:-1]), kv_caches=kv_caches)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from vllm_metal.draft_model import held_block_tables
+from vllm_metal.draft_model import decode_context, held_block_tables
 from vllm_metal.models import AttentionContext
 
 
@@ -138,19 +138,9 @@ class HeadDraft:
         feed = feed[pick]
         ids_j = self.head.draft_ids(out[pick])
         got = [ids_j]
-        bs, seqs = self.block_size, np.arange(n + 1, dtype=np.int32)
         for j in range(2, steps + 1):
-            pos = np.minimum(newest + j - 2, self.max_model_len - 1)
-            width = int(pos.max()) // bs + 1
-            table = tables[:, :width]
-            slots = table[np.arange(n), np.minimum(pos // bs, width - 1)].astype(np.int64) * bs + pos % bs
-            slots[j > room] = -1  # past a request's room: not written (the row is dropped)
-            ctx = AttentionContext(
-                positions=mx.array(pos.astype(np.int32)), slot_mapping=mx.array(slots),
-                block_tables=mx.array(np.ascontiguousarray(table, np.int32)),
-                seq_lens=mx.array((pos + 1).astype(np.int32)), cu_seqlens_q=mx.array(seqs),
-                num_decode_seqs=n, max_seq_len=int(pos.max()) + 1, max_query_len=1,
-                logits_indices=mx.array(seqs[:-1]), kv_caches=self.kv_caches)
+            pos = np.minimum(newest + j - 2, self.max_model_len - 1).astype(np.int64)
+            ctx = decode_context(pos, tables, self.block_size, j <= room, self.kv_caches)
             out, feed = self.head.next(self.head.embed(ids_j), feed, ctx)
             self.kv_caches = ctx.kv_caches
             ids_j = self.head.draft_ids(out)
