@@ -92,6 +92,13 @@ ENVIRONMENT: dict[str, tuple[Callable[[str], Any], Any, str]] = {
         "Tests only (fault injection): the worker raises inside the forward of its N-th "
         "non-empty step (1-based); 0 never. docs/reliability.md says what the server does then.",
     ),
+    "VLLM_METAL_RING_ADDRESS": (
+        str,
+        "",
+        "Tensor/pipeline parallel: the host:port this worker's MLX ring (mx.distributed) "
+        "listens on, as the other workers reach it; empty: a free port on 127.0.0.1 (one "
+        "host). Across Macs, one address per worker (docs/distributed-tp-pp.md).",
+    ),
     "VLLM_METAL_DISABLE": (
         _bool,
         False,

@@ -29,6 +29,8 @@ the next step's drafts come from them.
 from __future__ import annotations
 
 import collections
+import functools
+import threading
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -79,6 +81,15 @@ class _UnsampledStep:
     cu_num_logits: np.ndarray | None = None  # speculative steps
 
 
+def _holding_step_lock(method):
+    """Runs a runner method under the runner's step lock (see _AsyncStepOutput)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._step_lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 def apply_grammar_bitmask(logits: mx.array, req_ids: list[str], grammar_output,
                           vocab_size: int, cu_num_logits: np.ndarray | None = None,
                           mask_stride: int = 1) -> mx.array:
@@ -120,8 +131,11 @@ def _disallow_past(bitmask: np.ndarray, vocab_size: int, width: int) -> np.ndarr
 
 
 class MetalModelRunner(DeltaHooks):
-    def __init__(self, vllm_config) -> None:
+    def __init__(self, vllm_config, mlx_group=None) -> None:
         self.vllm_config = vllm_config
+        # tensor parallel: the workers' mx.distributed group (mlx_ring.py); None: one process
+        self.mlx_group = mlx_group
+        self.tensor_parallel_size = vllm_config.parallel_config.tensor_parallel_size
         self.model_config = vllm_config.model_config
         self.cache_config = vllm_config.cache_config
         self.scheduler_config = vllm_config.scheduler_config
@@ -154,6 +168,9 @@ class MetalModelRunner(DeltaHooks):
         self.pooler = None
         self.lora = None  # lora.manager.LoraManager with --enable-lora
         self.encoder_batch = None  # encoder_batch.EncoderBatch for encoders (no KV cache)
+        # vLLM's multiprocessing executor reads async outputs on a thread of its own, while
+        # the next step runs: the runner's state changes under this lock
+        self._step_lock = threading.Lock()
 
     # ---- setup ------------------------------------------------------------------
     def load_model(self) -> None:
@@ -167,6 +184,8 @@ class MetalModelRunner(DeltaHooks):
         if self.loaded.expert_cache is not None and additional.get(STATS_KEY):
             self.expert_stats = StatsWriter(additional[STATS_KEY], self.loaded.expert_cache)
         self.model = self.loaded.model
+        if self.tensor_parallel_size > 1:
+            self._shard_model()
         spec = self.loaded.spec
         logger.info("vllm-metal loaded %s: %d layers, %d kv heads x %d, cache %s",
                     spec.architecture, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype)
@@ -198,6 +217,18 @@ class MetalModelRunner(DeltaHooks):
         self._init_sampling()
         if self.model_config.runner_type == "pooling":
             self.pooler = build_pooler(self.model_config, self.scheduler_config, self.loaded)
+
+    def _shard_model(self) -> None:
+        """Keeps this rank's heads and MLP columns (models/tensor_parallel.py); its KV cache
+        then holds its KV heads only."""
+        from vllm_metal.models.tensor_parallel import TensorParallelError, shard_model
+
+        group = self.mlx_group
+        try:
+            shard_model(self.model, group.rank(), group.size(), group)
+        except TensorParallelError as e:
+            raise ValueError(f"[vllm-metal] {self.model_config.model}: {e}") from None
+        self.loaded.spec.num_kv_heads //= group.size()
 
     def _load_draft_model(self, dtype: str | None) -> None:
         from vllm_metal.draft_model import DraftModel
@@ -390,6 +421,7 @@ class MetalModelRunner(DeltaHooks):
                 self.hybrid.release(["__warmup__"])
 
     # ---- one step -----------------------------------------------------------------
+    @_holding_step_lock
     def execute_model(self, scheduler_output):
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
@@ -531,6 +563,8 @@ class MetalModelRunner(DeltaHooks):
             logits = apply_grammar_bitmask(logits, u.req_ids, grammar_output,
                                            self.sampling_table.vocab_size, u.cu_num_logits, stride)
         result = self.sampler(logits, u.batch)
+        if self.mlx_group is not None:
+            result.tokens = tokens_of_rank_zero(result.tokens, self.mlx_group)
         prompt_scores = u.prompt_scores
         # the caches too: fused layers hand them on as lazy arrays that depend on the step
         # (models/fused_layers.py); evaluated now, they hold their buffers alone next step
@@ -546,6 +580,7 @@ class MetalModelRunner(DeltaHooks):
             self._deferred.append(step)
         self._pending = step
 
+    @_holding_step_lock
     def sample_tokens(self, grammar_output):
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
@@ -774,10 +809,24 @@ class _AsyncStepOutput(AsyncModelRunnerOutput):
         self._step = step
 
     def get_output(self):
-        return self._runner._step_output(self._step)
+        # wait for the step's forward without the lock (the next step is built meanwhile),
+        # then record its tokens under it
+        mx.eval(self._step.result.tokens)
+        with self._runner._step_lock:
+            return self._runner._step_output(self._step)
 
     def get_kv_connector_output(self):
         return None
+
+
+def tokens_of_rank_zero(tokens: mx.array, group) -> mx.array:
+    """Rank 0's sampled tokens on every rank (lazily: an all-sum with zeros elsewhere). The
+    ranks hold the same logits, but random sampling draws on each rank's own generator:
+    every rank must feed the next step the tokens the engine receives (rank 0's). The other
+    ranks send their own times 0, not fresh zeros: the all-sum must depend on the step's
+    forward, or MLX may run it before the forward's all-sums, out of step with rank 0."""
+    mine = tokens.astype(mx.int32)
+    return mx.distributed.all_sum(mine if group.rank() == 0 else mine * 0, group=group)
 
 
 def build_pooler(model_config, scheduler_config, loaded):

@@ -182,8 +182,9 @@ class MetalPlatform(Platform):
         parallel = vllm_config.parallel_config
         if parallel.worker_cls == "auto":
             parallel.worker_cls = "vllm_metal.worker.MetalWorker"
-        # one process drives the device; no collective communication
-        parallel.distributed_executor_backend = "uni"
+        # one process drives the device; with tensor parallelism vLLM's multiprocessing
+        # executor runs one worker per rank (control on gloo, tensors on MLX's ring)
+        parallel.distributed_executor_backend = "mp" if parallel.world_size > 1 else "uni"
         parallel.disable_custom_all_reduce = True
         # async scheduling (vLLM's default; --no-async-scheduling turns it off) overlaps
         # the host's work on a step with the forward of the one before (model_runner.py)
@@ -282,11 +283,40 @@ def _refuse_unsupported_lora(vllm_config: VllmConfig) -> None:
         _refuse("--fully-sharded-loras")
 
 
+def _refuse_unsupported_tensor_parallel(vllm_config: VllmConfig) -> None:
+    """What tensor parallelism (models/tensor_parallel.py) does not carry yet; a model whose
+    heads or MLP columns the size does not divide is refused when the workers load it."""
+    size = vllm_config.parallel_config.tensor_parallel_size
+    what = f"--tensor-parallel-size {size}"
+    if vllm_config.speculative_config is not None:
+        _refuse(f"{what} with speculative decoding")
+    if vllm_config.lora_config is not None:
+        _refuse(f"{what} with LoRA (--enable-lora)")
+    model = vllm_config.model_config
+    if model is None:
+        return
+    if model.runner_type == "pooling":
+        _refuse(f"{what} with --runner pooling")
+    archs = set(getattr(model.hf_config, "architectures", None) or [])
+    if archs & HYBRID_ARCHITECTURES:
+        _refuse(f"{what} with the hybrid {sorted(archs)} (its linear-attention layers are not split)")
+    text = model.hf_text_config
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    for n, name in ((heads, "attention heads"), (kv_heads, "KV heads")):
+        if n and n % size:
+            raise UnsupportedConfiguration(
+                f"[vllm-metal] {what} does not divide the model's {n} {name}: each rank keeps "
+                "whole heads; choose a size that divides both the attention and the KV heads")
+
+
 def _refuse_unsupported(vllm_config: VllmConfig) -> None:
     _refuse_unsupported_kv_cache(vllm_config)
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        _refuse("tensor or pipeline parallelism", "run with --tensor-parallel-size 1")
+    if parallel.pipeline_parallel_size > 1:
+        _refuse("pipeline parallelism", "run with --pipeline-parallel-size 1")
+    if parallel.tensor_parallel_size > 1:
+        _refuse_unsupported_tensor_parallel(vllm_config)
     if parallel.data_parallel_size > 1:
         _refuse("data parallelism", "run one server per device")
     if vllm_config.lora_config is not None:
