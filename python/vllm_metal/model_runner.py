@@ -221,14 +221,12 @@ class MetalModelRunner(DeltaHooks):
     def _shard_model(self) -> None:
         """Keeps this rank's heads and MLP columns (models/tensor_parallel.py); its KV cache
         then holds its KV heads only."""
-        from vllm_metal.models.tensor_parallel import TensorParallelError, shard_model
+        from vllm_metal.models.tensor_parallel import TensorParallelError, shard_loaded
 
-        group = self.mlx_group
         try:
-            shard_model(self.model, group.rank(), group.size(), group)
+            shard_loaded(self.loaded, self.mlx_group)
         except TensorParallelError as e:
             raise ValueError(f"[vllm-metal] {self.model_config.model}: {e}") from None
-        self.loaded.spec.num_kv_heads //= group.size()
 
     def _load_draft_model(self, dtype: str | None) -> None:
         from vllm_metal.draft_model import DraftModel

@@ -120,3 +120,10 @@ def shard_model(model, rank: int, size: int, group) -> None:
     model.reset_fused_layers()
     object.__setattr__(model, "tensor_parallel_size", size)  # fused_layers.why_not_fused
     mx.eval(model.parameters())
+
+
+def shard_loaded(loaded, group) -> None:
+    """shard_model on a LoadedModel for rank group.rank() of group.size(), and its KV spec
+    cut to the rank's KV heads."""
+    shard_model(loaded.model, group.rank(), group.size(), group)
+    loaded.spec.num_kv_heads //= group.size()

@@ -1,0 +1,91 @@
+"""--tensor-parallel-size 2 served on loopback: two worker processes under vLLM's
+multiprocessing executor, the tensors on MLX's ring (mlx_ring.py). Reference: the same
+checkpoint served by one process; greedy tokens must match exactly."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import numpy as np
+import psutil
+import pytest
+
+from serving_harness import Server
+
+VOCAB = 320
+ARGS = ["--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "8",
+        "--num-gpu-blocks-override", "48", "--max-num-batched-tokens", "32"]
+# concurrent requests of different lengths: decodes share steps with chunked prefills
+JOBS = [(np.random.default_rng(n).integers(3, VOCAB, n).tolist(), m)
+        for n, m in [(3, 12), (41, 8), (17, 10), (29, 6), (8, 14), (60, 9)]]
+
+
+def tiny_llama(out_dir, **overrides):
+    from qwen3_5_checkpoint import write_tokenizer
+    from vllm_metal.models.testing import tiny_config, write_random_checkpoint
+
+    cfg = tiny_config("llama", **{**dict(hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         vocab_size=VOCAB, tie_word_embeddings=False), **overrides})
+    out = write_random_checkpoint(cfg, out_dir, seed=3)
+    write_tokenizer(out, VOCAB)
+    return out
+
+
+def complete(server, prompt, max_tokens):
+    r = server.client.post("/v1/completions", json={
+        "model": server.name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "return_token_ids": True, "ignore_eos": True, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+def serve_jobs(checkpoint, extra_args):
+    server = Server(str(checkpoint), "tiny", ARGS + extra_args)
+    procs = [server.proc, *psutil.Process(server.proc.pid).children(recursive=True)]
+    try:
+        with cf.ThreadPoolExecutor(len(JOBS)) as pool:
+            return list(pool.map(lambda j: complete(server, *j), JOBS)), server
+    finally:
+        server.stop()
+        # the API server, the engine core and every worker are gone
+        assert not psutil.wait_procs(procs, timeout=20)[1], "processes left behind"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheduling", ["--async-scheduling", "--no-async-scheduling"])
+def test_tensor_parallel_greedy_matches_one_process(tmp_path, scheduling):
+    checkpoint = tiny_llama(tmp_path / "llama")
+    one, _ = serve_jobs(checkpoint, [scheduling])
+    two, server = serve_jobs(checkpoint, [scheduling, "--tensor-parallel-size", "2"])
+    log = server.log_path.read_text()
+    assert "rank 1 joined the MLX ring" in log
+    assert "fused layers      no: tensor parallel" in log
+    for (tokens1, lp1), (tokens2, lp2) in zip(one, two):
+        assert tokens2 == tokens1
+        # the all-sum adds the two halves of each projection in another order
+        np.testing.assert_allclose(lp2, lp1, atol=1e-3)
+
+
+def refused(checkpoint, extra_args) -> str:
+    with pytest.raises(RuntimeError) as e:
+        Server(str(checkpoint), "tiny", ARGS + extra_args, startup_timeout=240)
+    return str(e.value)
+
+
+@pytest.mark.slow
+def test_heads_the_size_does_not_divide_are_refused(tmp_path):
+    checkpoint = tiny_llama(tmp_path / "llama", num_attention_heads=6, num_key_value_heads=3,
+                            hidden_size=192)
+    assert "--tensor-parallel-size 2 does not divide the model's 3 KV heads" in refused(
+        checkpoint, ["--tensor-parallel-size", "2"])
+
+
+@pytest.mark.slow
+def test_speculative_decoding_with_tensor_parallel_is_refused(tmp_path):
+    checkpoint = tiny_llama(tmp_path / "llama")
+    assert "--tensor-parallel-size 2 with speculative decoding is not supported" in refused(checkpoint, ["--tensor-parallel-size", "2",
+                                                   "--speculative-config",
+                                                   '{"method": "ngram", "num_speculative_tokens": 2, '
+                                                   '"prompt_lookup_max": 2}'])
