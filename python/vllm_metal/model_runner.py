@@ -136,6 +136,8 @@ class MetalModelRunner(DeltaHooks):
         # tensor parallel: the workers' mx.distributed group (mlx_ring.py); None: one process
         self.mlx_group = mlx_group
         self.tensor_parallel_size = vllm_config.parallel_config.tensor_parallel_size
+        self.pipeline_parallel_size = vllm_config.parallel_config.pipeline_parallel_size
+        self.pipeline = None  # models.pipeline_parallel.Stage with --pipeline-parallel-size > 1
         self.model_config = vllm_config.model_config
         self.cache_config = vllm_config.cache_config
         self.scheduler_config = vllm_config.scheduler_config
@@ -186,6 +188,16 @@ class MetalModelRunner(DeltaHooks):
         self.model = self.loaded.model
         if self.tensor_parallel_size > 1:
             self._shard_model()
+        if self.pipeline_parallel_size > 1:
+            from vllm_metal.models.pipeline_parallel import PipelineParallelError, keep_stage
+
+            group = self.mlx_group
+            try:
+                self.pipeline = keep_stage(self.loaded, group.rank(), group.size(), group)
+            except PipelineParallelError as e:
+                raise ValueError(f"[vllm-metal] {self.model_config.model}: {e}") from None
+            logger.info("vllm-metal pipeline stage %d of %d: layers %d-%d", self.pipeline.rank,
+                        self.pipeline.size, self.pipeline.start, self.pipeline.stop - 1)
         spec = self.loaded.spec
         logger.info("vllm-metal loaded %s: %d layers, %d kv heads x %d, cache %s",
                     spec.architecture, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype)
@@ -273,7 +285,8 @@ class MetalModelRunner(DeltaHooks):
                                                         self.scheduler_config.max_num_seqs)
 
     def layer_names(self) -> list[str]:
-        return [f"model.layers.{i}.self_attn.attn" for i in range(self.loaded.spec.num_layers)]
+        first = self.pipeline.start if self.pipeline is not None else 0  # this stage's layers
+        return [f"model.layers.{first + i}.self_attn.attn" for i in range(self.loaded.spec.num_layers)]
 
     def get_kv_cache_spec(self):
         import torch
@@ -434,6 +447,8 @@ class MetalModelRunner(DeltaHooks):
             self._gone = set()
         # the request table (both runner contracts: scheduler_delta.py), then the hooks above
         self.delta.update(scheduler_output)
+        if self.pipeline is not None:
+            self._append_tokens_sent_back(scheduler_output)
         if self.hybrid is not None:  # prefix caching's state loads and saves (hybrid.py)
             self.hybrid.take_plan(getattr(scheduler_output, "state_checkpoints", None))
         if scheduler_output.total_num_scheduled_tokens == 0:
@@ -457,6 +472,10 @@ class MetalModelRunner(DeltaHooks):
         else:
             p.pack(dict(scheduler_output.num_scheduled_tokens))
         source_step = self._deferred[-1] if p.num_input_sources else None
+        if self.pipeline is not None and not self.pipeline.last:
+            # an earlier stage: its layers, the hidden state sent on; the last stage samples
+            mx.eval(self._forward(), self.kv_caches)
+            return None
         table = self.sampling_table
         rows = np.array(p.req_rows)  # [num_seqs] batch index -> request row
         budgeted = self.thinking_budget is not None and self.thinking_budget.used(rows)
@@ -497,6 +516,19 @@ class MetalModelRunner(DeltaHooks):
         else:
             self._submit(step)
         return None
+
+    def _append_tokens_sent_back(self, scheduler_output) -> None:
+        """Pipeline parallel: the tokens the last stage sampled, which vLLM's scheduler sends
+        back to every stage with the step that needs them; appended where this stage's
+        packer lacks them (the last stage has appended its own)."""
+        cached = scheduler_output.scheduled_cached_reqs
+        if not cached.new_token_ids:
+            return
+        p = self.packer
+        for r, computed, new in zip(cached.req_ids, cached.num_computed_tokens, cached.new_token_ids):
+            have = len(p.token_ids(r))
+            if have < computed + len(new):
+                p.append_tokens(r, list(new[have - computed:]))
 
     def _execute_pooling(self, scheduler_output):
         """A pooling step: the forward's final hidden states at the rows the pooler asks
@@ -561,7 +593,7 @@ class MetalModelRunner(DeltaHooks):
             logits = apply_grammar_bitmask(logits, u.req_ids, grammar_output,
                                            self.sampling_table.vocab_size, u.cu_num_logits, stride)
         result = self.sampler(logits, u.batch)
-        if self.mlx_group is not None:
+        if self.tensor_parallel_size > 1:
             result.tokens = tokens_of_rank_zero(result.tokens, self.mlx_group)
         prompt_scores = u.prompt_scores
         # the caches too: fused layers hand them on as lazy arrays that depend on the step
@@ -730,6 +762,8 @@ class MetalModelRunner(DeltaHooks):
             self.draft.prepare_target(ctx)
         if input_ids is None:
             input_ids = mx.array(p.input_ids[:t])
+        if self.pipeline is not None:
+            return self._stage_forward(input_ids, ctx)
         if hidden_rows is not None:
             out = self.model.hidden_states(input_ids, ctx, mx.array(hidden_rows))
             self.kv_caches = ctx.kv_caches
@@ -747,6 +781,26 @@ class MetalModelRunner(DeltaHooks):
         if self.draft is not None:  # the same tokens into the draft's cache (draft_model.py)
             self.draft.forward_step(input_ids, fields, target_ctx=ctx, req_ids=list(p.req_ids))
         return logits
+
+    def _stage_forward(self, input_ids: mx.array, ctx) -> mx.array:
+        """Pipeline parallel: this stage's layers, between the previous stage's hidden state
+        (received) and the next one (sent). Returns the logits on the last stage, else the
+        lazy send."""
+        from vllm_metal.models import pipeline_parallel as pp
+
+        stage = self.pipeline
+        carried = None
+        if not stage.first:
+            hidden = self.model.lm.model.norm.weight.shape[0]
+            carried = pp.receive_from_previous(stage, int(input_ids.shape[0]), hidden,
+                                               getattr(mx, self.loaded.spec.dtype))
+        if stage.last:
+            out = self.model(input_ids, ctx, carried)
+        else:
+            h, residual = self.model.stage_forward(input_ids, ctx, carried)
+            out = pp.send_to_next(stage, h, residual)
+        self.kv_caches = ctx.kv_caches
+        return out
 
     # ---- the scheduler's deltas (SchedulerDelta applies them; these hooks follow) --------
     def requests_removed(self, removed: set[str], preempted: set[str]) -> None:
