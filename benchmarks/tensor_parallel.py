@@ -1,9 +1,12 @@
-"""TPOT with --tensor-parallel-size 2 vs one process, served on this machine (loopback ring).
+"""TPOT with --tensor-parallel-size 2 and --pipeline-parallel-size 2 vs one process, served
+on this machine (the MLX ring over TCP loopback).
 
-A random-weight llama (float16, sized so a decode step is mostly weight reads) is served
-once as one process (VLLM_METAL_NUM_THREADS=2: both cores) and once as two tensor-parallel
-workers (1 thread each: the same two cores, half the weights each, an all-sum per
-o_proj/down_proj over TCP loopback). Servers one at a time in the order one, tp2, tp2, one.
+A random-weight llama (float16, sized so a decode step is mostly weight reads) is served as
+one process (VLLM_METAL_NUM_THREADS=2: both cores), as two tensor-parallel workers (1 thread
+each: the same two cores, half the weights each, an all-sum per o_proj/down_proj), and as
+two pipeline stages (1 thread each, half the layers each, one send per step). Pipeline
+parallelism runs without async scheduling, so one process is also measured without it.
+Servers one at a time, each configuration twice (order one, one-sync, tp2, pp2, then back).
 TPOT: time from the first to the last streamed token over the tokens between, one request
 at a time (single stream), median of the requests; also the output tokens/s of
 --concurrency requests at once.
@@ -41,14 +44,24 @@ def checkpoint(out: Path) -> str:
     return str(path)
 
 
-def peer(model: str, port: int, tp: int) -> Peer:
+# name -> (extra `vllm serve` arguments, worker processes)
+CONFIGS = {
+    "one": ([], 1),
+    "one-sync": (["--no-async-scheduling"], 1),
+    "tp2": (["--tensor-parallel-size", "2"], 2),
+    "pp2": (["--pipeline-parallel-size", "2", "--no-async-scheduling"], 2),
+}
+
+
+def peer(model: str, port: int, name: str) -> Peer:
     vllm = Path(sys.executable).with_name("vllm")
-    return Peer(name=f"tp={tp}",
+    extra, workers = CONFIGS[name]
+    return Peer(name=name,
                 argv=[str(vllm), "serve", model, "--served-model-name", "m", "--host", "127.0.0.1",
                       "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "8",
-                      "--kv-cache-memory-bytes", str(128 << 20), "--tensor-parallel-size", str(tp)],
+                      "--kv-cache-memory-bytes", str(128 << 20), *extra],
                 model="m", no_eos={"ignore_eos": True},
-                env={"VLLM_METAL_NUM_THREADS": str(2 // tp), "VLLM_WORKER_MULTIPROC_METHOD": "fork"})
+                env={"VLLM_METAL_NUM_THREADS": str(2 // workers), "VLLM_WORKER_MULTIPROC_METHOD": "fork"})
 
 
 def tpot(base: str, prompt: list[int], tokens: int) -> float:
@@ -70,9 +83,9 @@ def complete(base: str, prompt: list[int], tokens: int) -> int:
     return r.json()["usage"]["completion_tokens"]
 
 
-def run_one(model: str, port: int, tp: int, args) -> dict:
+def run_one(model: str, port: int, name: str, args) -> dict:
     prompts = [[(7 * i + j) % 8000 + 10 for j in range(32)] for i in range(8)]
-    server = RunningServer(peer(model, port, tp), port)
+    server = RunningServer(peer(model, port, name), port)
     try:
         complete(server.base, prompts[0], 8)  # warm
         single = statistics.median(tpot(server.base, p, args.tokens) for p in prompts[:3])
@@ -82,7 +95,7 @@ def run_one(model: str, port: int, tp: int, args) -> dict:
         batch = out / (time.perf_counter() - t0)
     finally:
         server.stop()
-    return {"tp": tp, "tpot_ms": single * 1e3, "concurrent_tok_s": batch}
+    return {"config": name, "tpot_ms": single * 1e3, "concurrent_tok_s": batch}
 
 
 def main() -> None:
@@ -95,13 +108,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = checkpoint(Path(tmp) / "llama")
         results = []
-        for tp in (1, 2, 2, 1):
-            r = run_one(model, args.port, tp, args)
+        order = list(CONFIGS)
+        for name in order + order[::-1]:
+            r = run_one(model, args.port, name, args)
             print(json.dumps(r), flush=True)
             results.append(r)
-    for tp in (1, 2):
-        rows = [r for r in results if r["tp"] == tp]
-        print(f"tp={tp}: TPOT {statistics.mean(r['tpot_ms'] for r in rows):.1f} ms, concurrency "
+    for name in CONFIGS:
+        rows = [r for r in results if r["config"] == name]
+        print(f"{name}: TPOT {statistics.mean(r['tpot_ms'] for r in rows):.1f} ms, concurrency "
               f"{args.concurrency} {statistics.mean(r['concurrent_tok_s'] for r in rows):.1f} tok/s")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

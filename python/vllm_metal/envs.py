@@ -95,9 +95,10 @@ ENVIRONMENT: dict[str, tuple[Callable[[str], Any], Any, str]] = {
     "VLLM_METAL_RING_ADDRESS": (
         str,
         "",
-        "Tensor/pipeline parallel: the host:port this worker's MLX ring (mx.distributed) "
-        "listens on, as the other workers reach it; empty: a free port on 127.0.0.1 (one "
-        "host). Across Macs, one address per worker (docs/distributed-tp-pp.md).",
+        "Tensor/pipeline parallel: the host:port this host's MLX ring (mx.distributed) "
+        "listens on, as the other hosts reach it (a host's workers take port + local rank); "
+        "empty: a free port on 127.0.0.1 on one host, on vLLM's host IP across hosts "
+        "(docs/distributed-tp-pp.md).",
     ),
     "VLLM_METAL_DISABLE": (
         _bool,

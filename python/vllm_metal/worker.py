@@ -119,9 +119,10 @@ class MetalWorker(WorkerBase):
                                           parallel.pipeline_parallel_size)
         if parallel.world_size == 1:
             return None
-        from vllm_metal.mlx_ring import join_ring
+        from vllm_metal.mlx_ring import join_ring, ring_address
 
-        return join_ring(self.rank, parallel.world_size, get_world_group().cpu_group)
+        address = ring_address(self.local_rank, getattr(parallel, "nnodes", 1) > 1)
+        return join_ring(self.rank, parallel.world_size, get_world_group().cpu_group, address)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         self.model_runner.load_model()

@@ -33,6 +33,7 @@ def tiny_llama(out_dir, **overrides):
 
 
 def complete(server, prompt, max_tokens):
+    """The greedy tokens of one request and the logprob of each."""
     r = server.client.post("/v1/completions", json={
         "model": server.name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
         "return_token_ids": True, "ignore_eos": True, "logprobs": 1})
@@ -41,12 +42,14 @@ def complete(server, prompt, max_tokens):
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
 
-def serve_jobs(checkpoint, extra_args):
-    server = Server(str(checkpoint), "tiny", ARGS + extra_args)
+def serve_jobs(checkpoint, extra_args, args=ARGS, jobs=JOBS, env=None):
+    """Every job at once on a fresh server; -> [(tokens, logprobs)], the server (stopped).
+    Asserts the server leaves no process behind."""
+    server = Server(str(checkpoint), "tiny", args + extra_args, env=env)
     procs = [server.proc, *psutil.Process(server.proc.pid).children(recursive=True)]
     try:
-        with cf.ThreadPoolExecutor(len(JOBS)) as pool:
-            return list(pool.map(lambda j: complete(server, *j), JOBS)), server
+        with cf.ThreadPoolExecutor(len(jobs)) as pool:
+            return list(pool.map(lambda j: complete(server, *j), jobs)), server
     finally:
         server.stop()
         # the API server, the engine core and every worker are gone

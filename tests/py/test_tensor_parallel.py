@@ -117,3 +117,16 @@ def test_tensor_parallel_configurations_pass():
 def test_unsupported_tensor_parallel_configurations_are_refused(kw, words):
     with pytest.raises(UnsupportedConfiguration, match=words):
         _refuse_unsupported_tensor_parallel(_config(**kw))
+
+
+def test_ring_addresses(monkeypatch):
+    from vllm_metal.mlx_ring import ring_address
+
+    monkeypatch.delenv("VLLM_METAL_RING_ADDRESS", raising=False)
+    host, port = ring_address(0, several_hosts=False).split(":")
+    assert host == "127.0.0.1" and int(port) > 0
+    monkeypatch.setenv("VLLM_METAL_RING_ADDRESS", "10.0.0.2:18300")
+    assert ring_address(1, several_hosts=True) == "10.0.0.2:18301"  # a host's second worker
+    monkeypatch.setenv("VLLM_METAL_RING_ADDRESS", "10.0.0.2")
+    with pytest.raises(ValueError, match="must be host:port"):
+        ring_address(0, several_hosts=True)
