@@ -86,9 +86,38 @@ def test_heads_the_size_does_not_divide_are_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_speculative_decoding_with_tensor_parallel_is_refused(tmp_path):
+def test_two_nodes_as_documented_for_two_macs(tmp_path):
+    """docs/distributed-tp-pp.md's two-Mac commands, both "Macs" on this machine: node 0
+    serves, node 1 runs headless; each names its ring address."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from serving_harness import START_METHOD, free_port
+
     checkpoint = tiny_llama(tmp_path / "llama")
-    assert "--tensor-parallel-size 2 with speculative decoding is not supported" in refused(checkpoint, ["--tensor-parallel-size", "2",
-                                                   "--speculative-config",
-                                                   '{"method": "ngram", "num_speculative_tokens": 2, '
-                                                   '"prompt_lookup_max": 2}'])
+    one, _ = serve_jobs(checkpoint, [])
+    master = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+              "--master-port", str(free_port())]
+
+    def node_env() -> dict:
+        return {"VLLM_HOST_IP": "127.0.0.1", "VLLM_METAL_RING_ADDRESS": f"127.0.0.1:{free_port()}"}
+
+    vllm = Path(sys.executable).with_name("vllm")
+    with open(tmp_path / "node1.log", "w") as log:
+        node1 = subprocess.Popen([str(vllm), "serve", str(checkpoint), *ARGS, *master, "--node-rank", "1",
+                                  "--headless"], stdout=log, stderr=subprocess.STDOUT,
+                                 env={**START_METHOD, **os.environ, **node_env()}, start_new_session=True)
+        try:
+            two, server = serve_jobs(checkpoint, master + ["--node-rank", "0"], env=node_env())
+        finally:
+            os.killpg(node1.pid, signal.SIGTERM)  # a headless node outlives the head node
+            try:
+                node1.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(node1.pid, signal.SIGKILL)
+                node1.wait()
+    assert "rank 1 joined the MLX ring" in (tmp_path / "node1.log").read_text()
+    assert [t for t, _ in two] == [t for t, _ in one]
