@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 
+import httpx
 import numpy as np
 import psutil
 import pytest
@@ -121,3 +122,44 @@ def test_two_nodes_as_documented_for_two_macs(tmp_path):
                 node1.wait()
     assert "rank 1 joined the MLX ring" in (tmp_path / "node1.log").read_text()
     assert [t for t, _ in two] == [t for t, _ in one]
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_serve_stops_the_engine_and_every_worker(tmp_path):
+    """vLLM's executor sees the worker die and shuts the engine down: the other worker
+    (blocked in a ring all-sum) and the engine core exit at once, the streamed request in
+    flight never finishes, and the API server exits once its connection closes (it does
+    not send that stream an error: docs/distributed-tp-pp.md)."""
+    import signal
+    import threading
+
+    server = Server(str(tiny_llama(tmp_path / "llama")), "tiny", ARGS + ["--tensor-parallel-size", "2"])
+    try:
+        procs = psutil.Process(server.proc.pid).children(recursive=True)
+        worker = next(p for p in procs if "Worker_TP1" in " ".join(p.cmdline()) + p.name())
+        results, lines, first = [], [], threading.Event()
+
+        def request():  # streamed: the worker is killed once tokens flow
+            try:
+                with httpx.stream("POST", f"{server.base}/v1/completions", timeout=20, json={
+                        "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 120, "ignore_eos": True,
+                        "stream": True}) as r:
+                    for line in r.iter_lines():
+                        lines.append(line)
+                        first.set()
+                results.append((r.status_code, "\n".join(lines)))
+            except httpx.HTTPError as e:
+                results.append(("closed", repr(e)))
+            first.set()
+
+        thread = threading.Thread(target=request)
+        thread.start()
+        assert first.wait(60)
+        worker.send_signal(signal.SIGKILL)
+        assert not psutil.wait_procs(procs, timeout=30)[1], "engine or worker left running"
+        thread.join(60)
+        assert results and '"finish_reason":"length"' not in results[0][1]
+        server.proc.wait(timeout=60)  # exits by itself once the connection is closed
+        assert "died unexpectedly" in server.log_path.read_text()
+    finally:
+        server.stop()
