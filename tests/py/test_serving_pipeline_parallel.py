@@ -1,14 +1,15 @@
 """--pipeline-parallel-size 2 served on loopback: two stage workers under vLLM's
 multiprocessing executor, hidden states sent stage to stage on MLX's ring. Reference: the
 same checkpoint served by one process; greedy tokens must match exactly. Pipeline
-parallelism runs without async scheduling (platform.py refuses the combination)."""
+parallelism runs without async scheduling (platform.py refuses the combination: its
+message is checked in test_pipeline_parallel.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from test_serving_tensor_parallel import refused, serve_jobs, tiny_llama
+from test_serving_tensor_parallel import serve_jobs, tiny_llama
 
 SYNC = ["--no-async-scheduling"]
 # the stages run the per-op path (fused_layers.py): so does the one-process reference
@@ -44,11 +45,3 @@ def test_pipeline_parallel_smollm2_q4_1_matches_one_process():
     one, _ = serve_jobs(gguf, [], args, jobs, env=PER_OP)
     two, _ = serve_jobs(gguf, ["--pipeline-parallel-size", "2"], args, jobs)
     assert_same_greedy(one, two, atol=1e-3)
-
-
-@pytest.mark.slow
-def test_pipeline_parallel_with_async_scheduling_is_refused(tmp_path):
-    checkpoint = tiny_llama(tmp_path / "llama")
-    message = refused(checkpoint, ["--pipeline-parallel-size", "2", "--async-scheduling"])
-    assert "--pipeline-parallel-size 2 with async scheduling is not supported; " \
-           "pass --no-async-scheduling" in message
