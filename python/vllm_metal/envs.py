@@ -92,6 +92,14 @@ ENVIRONMENT: dict[str, tuple[Callable[[str], Any], Any, str]] = {
         "Tests only (fault injection): the worker raises inside the forward of its N-th "
         "non-empty step (1-based); 0 never. docs/reliability.md says what the server does then.",
     ),
+    "VLLM_METAL_RING_ADDRESS": (
+        str,
+        "",
+        "Tensor/pipeline parallel: the host:port this host's MLX ring (mx.distributed) "
+        "listens on, as the other hosts reach it (a host's workers take port + local rank); "
+        "empty: a free port on 127.0.0.1 on one host, on vLLM's host IP across hosts "
+        "(docs/distributed-tp-pp.md).",
+    ),
     "VLLM_METAL_DISABLE": (
         _bool,
         False,

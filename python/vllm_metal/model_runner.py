@@ -29,6 +29,8 @@ the next step's drafts come from them.
 from __future__ import annotations
 
 import collections
+import functools
+import threading
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -79,6 +81,15 @@ class _UnsampledStep:
     cu_num_logits: np.ndarray | None = None  # speculative steps
 
 
+def _holding_step_lock(method):
+    """Runs a runner method under the runner's step lock (see _AsyncStepOutput)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._step_lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 def apply_grammar_bitmask(logits: mx.array, req_ids: list[str], grammar_output,
                           vocab_size: int, cu_num_logits: np.ndarray | None = None,
                           mask_stride: int = 1) -> mx.array:
@@ -120,8 +131,13 @@ def _disallow_past(bitmask: np.ndarray, vocab_size: int, width: int) -> np.ndarr
 
 
 class MetalModelRunner(DeltaHooks):
-    def __init__(self, vllm_config) -> None:
+    def __init__(self, vllm_config, mlx_group=None) -> None:
         self.vllm_config = vllm_config
+        # tensor parallel: the workers' mx.distributed group (mlx_ring.py); None: one process
+        self.mlx_group = mlx_group
+        self.tensor_parallel_size = vllm_config.parallel_config.tensor_parallel_size
+        self.pipeline_parallel_size = vllm_config.parallel_config.pipeline_parallel_size
+        self.pipeline = None  # models.pipeline_parallel.Stage with --pipeline-parallel-size > 1
         self.model_config = vllm_config.model_config
         self.cache_config = vllm_config.cache_config
         self.scheduler_config = vllm_config.scheduler_config
@@ -154,6 +170,9 @@ class MetalModelRunner(DeltaHooks):
         self.pooler = None
         self.lora = None  # lora.manager.LoraManager with --enable-lora
         self.encoder_batch = None  # encoder_batch.EncoderBatch for encoders (no KV cache)
+        # vLLM's multiprocessing executor reads async outputs on a thread of its own, while
+        # the next step runs: the runner's state changes under this lock
+        self._step_lock = threading.Lock()
 
     # ---- setup ------------------------------------------------------------------
     def load_model(self) -> None:
@@ -167,6 +186,18 @@ class MetalModelRunner(DeltaHooks):
         if self.loaded.expert_cache is not None and additional.get(STATS_KEY):
             self.expert_stats = StatsWriter(additional[STATS_KEY], self.loaded.expert_cache)
         self.model = self.loaded.model
+        if self.tensor_parallel_size > 1:
+            self._shard_model()
+        if self.pipeline_parallel_size > 1:
+            from vllm_metal.models.pipeline_parallel import PipelineParallelError, keep_stage
+
+            group = self.mlx_group
+            try:
+                self.pipeline = keep_stage(self.loaded, group.rank(), group.size(), group)
+            except PipelineParallelError as e:
+                raise ValueError(f"[vllm-metal] {self.model_config.model}: {e}") from None
+            logger.info("vllm-metal pipeline stage %d of %d: layers %d-%d", self.pipeline.rank,
+                        self.pipeline.size, self.pipeline.start, self.pipeline.stop - 1)
         spec = self.loaded.spec
         logger.info("vllm-metal loaded %s: %d layers, %d kv heads x %d, cache %s",
                     spec.architecture, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype)
@@ -198,6 +229,16 @@ class MetalModelRunner(DeltaHooks):
         self._init_sampling()
         if self.model_config.runner_type == "pooling":
             self.pooler = build_pooler(self.model_config, self.scheduler_config, self.loaded)
+
+    def _shard_model(self) -> None:
+        """Keeps this rank's heads and MLP columns (models/tensor_parallel.py); its KV cache
+        then holds its KV heads only."""
+        from vllm_metal.models.tensor_parallel import TensorParallelError, shard_loaded
+
+        try:
+            shard_loaded(self.loaded, self.mlx_group)
+        except TensorParallelError as e:
+            raise ValueError(f"[vllm-metal] {self.model_config.model}: {e}") from None
 
     def _load_draft_model(self, dtype: str | None) -> None:
         from vllm_metal.draft_model import DraftModel
@@ -244,7 +285,8 @@ class MetalModelRunner(DeltaHooks):
                                                         self.scheduler_config.max_num_seqs)
 
     def layer_names(self) -> list[str]:
-        return [f"model.layers.{i}.self_attn.attn" for i in range(self.loaded.spec.num_layers)]
+        first = self.pipeline.start if self.pipeline is not None else 0  # this stage's layers
+        return [f"model.layers.{first + i}.self_attn.attn" for i in range(self.loaded.spec.num_layers)]
 
     def get_kv_cache_spec(self):
         import torch
@@ -390,6 +432,7 @@ class MetalModelRunner(DeltaHooks):
                 self.hybrid.release(["__warmup__"])
 
     # ---- one step -----------------------------------------------------------------
+    @_holding_step_lock
     def execute_model(self, scheduler_output):
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
@@ -404,6 +447,8 @@ class MetalModelRunner(DeltaHooks):
             self._gone = set()
         # the request table (both runner contracts: scheduler_delta.py), then the hooks above
         self.delta.update(scheduler_output)
+        if self.pipeline is not None:
+            self._append_tokens_sent_back(scheduler_output)
         if self.hybrid is not None:  # prefix caching's state loads and saves (hybrid.py)
             self.hybrid.take_plan(getattr(scheduler_output, "state_checkpoints", None))
         if scheduler_output.total_num_scheduled_tokens == 0:
@@ -427,6 +472,10 @@ class MetalModelRunner(DeltaHooks):
         else:
             p.pack(dict(scheduler_output.num_scheduled_tokens))
         source_step = self._deferred[-1] if p.num_input_sources else None
+        if self.pipeline is not None and not self.pipeline.last:
+            # an earlier stage: its layers, the hidden state sent on; the last stage samples
+            mx.eval(self._forward(), self.kv_caches)
+            return None
         table = self.sampling_table
         rows = np.array(p.req_rows)  # [num_seqs] batch index -> request row
         budgeted = self.thinking_budget is not None and self.thinking_budget.used(rows)
@@ -467,6 +516,19 @@ class MetalModelRunner(DeltaHooks):
         else:
             self._submit(step)
         return None
+
+    def _append_tokens_sent_back(self, scheduler_output) -> None:
+        """Pipeline parallel: the tokens the last stage sampled, which vLLM's scheduler sends
+        back to every stage with the step that needs them; appended where this stage's
+        packer lacks them (the last stage has appended its own)."""
+        cached = scheduler_output.scheduled_cached_reqs
+        if not cached.new_token_ids:
+            return
+        p = self.packer
+        for r, computed, new in zip(cached.req_ids, cached.num_computed_tokens, cached.new_token_ids):
+            have = len(p.token_ids(r))
+            if have < computed + len(new):
+                p.append_tokens(r, list(new[have - computed:]))
 
     def _execute_pooling(self, scheduler_output):
         """A pooling step: the forward's final hidden states at the rows the pooler asks
@@ -531,6 +593,8 @@ class MetalModelRunner(DeltaHooks):
             logits = apply_grammar_bitmask(logits, u.req_ids, grammar_output,
                                            self.sampling_table.vocab_size, u.cu_num_logits, stride)
         result = self.sampler(logits, u.batch)
+        if self.tensor_parallel_size > 1:
+            result.tokens = tokens_of_rank_zero(result.tokens, self.mlx_group)
         prompt_scores = u.prompt_scores
         # the caches too: fused layers hand them on as lazy arrays that depend on the step
         # (models/fused_layers.py); evaluated now, they hold their buffers alone next step
@@ -546,6 +610,7 @@ class MetalModelRunner(DeltaHooks):
             self._deferred.append(step)
         self._pending = step
 
+    @_holding_step_lock
     def sample_tokens(self, grammar_output):
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
@@ -697,6 +762,8 @@ class MetalModelRunner(DeltaHooks):
             self.draft.prepare_target(ctx)
         if input_ids is None:
             input_ids = mx.array(p.input_ids[:t])
+        if self.pipeline is not None:
+            return self._stage_forward(input_ids, ctx)
         if hidden_rows is not None:
             out = self.model.hidden_states(input_ids, ctx, mx.array(hidden_rows))
             self.kv_caches = ctx.kv_caches
@@ -714,6 +781,26 @@ class MetalModelRunner(DeltaHooks):
         if self.draft is not None:  # the same tokens into the draft's cache (draft_model.py)
             self.draft.forward_step(input_ids, fields, target_ctx=ctx, req_ids=list(p.req_ids))
         return logits
+
+    def _stage_forward(self, input_ids: mx.array, ctx) -> mx.array:
+        """Pipeline parallel: this stage's layers, between the previous stage's hidden state
+        (received) and the next one (sent). Returns the logits on the last stage, else the
+        lazy send."""
+        from vllm_metal.models import pipeline_parallel as pp
+
+        stage = self.pipeline
+        carried = None
+        if not stage.first:
+            hidden = self.model.lm.model.norm.weight.shape[0]
+            carried = pp.receive_from_previous(stage, int(input_ids.shape[0]), hidden,
+                                               getattr(mx, self.loaded.spec.dtype))
+        if stage.last:
+            out = self.model(input_ids, ctx, carried)
+        else:
+            h, residual = self.model.stage_forward(input_ids, ctx, carried)
+            out = pp.send_to_next(stage, h, residual)
+        self.kv_caches = ctx.kv_caches
+        return out
 
     # ---- the scheduler's deltas (SchedulerDelta applies them; these hooks follow) --------
     def requests_removed(self, removed: set[str], preempted: set[str]) -> None:
@@ -774,10 +861,24 @@ class _AsyncStepOutput(AsyncModelRunnerOutput):
         self._step = step
 
     def get_output(self):
-        return self._runner._step_output(self._step)
+        # wait for the step's forward without the lock (the next step is built meanwhile),
+        # then record its tokens under it
+        mx.eval(self._step.result.tokens)
+        with self._runner._step_lock:
+            return self._runner._step_output(self._step)
 
     def get_kv_connector_output(self):
         return None
+
+
+def tokens_of_rank_zero(tokens: mx.array, group) -> mx.array:
+    """Rank 0's sampled tokens on every rank (lazily: an all-sum with zeros elsewhere). The
+    ranks hold the same logits, but random sampling draws on each rank's own generator:
+    every rank must feed the next step the tokens the engine receives (rank 0's). The other
+    ranks send their own times 0, not fresh zeros: the all-sum must depend on the step's
+    forward, or MLX may run it before the forward's all-sums, out of step with rank 0."""
+    mine = tokens.astype(mx.int32)
+    return mx.distributed.all_sum(mine if group.rank() == 0 else mine * 0, group=group)
 
 
 def build_pooler(model_config, scheduler_config, loaded):

@@ -182,8 +182,9 @@ class MetalPlatform(Platform):
         parallel = vllm_config.parallel_config
         if parallel.worker_cls == "auto":
             parallel.worker_cls = "vllm_metal.worker.MetalWorker"
-        # one process drives the device; no collective communication
-        parallel.distributed_executor_backend = "uni"
+        # one process drives the device; with tensor parallelism vLLM's multiprocessing
+        # executor runs one worker per rank (control on gloo, tensors on MLX's ring)
+        parallel.distributed_executor_backend = "mp" if parallel.world_size > 1 else "uni"
         parallel.disable_custom_all_reduce = True
         # async scheduling (vLLM's default; --no-async-scheduling turns it off) overlaps
         # the host's work on a step with the forward of the one before (model_runner.py)
@@ -282,11 +283,66 @@ def _refuse_unsupported_lora(vllm_config: VllmConfig) -> None:
         _refuse("--fully-sharded-loras")
 
 
+def _refuse_parallel_features(vllm_config: VllmConfig, what: str) -> None:
+    """Features neither tensor nor pipeline parallelism carries yet."""
+    if vllm_config.speculative_config is not None:
+        _refuse(f"{what} with speculative decoding")
+    if vllm_config.lora_config is not None:
+        _refuse(f"{what} with LoRA (--enable-lora)")
+    model = vllm_config.model_config
+    if model is None:
+        return
+    if model.runner_type == "pooling":
+        _refuse(f"{what} with --runner pooling")
+    archs = set(getattr(model.hf_config, "architectures", None) or [])
+    if archs & HYBRID_ARCHITECTURES:
+        _refuse(f"{what} with the hybrid {sorted(archs)} (its linear-attention layers are not split)")
+
+
+def _refuse_unsupported_pipeline_parallel(vllm_config: VllmConfig) -> None:
+    """What pipeline parallelism (models/pipeline_parallel.py) does not carry yet; a model
+    the stages cannot split (gemma3, fewer layers than stages) is refused at load."""
+    size = vllm_config.parallel_config.pipeline_parallel_size
+    what = f"--pipeline-parallel-size {size}"
+    _refuse_parallel_features(vllm_config, what)
+    if vllm_config.scheduler_config.async_scheduling:
+        # the earlier stages take the sampled tokens from the scheduler's next step, which
+        # vLLM sends only without async scheduling
+        _refuse(f"{what} with async scheduling", "pass --no-async-scheduling")
+    model = vllm_config.model_config
+    layers = getattr(model.hf_text_config, "num_hidden_layers", None) if model is not None else None
+    if layers is not None and layers < size:
+        raise UnsupportedConfiguration(f"[vllm-metal] {what} exceeds the model's {layers} layers")
+
+
+def _refuse_unsupported_tensor_parallel(vllm_config: VllmConfig) -> None:
+    """What tensor parallelism (models/tensor_parallel.py) does not carry yet; a model whose
+    heads or MLP columns the size does not divide is refused when the workers load it."""
+    size = vllm_config.parallel_config.tensor_parallel_size
+    what = f"--tensor-parallel-size {size}"
+    _refuse_parallel_features(vllm_config, what)
+    model = vllm_config.model_config
+    if model is None:
+        return
+    text = model.hf_text_config
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    for n, name in ((heads, "attention heads"), (kv_heads, "KV heads")):
+        if n and n % size:
+            raise UnsupportedConfiguration(
+                f"[vllm-metal] {what} does not divide the model's {n} {name}: each rank keeps "
+                "whole heads; choose a size that divides both the attention and the KV heads")
+
+
 def _refuse_unsupported(vllm_config: VllmConfig) -> None:
     _refuse_unsupported_kv_cache(vllm_config)
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        _refuse("tensor or pipeline parallelism", "run with --tensor-parallel-size 1")
+    if parallel.pipeline_parallel_size > 1 and parallel.tensor_parallel_size > 1:
+        _refuse("tensor and pipeline parallelism together", "choose one of them")
+    if parallel.pipeline_parallel_size > 1:
+        _refuse_unsupported_pipeline_parallel(vllm_config)
+    if parallel.tensor_parallel_size > 1:
+        _refuse_unsupported_tensor_parallel(vllm_config)
     if parallel.data_parallel_size > 1:
         _refuse("data parallelism", "run one server per device")
     if vllm_config.lora_config is not None:

@@ -92,26 +92,37 @@ class MetalWorker(WorkerBase):
 
         self.device = torch.device("cpu")
         self._kv_budget = "not measured"  # determine_available_memory fills it in
-        self._init_single_process_distributed()
-        self.model_runner = MetalModelRunner(self.vllm_config)
+        self.mlx_group = self._init_distributed()
+        self.model_runner = MetalModelRunner(self.vllm_config, self.mlx_group)
         self._fail_at_step = envs.VLLM_METAL_TEST_FAIL_FORWARD_AT_STEP  # tests only; 0: never
         self._steps = 0  # non-empty steps executed
 
-    def _init_single_process_distributed(self) -> None:
-        # vLLM's schedulers and samplers query the (trivial) parallel groups.
+    def _init_distributed(self):
+        """vLLM's parallel groups on gloo (its schedulers and samplers query them; with
+        several workers its executor coordinates over them), and with several workers
+        MLX's ring for the tensors (mlx_ring.py). -> the ring's group, or None."""
         from vllm.distributed import (
             ensure_model_parallel_initialized,
             init_distributed_environment,
         )
+        from vllm.distributed.parallel_state import get_world_group
 
+        parallel = self.parallel_config
         init_distributed_environment(
-            world_size=1,
-            rank=0,
+            world_size=parallel.world_size,
+            rank=self.rank,
             distributed_init_method=self.distributed_init_method,
-            local_rank=0,
+            local_rank=self.local_rank,
             backend="gloo",
         )
-        ensure_model_parallel_initialized(1, 1)
+        ensure_model_parallel_initialized(parallel.tensor_parallel_size,
+                                          parallel.pipeline_parallel_size)
+        if parallel.world_size == 1:
+            return None
+        from vllm_metal.mlx_ring import join_ring, ring_address
+
+        address = ring_address(self.local_rank, getattr(parallel, "nnodes", 1) > 1)
+        return join_ring(self.rank, parallel.world_size, get_world_group().cpu_group, address)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         self.model_runner.load_model()

@@ -120,6 +120,10 @@ def why_not_fused(model) -> str | None:
     """None when every layer of `model` (a PagedCausalLM) can run fused, else why not."""
     if not envs.VLLM_METAL_FUSED_LAYERS:
         return "VLLM_METAL_FUSED_LAYERS=0"
+    if getattr(model, "tensor_parallel_size", 1) > 1:
+        return "tensor parallel: o_proj and down_proj all-sum across ranks between the fused ops"
+    if getattr(model, "pipeline_stage", None) is not None:
+        return "pipeline parallel: a stage hands its residual stream on unsummed"
     metal = on_metal()
     if model.llama4_beta is not None:
         return f"{model.arch.model_type} scales queries by position"

@@ -99,9 +99,11 @@ class PagedCausalLM(nn.Module):
     # a decoder: a token's hidden state depends only on the tokens before it (pooling.py)
     causal = True
 
-    def __call__(self, input_ids: mx.array, ctx: AttentionContext) -> mx.array:
+    def __call__(self, input_ids: mx.array, ctx: AttentionContext, carried=None) -> mx.array:
+        """carried (pipeline parallel, a later stage): the previous stage's (h, residual)
+        instead of the embedded input_ids."""
         body = self.lm.model
-        out = self.hidden_states(input_ids, ctx, ctx.logits_indices)
+        out = self.hidden_states(input_ids, ctx, ctx.logits_indices, carried)
         if "lm_head" in self.lm:
             logits = self.lm.lm_head(out)
         else:
@@ -110,10 +112,16 @@ class PagedCausalLM(nn.Module):
             logits = mx.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
 
-    def hidden_states(self, input_ids: mx.array, ctx: AttentionContext, rows: mx.array) -> mx.array:
+    def hidden_states(self, input_ids: mx.array, ctx: AttentionContext, rows: mx.array,
+                      carried=None) -> mx.array:
         """The final hidden states (after the last norm, before lm_head) at packed rows
         `rows`: what the pooling runner pools (pooling.HiddenStateSource)."""
         body = self.lm.model
+        if carried is not None:
+            h, residual = self.stage_forward(input_ids, ctx, carried)
+            h = h[rows]
+            out, _ = ops.add_rms_norm(h, residual[rows], body.norm.multiplier(), body.norm.eps)
+            return out
         h = body.embed_tokens(input_ids)  # [T, hidden]
         if self.embed_scale is not None:
             h = h * mx.array(self.embed_scale, mx.bfloat16).astype(h.dtype)
@@ -161,10 +169,21 @@ class PagedCausalLM(nn.Module):
             object.__setattr__(self, "_fused_plan", plan)
         return plan
 
-    def _pre_norm_layers(self, h, ctx, query_scale, aux=None):
+    def stage_forward(self, input_ids: mx.array, ctx: AttentionContext, carried=None):
+        """Pipeline parallel: this stage's layers (models/pipeline_parallel.py). The first
+        stage embeds input_ids; a later one takes the previous stage's (h, residual).
+        Returns (h, residual) after the stage's last layer, the residual not yet added."""
+        if carried is None:
+            h, residual = self.lm.model.embed_tokens(input_ids), None
+        else:
+            h, residual = carried
+        return self._pre_norm_layers(h, ctx, self._llama4_query_scale(ctx.positions),
+                                     residual=residual)
+
+    def _pre_norm_layers(self, h, ctx, query_scale, aux=None, residual=None):
         """llama family: x = norm1(h); h += attn(x); h += mlp(norm2(h)).
-        Returns the last block's output and the residual it is added to."""
-        residual = None
+        Returns the last block's output and the residual it is added to
+        (residual: a previous pipeline stage's, h to be added to it)."""
         for i, layer in enumerate(self.layers):
             n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
             if residual is None:

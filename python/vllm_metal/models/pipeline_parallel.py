@@ -1,0 +1,72 @@
+"""Pipeline parallelism: one stage's layers of a loaded decoder, and what crosses stages.
+
+Stage r of n keeps the layers vLLM's get_pp_indices gives it (VLLM_PP_LAYER_PARTITION
+overrides, as for vLLM's own models) and drops the others; its KV cache holds its layers
+only. The first stage embeds; each stage hands the next one its hidden state and the
+residual stream not yet added to it, stacked [2, tokens, hidden], through mx.distributed
+send/recv; the last stage adds them, applies the final norm and lm_head, and samples.
+The sampled tokens reach the earlier stages through vLLM's scheduler (it sends them
+back in the next step's output when pipeline parallel runs without async scheduling).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+class PipelineParallelError(ValueError):
+    """A model this pipeline cannot split (the message says why)."""
+
+
+@dataclass
+class Stage:
+    rank: int
+    size: int
+    start: int  # first layer (global index)
+    stop: int
+    group: object  # the mx.distributed group of the stages
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.size - 1
+
+
+def keep_stage(loaded, rank: int, size: int, group) -> Stage:
+    """Cuts a LoadedModel (llama family) down to stage `rank` of `size`, in place."""
+    from vllm.distributed.utils import get_pp_indices
+
+    model = loaded.model
+    if model.sandwich or model.llama4_beta is not None:
+        raise PipelineParallelError(f"{model.arch.model_type} is not supported with pipeline "
+                                    "parallelism yet (llama-family pre-norm decoders are)")
+    n = len(model.layers)
+    if n < size:
+        raise PipelineParallelError(f"--pipeline-parallel-size {size} exceeds the model's {n} layers")
+    start, stop = get_pp_indices(n, rank, size)
+    model.lm.model.layers = model.layers[start:stop]
+    for layer in model.layers:
+        layer.self_attn.layer_idx -= start
+    model.reset_fused_layers()
+    object.__setattr__(model, "pipeline_stage", (start, stop))  # fused_layers.why_not_fused
+    spec = loaded.spec
+    spec.num_layers = stop - start
+    spec.sliding_window_per_layer = spec.sliding_window_per_layer[start:stop]
+    mx.eval(model.parameters())
+    return Stage(rank, size, start, stop, group)
+
+
+def send_to_next(stage: Stage, h: mx.array, residual: mx.array) -> mx.array:
+    """The lazy send of (h, residual) to the next stage; evaluate it to send."""
+    return mx.distributed.send(mx.stack([h, residual]), stage.rank + 1, group=stage.group)
+
+
+def receive_from_previous(stage: Stage, num_tokens: int, hidden: int, dtype) -> tuple[mx.array, mx.array]:
+    """(h, residual) from the previous stage, lazily."""
+    both = mx.distributed.recv((2, num_tokens, hidden), dtype, stage.rank - 1, group=stage.group)
+    return both[0], both[1]

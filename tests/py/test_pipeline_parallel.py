@@ -1,0 +1,71 @@
+"""Pipeline stages (models/pipeline_parallel.py) and the platform's refusals; the stages
+serving together are in test_serving_pipeline_parallel.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+
+from vllm_metal.models import load_model
+from vllm_metal.models.pipeline_parallel import PipelineParallelError, keep_stage
+from vllm_metal.models.testing import tiny_config, write_random_checkpoint
+from vllm_metal.platform import UnsupportedConfiguration, _refuse_unsupported, \
+    _refuse_unsupported_pipeline_parallel
+
+
+def test_a_stage_keeps_its_layers_and_their_cache_spec(tmp_path):
+    cfg = tiny_config("ministral", num_hidden_layers=3)  # windows 7, 0, 7
+    loaded = load_model(str(write_random_checkpoint(cfg, tmp_path / "ckpt")), "float32")
+    stage = keep_stage(loaded, 1, 2, mx.distributed.init())
+    assert (stage.start, stage.stop, stage.first, stage.last) == (2, 3, False, True)
+    assert len(loaded.model.layers) == 1 and loaded.model.layers[0].self_attn.layer_idx == 0
+    assert loaded.spec.num_layers == 1 and loaded.spec.sliding_window_per_layer == [7]
+
+
+@pytest.mark.parametrize("name, size, words", [
+    ("gemma3", 2, "gemma3_text is not supported with pipeline parallelism"),
+    ("llama", 4, "--pipeline-parallel-size 4 exceeds the model's 3 layers"),
+])
+def test_models_the_stages_cannot_split_are_refused(tmp_path, name, size, words):
+    loaded = load_model(str(write_random_checkpoint(tiny_config(name), tmp_path / "ckpt")), "float32")
+    with pytest.raises(PipelineParallelError, match=words):
+        keep_stage(loaded, 0, size, mx.distributed.init())
+
+
+def _config(size=2, *, tp=1, async_scheduling=False, layers=4, speculative=None, lora=None,
+            runner="generate", archs=("LlamaForCausalLM",)):
+    model = SimpleNamespace(runner_type=runner, hf_config=SimpleNamespace(architectures=list(archs)),
+                            hf_text_config=SimpleNamespace(num_hidden_layers=layers))
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=size, tensor_parallel_size=tp,
+                                        data_parallel_size=1),
+        scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+        speculative_config=speculative, lora_config=lora, model_config=model)
+
+
+def test_pipeline_parallel_configuration_passes():
+    _refuse_unsupported_pipeline_parallel(_config())
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(async_scheduling=True), "with async scheduling is not supported; pass --no-async-scheduling"),
+    (dict(layers=1), "exceeds the model's 1 layers"),
+    (dict(speculative=object()), "with speculative decoding"),
+    (dict(lora=object()), "with LoRA"),
+    (dict(runner="pooling"), "with --runner pooling"),
+    (dict(archs=("Qwen3_5ForCausalLM",)), "hybrid"),
+])
+def test_unsupported_pipeline_parallel_configurations_are_refused(kw, words):
+    with pytest.raises(UnsupportedConfiguration, match=words):
+        _refuse_unsupported_pipeline_parallel(_config(**kw))
+
+
+def test_tensor_and_pipeline_parallel_together_are_refused():
+    config = _config(tp=2)
+    config.cache_config = SimpleNamespace(prefix_caching_hash_algo="sha256")
+    config.kv_transfer_config = None
+    config.observability_config = SimpleNamespace(kv_cache_metrics=False)
+    with pytest.raises(UnsupportedConfiguration, match="tensor and pipeline parallelism together"):
+        _refuse_unsupported(config)
