@@ -16,14 +16,11 @@ from typing import ClassVar, Literal
 import torch
 
 
-class Qwen3_5ForCausalLM(torch.nn.Module):
-    """Qwen3.5 text: hybrid (gated delta net + full attention), per-request state."""
-
-    is_hybrid: ClassVar[Literal[True]] = True
-    has_inner_state: ClassVar[Literal[True]] = True
+class _DescribedOnly(torch.nn.Module):
+    """What vLLM's registry inspects of a model class; never built (our runner runs MLX)."""
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
-        raise RuntimeError("[vllm-metal] Qwen3_5ForCausalLM is served by the vllm-metal runner "
+        raise RuntimeError(f"[vllm-metal] {type(self).__name__} is run by the vllm-metal runner "
                            "on MLX; this class only describes it to vLLM's registry")
 
     def forward(self, input_ids, positions, **kwargs):
@@ -34,6 +31,13 @@ class Qwen3_5ForCausalLM(torch.nn.Module):
 
     def compute_logits(self, hidden_states):
         raise NotImplementedError
+
+
+class Qwen3_5ForCausalLM(_DescribedOnly):
+    """Qwen3.5 text: hybrid (gated delta net + full attention), per-request state."""
+
+    is_hybrid: ClassVar[Literal[True]] = True
+    has_inner_state: ClassVar[Literal[True]] = True
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config):
@@ -61,23 +65,9 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
     """The published Qwen3.5-MoE checkpoints (vision + language): served text-only."""
 
 
-class Qwen3_5MTP(torch.nn.Module):
+class Qwen3_5MTP(_DescribedOnly):
     """The MTP block of a Qwen3.5 checkpoint as vLLM's speculative config names it
-    (method "mtp"): one attention layer, no recurrent state. Our runner builds it
-    (mtp.py); vLLM only inspects this class."""
-
-    def __init__(self, *, vllm_config, prefix: str = "") -> None:
-        raise RuntimeError("[vllm-metal] Qwen3.5's MTP block is run by the vllm-metal runner "
-                           "on MLX (mtp.py); this class only describes it to vLLM's registry")
-
-    def forward(self, input_ids, positions, **kwargs):
-        raise NotImplementedError
-
-    def embed_input_ids(self, input_ids):
-        raise NotImplementedError
-
-    def compute_logits(self, hidden_states):
-        raise NotImplementedError
+    (method "mtp"): one attention layer, no recurrent state (our runner: mtp.py)."""
 
 
 class Qwen3_5MoeMTP(Qwen3_5MTP):
