@@ -86,19 +86,6 @@ class DeviceMemory:
                 f"RAM available {self.available / gib:.2f} GiB, margin {self.margin / gib:.2f} GiB")
 
 
-def _forget_inherited_signal_wakeup_fd() -> None:
-    """An engine process forked from the API server (VLLM_WORKER_MULTIPROC_METHOD=fork)
-    inherits the asyncio signal wakeup fd of the server's event loop: every signal the engine
-    then receives is written into the server's socket, so a SIGTERM sent to one surviving
-    data-parallel replica reads as a SIGTERM of the API server, which then stops before the
-    requests of a dead replica are failed (they hang). A spawned engine has none to drop."""
-    import signal
-    import threading
-
-    if threading.current_thread() is threading.main_thread():
-        signal.set_wakeup_fd(-1)
-
-
 class MetalWorker(WorkerBase):
     def init_device(self) -> None:
         from vllm_metal.model_runner import MetalModelRunner
@@ -106,7 +93,6 @@ class MetalWorker(WorkerBase):
         self.device = torch.device("cpu")
         self._kv_budget = "not measured"  # determine_available_memory fills it in
         self._init_single_process_distributed()
-        _forget_inherited_signal_wakeup_fd()
         self.model_runner = MetalModelRunner(self.vllm_config)
         self._fail_at_step = envs.VLLM_METAL_TEST_FAIL_FORWARD_AT_STEP  # tests only; 0: never
         self._steps = 0  # non-empty steps executed
