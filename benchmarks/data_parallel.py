@@ -1,8 +1,9 @@
 """Data parallelism served: aggregate output tokens/s of `vllm serve --data-parallel-size 2`
 against one replica, at concurrency 16 and 64, on the same machine in one run.
 
-SmolLM2-135M (Q4_1 GGUF), greedy requests with ignore_eos. Servers one at a time: one
-replica with all the threads; two replicas with one thread each (the cores split between
+SmolLM2-135M (Q4_1 GGUF), greedy requests with ignore_eos. Servers one at a time, in the
+order single, DP, DP, single (the single replica's figure is the mean of its two runs, so a
+drift of the machine's load over the run shows): one replica with all the threads; two replicas with one thread each (the cores split between
 them, as two Macs would each bring their own); two replicas with all the threads each
 (oversubscribed, what `--data-parallel-size 2` does with no other setting).
 
@@ -83,15 +84,17 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     gguf = str(OFFLINE_GGUF["smollm2"]())
-    configs = [(1, args.threads), (2, max(args.threads // 2, 1)), (2, args.threads)]
+    configs = [(1, args.threads), (2, max(args.threads // 2, 1)), (2, args.threads), (1, args.threads)]
     results = []
     for replicas, threads in configs:
         r = run_one(gguf, args.port, replicas, threads, args.tokens)
         print(json.dumps(r), flush=True)
         results.append(r)
-    base = results[0]
-    for r in results[1:]:
-        ratios = ", ".join(f"concurrency {c}: {r[f'c{c}_tok_s'] / base[f'c{c}_tok_s']:.2f}x"
+    singles = [r for r in results if r["replicas"] == 1]
+    base = {c: sum(r[f"c{c}_tok_s"] for r in singles) / len(singles) for c in CONCURRENCY}
+    print("one replica: " + ", ".join(f"concurrency {c}: {base[c]:.1f} tok/s" for c in CONCURRENCY))
+    for r in results[1:-1]:
+        ratios = ", ".join(f"concurrency {c}: {r[f'c{c}_tok_s']:.1f} tok/s = {r[f'c{c}_tok_s'] / base[c]:.2f}x"
                            for c in CONCURRENCY)
         print(f"DP={r['replicas']} ({r['threads_per_replica']} threads each) vs one replica: {ratios}")
     if args.json:
