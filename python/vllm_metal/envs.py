@@ -98,7 +98,7 @@ ENVIRONMENT: dict[str, tuple[Callable[[str], Any], Any, str]] = {
         "Tensor/pipeline parallel: the host:port this host's MLX ring (mx.distributed) "
         "listens on, as the other hosts reach it (a host's workers take port + local rank); "
         "empty: a free port on 127.0.0.1 on one host, on vLLM's host IP across hosts "
-        "(docs/distributed-tp-pp.md).",
+        "(docs/distributed.md).",
     ),
     "VLLM_METAL_DISABLE": (
         _bool,

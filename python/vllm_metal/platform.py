@@ -182,10 +182,14 @@ class MetalPlatform(Platform):
         parallel = vllm_config.parallel_config
         if parallel.worker_cls == "auto":
             parallel.worker_cls = "vllm_metal.worker.MetalWorker"
-        # one process drives the device; with tensor parallelism vLLM's multiprocessing
-        # executor runs one worker per rank (control on gloo, tensors on MLX's ring)
+        # one process drives the device; with tensor or pipeline parallelism vLLM's
+        # multiprocessing executor runs one worker per rank (control on gloo, tensors on
+        # MLX's ring). Data parallelism is vLLM's replicas, one engine process each.
         parallel.distributed_executor_backend = "mp" if parallel.world_size > 1 else "uni"
         parallel.disable_custom_all_reduce = True
+        from vllm_metal.data_parallel import share_memory_between_replicas
+
+        share_memory_between_replicas(vllm_config)
         # async scheduling (vLLM's default; --no-async-scheduling turns it off) overlaps
         # the host's work on a step with the forward of the one before (model_runner.py)
         compilation = vllm_config.compilation_config
@@ -339,12 +343,17 @@ def _refuse_unsupported(vllm_config: VllmConfig) -> None:
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size > 1 and parallel.tensor_parallel_size > 1:
         _refuse("tensor and pipeline parallelism together", "choose one of them")
+    if parallel.data_parallel_size > 1 and parallel.world_size > 1:
+        _refuse("data parallelism together with tensor or pipeline parallelism",
+                "choose one of them")
     if parallel.pipeline_parallel_size > 1:
         _refuse_unsupported_pipeline_parallel(vllm_config)
     if parallel.tensor_parallel_size > 1:
         _refuse_unsupported_tensor_parallel(vllm_config)
-    if parallel.data_parallel_size > 1:
-        _refuse("data parallelism", "run one server per device")
+    from vllm_metal.data_parallel import refusal as data_parallel_refusal
+
+    if refused := data_parallel_refusal(vllm_config):
+        _refuse(*refused)
     if vllm_config.lora_config is not None:
         _refuse_unsupported_lora(vllm_config)
     model = vllm_config.model_config

@@ -88,7 +88,7 @@ def test_heads_the_size_does_not_divide_are_refused(tmp_path):
 
 @pytest.mark.slow
 def test_two_nodes_as_documented_for_two_macs(tmp_path):
-    """docs/distributed-tp-pp.md's two-Mac commands, both "Macs" on this machine: node 0
+    """docs/distributed.md's two-Mac commands, both "Macs" on this machine: node 0
     serves, node 1 runs headless; each names its ring address."""
     import os
     import signal
@@ -129,7 +129,7 @@ def test_a_worker_killed_mid_serve_stops_the_engine_and_every_worker(tmp_path):
     """vLLM's executor sees the worker die and shuts the engine down: the other worker
     (blocked in a ring all-sum) and the engine core exit at once, the streamed request in
     flight never finishes, and the API server exits once its connection closes (it does
-    not send that stream an error: docs/distributed-tp-pp.md)."""
+    not send that stream an error: docs/distributed.md)."""
     import signal
     import threading
 

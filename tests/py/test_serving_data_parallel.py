@@ -1,0 +1,197 @@
+"""`vllm serve --data-parallel-size 2` (data_parallel.py, docs/distributed.md): vLLM's own
+replicas, one engine process each with a Metal worker and its own KV pool, and its DP
+coordinator balancing the requests. On loopback, each process standing in for a Mac:
+none of 64 concurrent requests lost, both replicas serving, greedy outputs equal to one
+replica's, the memory share split, the two-host (--headless) form, and a replica killed
+mid-serve failing the server fast with no process left behind."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from serving_harness import Server, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.serving]
+
+VLLM = str(Path(sys.executable).with_name("vllm"))
+ARGS = ["--max-model-len", "256", "--max-num-seqs", "16", "--num-gpu-blocks-override", "128",
+        "--max-num-batched-tokens", "256"]
+# the same greedy tokens whatever else shares a step: a replica's batch differs from the
+# single server's (test_serving_batch_invariance.py)
+INVARIANT = {"VLLM_BATCH_INVARIANT": "1"}
+PROMPTS = [f"Write the number {i} in words, then count from {i} to {i + 3}:" for i in range(64)]
+MAX_TOKENS = 8
+# hand-chosen ports of this module (the helper's range): the replicas' RPC port across "hosts"
+RPC_PORT = 18110
+
+
+def smollm2_gguf() -> str:
+    from vllm_metal.models.offline import OFFLINE_GGUF
+
+    return str(OFFLINE_GGUF["smollm2"]())
+
+
+def complete_all(server: Server, prompts: list[str]) -> list[dict]:
+    """The prompts sent at once (one thread each); every response, in prompt order."""
+    def one(prompt):
+        r = httpx.post(f"{server.base}/v1/completions", timeout=300, json={
+            "model": server.name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+        return {"status": r.status_code, **r.json()}
+
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def successes_per_engine(server: Server) -> dict[str, float]:
+    """vllm:request_success_total summed per engine label (the replica index), from /metrics."""
+    counts: dict[str, float] = {}
+    for line in server.client.get("/metrics").text.splitlines():
+        m = re.match(r'vllm:request_success_total\{(.*)\} ([0-9.e+]+)$', line)
+        if m:
+            engine = re.search(r'engine="(\d+)"', m.group(1)).group(1)
+            counts[engine] = counts.get(engine, 0.0) + float(m.group(2))
+    return counts
+
+
+def texts(responses: list[dict]) -> list[str]:
+    return [r["choices"][0]["text"] for r in responses]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One replica's greedy outputs for PROMPTS (its server stopped before the DP one starts:
+    the two cores are not shared between them)."""
+    s = Server(smollm2_gguf(), "smollm2", ARGS, env=INVARIANT)
+    try:
+        responses = complete_all(s, PROMPTS)
+    finally:
+        s.stop()
+    assert all(r["status"] == 200 for r in responses), responses
+    return texts(responses)
+
+
+@pytest.fixture(scope="module")
+def dp2():
+    s = Server(smollm2_gguf(), "smollm2", [*ARGS, "--data-parallel-size", "2",
+                                            "--gpu-memory-utilization", "0.5"], env=INVARIANT)
+    yield s
+    s.stop()
+
+
+def test_64_concurrent_requests_none_lost_both_replicas_serve_outputs_equal_one_replica(reference, dp2):
+    before = successes_per_engine(dp2)
+    responses = complete_all(dp2, PROMPTS)
+    assert [r["status"] for r in responses] == [200] * len(PROMPTS), responses
+    assert all(r["usage"]["completion_tokens"] == MAX_TOKENS for r in responses)
+    assert texts(responses) == reference
+    after = successes_per_engine(dp2)
+    served = {e: after[e] - before.get(e, 0.0) for e in after}
+    assert set(served) == {"0", "1"}, served
+    assert sum(served.values()) == len(PROMPTS), served
+    # the coordinator balances: each replica takes a real part, not a stray request
+    assert min(served.values()) >= len(PROMPTS) // 8, served
+
+
+def test_each_replica_budgets_half_the_memory_share(dp2):
+    """--gpu-memory-utilization 0.5 over two replicas on one host: each worker cuts its KV
+    budget from 0.25 of the memory (its startup summary says so)."""
+    log = Path(dp2.log_path).read_text()
+    budgets = re.findall(r"\((EngineCore_DP\d) pid=\d+\).*KV cache .* from a budget of .*"
+                         r"--gpu-memory-utilization ([0-9.]+) of", log)
+    assert sorted(budgets) == [("EngineCore_DP0", "0.25"), ("EngineCore_DP1", "0.25")], budgets
+
+
+def test_two_hosts_on_loopback_headless_replica_joins_the_api_server(reference):
+    """The 2-Mac form of docs/distributed.md on loopback: a headless process holds replica 1,
+    the API server's process replica 0; both serve, outputs equal one replica's."""
+    common = [*ARGS, "--data-parallel-size", "2", "--data-parallel-size-local", "1",
+              "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(RPC_PORT)]
+    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-metal-serve-headless-{RPC_PORT}.log"
+    with open(log_path, "w") as log:
+        headless = subprocess.Popen(
+            [VLLM, "serve", smollm2_gguf(), "--headless", "--data-parallel-start-rank", "1", *common],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={"VLLM_WORKER_MULTIPROC_METHOD": "fork", **os.environ, **INVARIANT})
+    try:
+        front = Server(smollm2_gguf(), "smollm2", common, env=INVARIANT)
+        try:
+            responses = complete_all(front, PROMPTS[:16])
+            assert [r["status"] for r in responses] == [200] * 16, responses
+            assert texts(responses) == reference[:16]
+            served = successes_per_engine(front)
+            assert served.get("0", 0) > 0 and served.get("1", 0) > 0, served
+        finally:
+            front.stop()
+        # vLLM keeps a headless host's engines up when the API server goes; its operator
+        # stops them: SIGTERM ends the engine and the process, nothing left behind
+        children = psutil.Process(headless.pid).children(recursive=True)
+        assert any("EngineCore_DP1" in p.name() for p in children), [p.name() for p in children]
+        headless.terminate()
+        assert headless.wait(timeout=60) is not None
+        assert not psutil.wait_procs(children, timeout=15)[1], "a headless process was left behind"
+    finally:
+        if headless.poll() is None:
+            os.killpg(headless.pid, 9)
+            headless.wait()
+
+
+def test_a_replica_killed_mid_serve_fails_the_server_fast_and_leaves_no_process():
+    """SIGKILL of replica 1's engine with requests in flight on both replicas: the requests
+    on replica 1 get an error, those on replica 0 end unfinished (vLLM aborts them as it
+    shuts down), no request claims a full answer, the server exits by itself within a bounded
+    time and no engine, coordinator or API-server process is left. Spawned processes, as users
+    get: forked ones (the harness's Linux default) inherit the API server's asyncio signal
+    wakeup fd, so the SIGTERM vLLM sends the surviving replica and the DP coordinator reads as
+    the API server's own, which then stops before the dead replica's requests are failed."""
+    s = Server(smollm2_gguf(), "smollm2", [*ARGS, "--data-parallel-size", "2"],
+               env={"VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
+    try:
+        children = psutil.Process(s.proc.pid).children(recursive=True)
+        victim = [p for p in children if "EngineCore_DP1" in p.name()]
+        assert len(victim) == 1, [p.name() for p in children]
+        results: dict[int, tuple] = {}
+
+        def one(i):
+            body = {"model": "smollm2", "prompt": PROMPTS[i], "max_tokens": 150, "ignore_eos": True,
+                    "temperature": 0, "stream": i % 2 == 1}
+            try:
+                with httpx.stream("POST", f"{s.base}/v1/completions", json=body, timeout=120) as r:
+                    results[i] = (r.status_code, "".join(r.iter_lines()))
+            except httpx.HTTPError as e:
+                results[i] = ("closed", repr(e))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while successes_per_engine(s) == {} and time.monotonic() < deadline:
+            time.sleep(0.2)  # until the metrics exist; then let both replicas decode a little
+        time.sleep(2)
+        victim[0].kill()
+        killed = time.monotonic()
+        s.proc.wait(timeout=60)
+        assert time.monotonic() - killed < 60
+        for t in threads:
+            t.join(30)
+        assert len(results) == 8, results
+        errors = 0
+        for status, text in results.values():
+            assert '"completion_tokens":150' not in text.replace(" ", ""), text[-300:]
+            errors += status == "closed" or status >= 500 or '"error"' in text
+        assert errors >= 1, results
+        assert "EngineCore_DP1 died unexpectedly" in Path(s.log_path).read_text() or \
+            "engine core exited unexpectedly" in Path(s.log_path).read_text()
+        assert not psutil.wait_procs(children, timeout=15)[1], "a process was left behind"
+    finally:
+        s.stop()
