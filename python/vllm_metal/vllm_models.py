@@ -21,6 +21,10 @@ class Qwen3_5ForCausalLM(torch.nn.Module):
 
     is_hybrid: ClassVar[Literal[True]] = True
     has_inner_state: ClassVar[Literal[True]] = True
+    # --enable-lora: our runner applies the adapters (vllm_metal/lora); vLLM only asks
+    supports_lora: ClassVar[Literal[True]] = True
+    packed_modules_mapping: ClassVar[dict] = {}
+    embedding_modules: ClassVar[dict] = {}
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         raise RuntimeError("[vllm-metal] Qwen3_5ForCausalLM is served by the vllm-metal runner "

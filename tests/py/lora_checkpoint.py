@@ -12,6 +12,9 @@ import numpy as np
 
 PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
                "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# Qwen3.5's gated delta net projections (targets beyond the default seven)
+PARENTS = dict(PROJECTIONS, in_proj_qkv="linear_attn", in_proj_z="linear_attn",
+               out_proj="linear_attn")
 
 
 def base_weights(checkpoint) -> dict[str, np.ndarray]:
@@ -32,7 +35,9 @@ def write_adapter(out_dir, weights: dict, num_layers: int, *, r: int, alpha: flo
     tensors, deltas = {}, {}
     for layer in (range(num_layers) if layers is None else layers):
         for proj in targets:
-            module = f"model.layers.{layer}.{PROJECTIONS[proj]}.{proj}"
+            module = f"model.layers.{layer}.{PARENTS[proj]}.{proj}"
+            if module + ".weight" not in weights:  # e.g. q_proj of a linear-attention layer
+                continue
             w = weights[module + ".weight"]
             rank = next((v for k, v in rank_pattern.items() if module.endswith(k)), r)
             a_ = next((v for k, v in alpha_pattern.items() if module.endswith(k)), alpha)

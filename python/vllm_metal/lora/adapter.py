@@ -14,13 +14,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# projection -> its parent module in mlx-lm's llama/qwen3 layers
+# projection -> its parent module in mlx-lm's llama/qwen3/qwen3_5 layers (the last three:
+# Qwen3.5's gated delta net; in_proj_b / in_proj_a are per-head gate scalars, not adapted)
 TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+           "in_proj_qkv": "linear_attn", "in_proj_z": "linear_attn", "out_proj": "linear_attn"}
 
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A[.default].weight
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.*?)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
-_LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\.(?P<proj>\w+)$")
+_LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp|linear_attn)\.(?P<proj>\w+)$")
 
 
 @dataclass

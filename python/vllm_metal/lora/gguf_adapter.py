@@ -52,7 +52,7 @@ def _compatible(adapter_arch: str, model_arch) -> bool:
     from vllm_metal.models.gguf_loader import GGUF_ARCHS
 
     spec = GGUF_ARCHS.get(adapter_arch)
-    if spec is None:
+    if spec is None or model_arch is None:
         return False
     # llama.cpp converts mistral-style checkpoints as "llama" too
     return spec.model_type == model_arch.model_type or (
@@ -78,6 +78,9 @@ def load_gguf_adapter(name: str, path: str, shapes: dict, max_rank: int, model_a
         raise ValueError(f"{where}: not a GGUF LoRA adapter (general.type {kind!r}, "
                          f"adapter.type {adapter_type!r}; expected 'adapter' and 'lora')")
     arch = _string(reader, "general.architecture")
+    if model_arch is None:
+        raise ValueError(f"{where}: GGUF LoRA adapters run on llama-family and qwen3 models, "
+                         "not on Qwen3.5 (use a PEFT adapter directory)")
     if not _compatible(arch, model_arch):
         raise ValueError(f"{where}: adapter architecture {arch!r} does not match the model "
                          f"({model_arch.model_type})")

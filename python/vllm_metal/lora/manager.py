@@ -31,14 +31,15 @@ class LoraManager:
         self.max_cpu_loras = int(lora_config.max_cpu_loras or self.max_loras)
         self.max_position_embeddings = max_position_embeddings
         from vllm_metal.models.paged_model import PagedCausalLM
+        from vllm_metal.models.qwen3_5_paged import PagedQwen3_5
 
-        if not isinstance(model, PagedCausalLM):
-            raise ValueError(f"[vllm-metal] LoRA runs on llama-family and qwen3 models, not on "
-                             f"{type(model).__name__}")
+        if not isinstance(model, (PagedCausalLM, PagedQwen3_5)):
+            raise ValueError(f"[vllm-metal] LoRA runs on llama-family, qwen3 and Qwen3.5 models, "
+                             f"not on {type(model).__name__}")
         self.step = LoraStep()
         self.layers = install(model, self.max_loras, self.max_rank, self.step)
         self.shapes = {k: (m.in_features, m.out_features) for k, m in self.layers.items()}
-        self.arch = model.arch
+        self.arch = getattr(model, "arch", None)  # None: Qwen3.5 (GGUF adapters refused)
         attn = next((l.self_attn for l in model.layers if hasattr(l, "self_attn")), None)
         # llama GGUF adapters' lora_b rows of q/k are un-permuted per head (gguf_adapter.py)
         self.qk_heads = {} if attn is None else {"q_proj": int(attn.num_heads),
