@@ -146,3 +146,36 @@ def test_served_qwen3_5_with_adapters_matches_mlx_lm_on_the_merged_checkpoint(tm
             assert g == want[m][i], (m, i)
     finally:
         server.stop()
+
+
+def test_peft_adapter_on_a_qwen3_5_q8_0_gguf_base_equals_the_merged_dequantized_model(tmp_path):
+    """The GGUF base keeps its projections in block form; llama.cpp's tiled value-head
+    order is undone at load, so a PEFT adapter (HF order) applies as on safetensors."""
+    from qwen3_5_checkpoint import random_model, write_gguf
+
+    write_gguf(random_model(seed=0), tmp_path / "q8.gguf", qtype="Q8_0")
+    ref = load_model(str(tmp_path / "q8.gguf"), "float32", linear="mlx")
+    weights = {}
+    for i, layer in enumerate(ref.model.layers):
+        for parent in ("self_attn", "linear_attn", "mlp"):
+            for name, mod in (getattr(layer, parent).children().items()
+                              if hasattr(layer, parent) else ()):
+                if name.endswith("_proj") or name.startswith("in_proj_"):
+                    weights[f"model.layers.{i}.{parent}.{name}.weight"] = np.array(mod.weight)
+    deltas = write_adapter(tmp_path / "a1", weights, LAYERS, r=8, alpha=16, seed=34, targets=ALL,
+                           magnitude=2.0)
+    base_logits = prefill_logits(ref, PROMPTS[:1])[0]
+    for module, (a, b, scale) in deltas.items():
+        _, _, i, parent, proj = module.split(".")
+        lin = getattr(getattr(ref.model.layers[int(i)], parent), proj)
+        lin.weight = mx.array((np.array(lin.weight).astype(np.float64)
+                               + scale * (b @ a)).astype(np.float32))
+    want = prefill_logits(ref, PROMPTS[:1])[0]
+    assert np.abs(want - base_logits).max() > 1e-2
+
+    loaded = load_model(str(tmp_path / "q8.gguf"), "float32", int8_activations=False)
+    assert loaded.model.layers[0].linear_attn.in_proj_qkv.is_blocks
+    lora = LoraManager(loaded.model, SimpleNamespace(max_loras=1, max_lora_rank=8, max_cpu_loras=1))
+    lora.add(request(1, tmp_path / "a1"))
+    got = prefill_logits(loaded, PROMPTS[:1], lora, [1])[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
