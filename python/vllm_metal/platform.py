@@ -275,9 +275,9 @@ def _refuse_unsupported_kv_cache(vllm_config: VllmConfig) -> None:
 
 
 def _refuse_unsupported_lora(vllm_config: VllmConfig) -> None:
-    """LoRA runs on the llama-family / qwen3 paged models (vllm_metal/lora); not with
-    speculative decoding or pooling yet (hybrid Qwen3.5 and MoE models are refused when
-    the runner installs the adapters: lora/manager.py)."""
+    """LoRA runs on the llama-family / qwen3 and Qwen3.5 paged models (vllm_metal/lora);
+    not with speculative decoding or pooling yet (other model classes, and adapters on
+    layers a model lacks, are refused when the runner installs them: lora/manager.py)."""
     if vllm_config.speculative_config is not None:
         _refuse("LoRA with speculative decoding")
     if getattr(vllm_config.model_config, "runner_type", "generate") == "pooling":

@@ -38,6 +38,10 @@ class Qwen3_5ForCausalLM(_DescribedOnly):
 
     is_hybrid: ClassVar[Literal[True]] = True
     has_inner_state: ClassVar[Literal[True]] = True
+    # --enable-lora: our runner applies the adapters (vllm_metal/lora); vLLM only asks
+    supports_lora: ClassVar[Literal[True]] = True
+    packed_modules_mapping: ClassVar[dict] = {}
+    embedding_modules: ClassVar[dict] = {}
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config):

@@ -12,6 +12,9 @@ import numpy as np
 
 PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
                "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# Qwen3.5's gated delta net projections (targets beyond the default seven)
+PARENTS = dict(PROJECTIONS, in_proj_qkv="linear_attn", in_proj_z="linear_attn",
+               out_proj="linear_attn")
 
 
 def base_weights(checkpoint) -> dict[str, np.ndarray]:
@@ -32,7 +35,9 @@ def write_adapter(out_dir, weights: dict, num_layers: int, *, r: int, alpha: flo
     tensors, deltas = {}, {}
     for layer in (range(num_layers) if layers is None else layers):
         for proj in targets:
-            module = f"model.layers.{layer}.{PROJECTIONS[proj]}.{proj}"
+            module = f"model.layers.{layer}.{PARENTS[proj]}.{proj}"
+            if module + ".weight" not in weights:  # e.g. q_proj of a linear-attention layer
+                continue
             w = weights[module + ".weight"]
             rank = next((v for k, v in rank_pattern.items() if module.endswith(k)), r)
             a_ = next((v for k, v in alpha_pattern.items() if module.endswith(k)), alpha)
@@ -62,3 +67,42 @@ def write_merged(base_dir, out_dir, deltas: dict) -> Path:
         weights[key] = (weights[key].astype(np.float64) + scale * (b @ a)).astype(np.float32)
     mx.save_safetensors(str(out / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()})
     return out
+
+
+def write_gguf_adapter(path, weights: dict, num_layers: int, *, arch: str, r: int, alpha: float,
+                       seed: int, n_heads: int, n_kv_heads: int, targets=tuple(PROJECTIONS),
+                       layers=None, magnitude: float = 1.0, b_dtype=np.float16) -> dict:
+    """A llama.cpp GGUF LoRA file (general.type adapter, adapter.lora.alpha, tensors
+    blk.N.<tensor>.weight.lora_a [r, in] / .lora_b [out, r] in NumPy order), laid out as
+    llama.cpp's converter does: for arch "llama" lora_b's q/k rows permuted per head like
+    the base weights. lora_b is stored in `b_dtype`. Returns module -> (A, B, scale) in HF
+    row order, float64, B as stored (rounded), scale alpha / r."""
+    import gguf
+
+    from vllm_metal.models.gguf_loader import _BLOCK_NAMES, permute_rows
+
+    gguf_name = {v: k for k, v in _BLOCK_NAMES.items()}
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_type("adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(alpha))
+    deltas = {}
+    for layer in (range(num_layers) if layers is None else layers):
+        for proj in targets:
+            module = f"model.layers.{layer}.{PROJECTIONS[proj]}.{proj}"
+            w = weights[module + ".weight"]
+            a = (rng.standard_normal((r, w.shape[1])) / np.sqrt(w.shape[1])).astype(np.float32)
+            b = (rng.standard_normal((w.shape[0], r)) * magnitude * np.abs(w).mean()).astype(b_dtype)
+            stored_b = b
+            if arch == "llama" and proj in ("q_proj", "k_proj"):
+                stored_b = permute_rows(b, n_heads if proj == "q_proj" else n_kv_heads)
+            name = f"blk.{layer}.{gguf_name[f'{PROJECTIONS[proj]}.{proj}']}.weight"
+            writer.add_tensor(name + ".lora_a", a)
+            writer.add_tensor(name + ".lora_b", np.ascontiguousarray(stored_b))
+            deltas[module] = (a.astype(np.float64), b.astype(np.float64), alpha / r)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return deltas

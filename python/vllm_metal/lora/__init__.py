@@ -3,6 +3,7 @@ gate/up/down projections through ops.lora_apply, many adapters in one batch.
 
 - adapter.py: reads a PEFT adapter directory into per-module (A, B, scale), checked
   against the model (rank, target modules, shapes);
+- gguf_adapter.py: the same from a llama.cpp GGUF LoRA file (llama q/k rows un-permuted);
 - layers.py: LoraLinear, the wrapper around a base projection, and the slot buffers;
 - manager.py: the worker-side LoRA manager (vLLM's add/remove/pin/list_loras), the CPU
   LRU of parsed adapters (--max-cpu-loras), the slots (--max-loras) and each step's

@@ -14,13 +14,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# projection -> its parent module in mlx-lm's llama/qwen3 layers
+# projection -> its parent module in mlx-lm's llama/qwen3/qwen3_5 layers (the last three:
+# Qwen3.5's gated delta net; in_proj_b / in_proj_a are per-head gate scalars, not adapted)
 TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+           "in_proj_qkv": "linear_attn", "in_proj_z": "linear_attn", "out_proj": "linear_attn"}
 
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A[.default].weight
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.*?)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
-_LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\.(?P<proj>\w+)$")
+_LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp|linear_attn)\.(?P<proj>\w+)$")
 
 
 @dataclass
@@ -102,28 +104,37 @@ def load_peft_adapter(name: str, path: str, shapes: dict, max_rank: int,
         if m is None or TARGETS.get(m["proj"]) != m["parent"]:
             raise ValueError(f"{where}: target module {module} is not one the model has "
                              f"(supported: {', '.join(TARGETS)} of each layer)")
-        layer, proj = int(m["layer"]), m["proj"]
-        if layer >= num_layers:
-            raise ValueError(f"{where}: target module {module}: the model has {num_layers} layers")
         if "A" not in ab or "B" not in ab:
             raise ValueError(f"{where}: {module} lacks its lora_{'B' if 'A' in ab else 'A'} weight")
-        if (layer, proj) not in shapes:  # e.g. a sparse-MoE layer has no dense gate/up/down
-            raise ValueError(f"{where}: target module {module} is not one the model has "
-                             f"(layer {layer} has no dense {proj})")
-        a, b = ab["A"], ab["B"]
-        in_dim, out_dim = shapes[(layer, proj)]
         rank, scale = peft.get_rank_and_scaling(module.removeprefix("base_model.model."))
-        if a.ndim != 2 or b.ndim != 2 or a.shape != (a.shape[0], in_dim) \
-                or b.shape != (out_dim, a.shape[0]):
-            raise ValueError(f"{where}: {module}: lora_A {list(a.shape)} / lora_B {list(b.shape)} "
-                             f"do not match the model's projection [in={in_dim}, out={out_dim}] "
-                             f"(expected lora_A [r, {in_dim}], lora_B [{out_dim}, r])")
-        if a.shape[0] != rank:
+        a, b = ab["A"], ab["B"]
+        if a.ndim == 2 and a.shape[0] != rank:
             raise ValueError(f"{where}: {module}: rank {a.shape[0]} in the weights, "
                              f"{rank} in adapter_config.json")
-        if rank > max_rank:
-            raise ValueError(f"{where}: {module}: rank {rank} exceeds --max-lora-rank {max_rank}")
-        adapter.weights[(layer, proj)] = (a, b, float(scale))
+        add_checked(adapter, where, module, int(m["layer"]), m["proj"], a, b, float(scale),
+                    shapes, max_rank, num_layers)
     if not adapter.weights:
         raise ValueError(f"{where}: no LoRA weights in adapter_model.safetensors")
     return adapter
+
+
+def add_checked(adapter: LoraAdapter, where: str, module: str, layer: int, proj: str,
+                a: np.ndarray, b: np.ndarray, scale: float, shapes: dict, max_rank: int,
+                num_layers: int) -> None:
+    """Checks one (A [r, in], B [out, r]) pair against the model's projection and
+    --max-lora-rank, and stores it; a ValueError naming `module` otherwise."""
+    if layer >= num_layers:
+        raise ValueError(f"{where}: target module {module}: the model has {num_layers} layers")
+    if (layer, proj) not in shapes:  # e.g. a sparse-MoE layer has no dense gate/up/down
+        raise ValueError(f"{where}: target module {module} is not one the model has "
+                         f"(layer {layer} has no dense {proj})")
+    in_dim, out_dim = shapes[(layer, proj)]
+    if a.ndim != 2 or b.ndim != 2 or a.shape != (a.shape[0], in_dim) \
+            or b.shape != (out_dim, a.shape[0]):
+        raise ValueError(f"{where}: {module}: lora_A {list(a.shape)} / lora_B {list(b.shape)} "
+                         f"do not match the model's projection [in={in_dim}, out={out_dim}] "
+                         f"(expected lora_A [r, {in_dim}], lora_B [{out_dim}, r])")
+    rank = a.shape[0]
+    if rank > max_rank:
+        raise ValueError(f"{where}: {module}: rank {rank} exceeds --max-lora-rank {max_rank}")
+    adapter.weights[(layer, proj)] = (a, b, float(scale))

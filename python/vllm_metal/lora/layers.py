@@ -86,7 +86,8 @@ def _dims(layer: nn.Module) -> tuple[int, int]:
 
 
 def install(model, slots: int, rank: int, step: LoraStep) -> dict:
-    """Wraps every target projection of `model` (a PagedCausalLM) in a LoraLinear.
+    """Wraps every target projection of `model` (a PagedCausalLM or PagedQwen3_5) in a
+    LoraLinear.
     Returns (layer, projection) -> LoraLinear."""
     dtype = model.layers[0].input_layernorm.weight.dtype
     wrapped = {}
@@ -106,5 +107,6 @@ def install(model, slots: int, rank: int, step: LoraStep) -> dict:
     # steps with an adapter take the per-op path; steps without one keep the fused
     # layers, rebuilt here from the base projections (paged_model.PagedCausalLM.__call__)
     object.__setattr__(model, "_lora_step", step)
-    model.reset_fused_layers()
+    if hasattr(model, "reset_fused_layers"):  # PagedQwen3_5 has no fused layers
+        model.reset_fused_layers()
     return wrapped

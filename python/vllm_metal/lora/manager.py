@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_metal.lora.adapter import LoraAdapter, load_peft_adapter
+from vllm_metal.lora.gguf_adapter import is_gguf_file, load_gguf_adapter
 from vllm_metal.lora.layers import LoraStep, install
 from vllm_metal.log import get_logger
 
@@ -30,13 +31,19 @@ class LoraManager:
         self.max_cpu_loras = int(lora_config.max_cpu_loras or self.max_loras)
         self.max_position_embeddings = max_position_embeddings
         from vllm_metal.models.paged_model import PagedCausalLM
+        from vllm_metal.models.qwen3_5_paged import PagedQwen3_5
 
-        if not isinstance(model, PagedCausalLM):
-            raise ValueError(f"[vllm-metal] LoRA runs on llama-family and qwen3 models, not on "
-                             f"{type(model).__name__}")
+        if not isinstance(model, (PagedCausalLM, PagedQwen3_5)):
+            raise ValueError(f"[vllm-metal] LoRA runs on llama-family, qwen3 and Qwen3.5 models, "
+                             f"not on {type(model).__name__}")
         self.step = LoraStep()
         self.layers = install(model, self.max_loras, self.max_rank, self.step)
         self.shapes = {k: (m.in_features, m.out_features) for k, m in self.layers.items()}
+        self.arch = getattr(model, "arch", None)  # None: Qwen3.5 (GGUF adapters refused)
+        attn = next((l.self_attn for l in model.layers if hasattr(l, "self_attn")), None)
+        # llama GGUF adapters' lora_b rows of q/k are un-permuted per head (gguf_adapter.py)
+        self.qk_heads = {} if attn is None else {"q_proj": int(attn.num_heads),
+                                                 "k_proj": int(attn.num_kv_heads)}
         self.cpu: collections.OrderedDict[int, LoraAdapter] = collections.OrderedDict()
         self.pinned: set[int] = set()
         self.slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()  # id -> slot, LRU
@@ -49,8 +56,7 @@ class LoraManager:
         if lid in self.cpu and not getattr(lora_request, "load_inplace", False):
             self.cpu.move_to_end(lid)
             return True
-        adapter = load_peft_adapter(lora_request.lora_name, lora_request.lora_path, self.shapes,
-                                    self.max_rank, self.max_position_embeddings)
+        adapter = self._read(lora_request.lora_name, lora_request.lora_path)
         self.cpu[lid] = adapter
         self.cpu.move_to_end(lid)
         if lid in self.slot_of:  # reloaded in place: the slot gets the new weights
@@ -113,6 +119,14 @@ class LoraManager:
         self.step.row_slot = None
 
     # ---- internals -----------------------------------------------------------------
+    def _read(self, name: str, path: str) -> LoraAdapter:
+        """A PEFT directory, or a llama.cpp GGUF LoRA file."""
+        if is_gguf_file(path):
+            return load_gguf_adapter(name, path, self.shapes, self.max_rank, self.arch,
+                                     self.qk_heads)
+        return load_peft_adapter(name, path, self.shapes, self.max_rank,
+                                 self.max_position_embeddings)
+
     def _activate(self, lid: int, lora_request, keep) -> int:
         if lid in self.slot_of:
             self.slot_of.move_to_end(lid)

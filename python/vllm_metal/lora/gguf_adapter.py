@@ -1,0 +1,131 @@
+"""llama.cpp's GGUF LoRA adapter files read into the same per-module (A, B, scale)
+as a PEFT directory (adapter.py), checked against the model.
+
+The format, as llama.cpp's loader reads it:
+- metadata general.type = "adapter", adapter.type = "lora", general.architecture the
+  base model's, adapter.lora.alpha (float; absent or 0 means a scale of 1);
+- per adapted tensor `<base tensor name>.lora_a` and `.lora_b` (blk.N.attn_q.weight.lora_a),
+  ggml shapes a [in, r], b [r, out], i.e. NumPy A [r, in], B [out, r] as in PEFT;
+- scale = alpha / r with r the pair's rank;
+- norm-vector tensors (`*_norm.weight`) are ignored by llama.cpp; so here.
+llama.cpp's converter permutes lora_b's rows of attn_q / attn_k for the "llama"
+architecture exactly as it permutes the base weights; our loaders keep Q/K in HF row
+order (models/gguf_loader.py), so those lora_b rows are un-permuted here.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from vllm_metal.lora.adapter import TARGETS, LoraAdapter, add_checked
+from vllm_metal.log import get_logger
+
+logger = get_logger(__name__)
+
+_PAIR = re.compile(r"^(?P<base>.+)\.lora_(?P<ab>[ab])$")
+
+
+def is_gguf_file(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def _string(reader, key: str) -> str | None:
+    field = reader.fields.get(key)
+    return None if field is None else str(field.contents())
+
+
+def _dense(tensor) -> np.ndarray:
+    """float32 NumPy [rows, cols] of a GGUF tensor (float or block-quantized)."""
+    from vllm_metal.models.gguf_loader import numpy_dequantize
+
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml ne -> NumPy order
+    return numpy_dequantize(tensor.data, int(tensor.tensor_type)).reshape(shape)
+
+
+def _compatible(adapter_arch: str, model_arch) -> bool:
+    from vllm_metal.models.gguf_loader import GGUF_ARCHS
+
+    spec = GGUF_ARCHS.get(adapter_arch)
+    if spec is None or model_arch is None:
+        return False
+    # llama.cpp converts mistral-style checkpoints as "llama" too
+    return spec.model_type == model_arch.model_type or (
+        adapter_arch == "llama" and model_arch.mlx_lm_module == "llama")
+
+
+def load_gguf_adapter(name: str, path: str, shapes: dict, max_rank: int, model_arch,
+                      qk_heads: dict) -> LoraAdapter:
+    """shapes: (layer, projection) -> (in, out); model_arch: models.architectures.
+    Architecture of the base; qk_heads: {"q_proj": heads, "k_proj": kv heads}."""
+    import gguf
+
+    from vllm_metal.models.gguf_loader import GGUF_ARCHS, mlx_lm_name, unpermute_rows
+    from vllm_metal.lora.adapter import _LAYER
+
+    where = f"LoRA adapter '{name}' ({path})"
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
+        raise ValueError(f"{where}: not a readable GGUF file: {e}") from e
+    kind, adapter_type = _string(reader, "general.type"), _string(reader, "adapter.type")
+    if kind != "adapter" or adapter_type != "lora":
+        raise ValueError(f"{where}: not a GGUF LoRA adapter (general.type {kind!r}, "
+                         f"adapter.type {adapter_type!r}; expected 'adapter' and 'lora')")
+    arch = _string(reader, "general.architecture")
+    if model_arch is None:
+        raise ValueError(f"{where}: GGUF LoRA adapters run on llama-family and qwen3 models, "
+                         "not on Qwen3.5 (use a PEFT adapter directory)")
+    if not _compatible(arch, model_arch):
+        raise ValueError(f"{where}: adapter architecture {arch!r} does not match the model "
+                         f"({model_arch.model_type})")
+    if "adapter.alora.invocation_tokens" in reader.fields:
+        raise ValueError(f"{where}: activated LoRA (adapter.alora.*) is not supported")
+    alpha_field = reader.fields.get("adapter.lora.alpha")
+    alpha = float(alpha_field.contents()) if alpha_field is not None else 0.0
+    permuted = GGUF_ARCHS[arch].permuted_qk
+
+    pairs: dict[str, dict[str, object]] = {}
+    for t in reader.tensors:
+        m = _PAIR.match(t.name)
+        if m is None:
+            if t.name.endswith("_norm.weight"):  # as llama.cpp: norm deltas are not applied
+                logger.warning("%s: ignoring %s (norm tensors are not applied)", where, t.name)
+                continue
+            raise ValueError(f"{where}: unexpected tensor {t.name} (only .lora_a / .lora_b "
+                             "pairs are supported)")
+        pairs.setdefault(m["base"], {})[m["ab"]] = t
+    adapter = LoraAdapter(name=name, path=path)
+    num_layers = 1 + max((l for l, _ in shapes), default=-1)
+    for base, ab in sorted(pairs.items()):
+        target = mlx_lm_name(base, model_arch.model_type) if base.endswith(".weight") else None
+        m = _LAYER.search(target.removesuffix(".weight")) if target else None
+        if m is None or TARGETS.get(m["proj"]) != m["parent"]:
+            raise ValueError(f"{where}: target tensor {base} is not one LoRA applies to "
+                             "(supported: attn_q, attn_k, attn_v, attn_output, ffn_gate, "
+                             "ffn_up, ffn_down of each block)")
+        if "a" not in ab or "b" not in ab:
+            raise ValueError(f"{where}: {base} lacks its lora_{'b' if 'a' in ab else 'a'} tensor")
+        a, b = _dense(ab["a"]), _dense(ab["b"])
+        proj = m["proj"]
+        if a.ndim == 2 and b.ndim == 2 and b.shape[1] != a.shape[0]:
+            raise ValueError(f"{where}: {base}: lora_a rank {a.shape[0]} and lora_b rank "
+                             f"{b.shape[1]} differ")
+        if permuted and proj in qk_heads and b.ndim == 2:
+            heads = qk_heads[proj]
+            if b.shape[0] % (2 * heads):
+                raise ValueError(f"{where}: {base}: lora_b has {b.shape[0]} rows, not a whole "
+                                 f"number of {heads} heads")
+            b = np.asarray(unpermute_rows(b, heads))
+        rank = a.shape[0] if a.ndim == 2 else 0
+        scale = alpha / rank if alpha and rank else 1.0
+        add_checked(adapter, where, base, int(m["layer"]), proj, a, b, scale, shapes, max_rank,
+                    num_layers)
+    if not adapter.weights:
+        raise ValueError(f"{where}: no LoRA tensors in the file")
+    return adapter

@@ -1,0 +1,181 @@
+"""LoRA on the hybrid Qwen3.5 (tiny random checkpoint, no server): adapters on the full
+attention q/k/v/o, the MLP gate/up/down and the gated delta net's in_proj_qkv /
+in_proj_z / out_proj give, in one packed batch mixing two adapters and the base, each
+prompt the logits of the checkpoint with its adapter merged in NumPy (W + scale * B @ A)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_lm.models.qwen3_5")
+
+from lora_checkpoint import base_weights, write_adapter, write_gguf_adapter, write_merged  # noqa: E402
+from qwen3_5_checkpoint import CONFIG, write_checkpoint  # noqa: E402
+from vllm_metal.lora.manager import LoraManager  # noqa: E402
+from vllm_metal.models import load_model  # noqa: E402
+
+LAYERS = CONFIG["num_hidden_layers"]
+PROMPTS = [[5, 9, 30, 7, 2, 44, 61, 3], [3, 3, 8, 200], [100, 17, 56, 90, 12, 4, 250]]
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+       "in_proj_qkv", "in_proj_z", "out_proj")
+
+
+def request(lid, path=""):
+    return SimpleNamespace(lora_int_id=lid, lora_name=f"a{lid}", lora_path=str(path),
+                           load_inplace=False)
+
+
+def prefill_logits(loaded, prompts, lora=None, loras=None):
+    """All prompts in one packed prefill step, each from a zero state; every position's
+    logits per prompt."""
+    from vllm_metal.models.generate import KVPool, SeqChunk, build_step
+    from vllm_metal.models.qwen3_5_paged import HybridContext
+
+    pool = KVPool(loaded.spec, 32, 4)
+    tables = [[] for _ in prompts]
+    for t, p in zip(tables, prompts):
+        pool.allocate(t, len(p))
+    packed = build_step([SeqChunk(p, 0, t, "all") for p, t in zip(prompts, tables)],
+                        pool.kv_caches, 4)
+    c = packed.ctx
+    n = len(prompts)
+    ctx = HybridContext(**{f.name: getattr(c, f.name) for f in fields(c)},
+                        cu_seqlens_state=c.cu_seqlens_q,
+                        state_slots=mx.array(list(range(n, 0, -1)), mx.int32),
+                        has_initial_state=mx.zeros(n, mx.int32),
+                        state_pools=loaded.model.make_state_pools(n + 1, mx.float32))
+    ids = [f"r{i}" for i in range(n)]
+    if lora is not None:
+        for rid, lid in zip(ids, loras):
+            lora.request_added(rid, request(lid) if lid else None)
+        lora.begin_step(ids, np.array(c.cu_seqlens_q))
+    try:
+        logits = np.array(loaded.model(packed.input_ids, ctx))
+    finally:
+        if lora is not None:
+            lora.end_step()
+            lora.requests_removed(ids)
+    out, row = [], 0
+    for p in prompts:
+        out.append(logits[row:row + len(p)])
+        row += len(p)
+    return out
+
+
+def test_mixed_batch_on_qwen3_5_equals_merged_checkpoints(tmp_path):
+    base = write_checkpoint(tmp_path / "base", seed=0)
+    w = base_weights(base)
+    deltas = {
+        1: write_adapter(tmp_path / "a1", w, LAYERS, r=8, alpha=16, seed=31, targets=ALL,
+                         magnitude=2.0),
+        # the gated delta net only, one linear-attention layer
+        2: write_adapter(tmp_path / "a2", w, LAYERS, r=4, alpha=8, seed=32, layers=[1],
+                         targets=("in_proj_qkv", "in_proj_z", "out_proj"), magnitude=2.0),
+    }
+    assert any("linear_attn" in m for m in deltas[1]) and any("self_attn" in m for m in deltas[1])
+    loaded = load_model(str(base), "float32")
+    assert loaded.hybrid is not None
+    lora = LoraManager(loaded.model, SimpleNamespace(max_loras=2, max_lora_rank=8, max_cpu_loras=2))
+    for lid in deltas:
+        lora.add(request(lid, tmp_path / f"a{lid}"))
+    loras = [1, 0, 2]
+    got = prefill_logits(loaded, PROMPTS, lora, loras)
+    base_logits = prefill_logits(load_model(str(base), "float32"), PROMPTS)
+    for i, (lid, g) in enumerate(zip(loras, got)):
+        if lid == 0:
+            want = base_logits[i]
+        else:
+            merged = write_merged(base, tmp_path / f"m{lid}", deltas[lid])
+            want = prefill_logits(load_model(str(merged), "float32"), [PROMPTS[i]])[0]
+            assert np.abs(want - base_logits[i]).max() > 1e-2  # the adapter moves the logits
+        np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4, err_msg=f"adapter {lid}")
+
+
+def test_gguf_adapters_on_qwen3_5_are_refused_naming_the_problem(tmp_path):
+    base = write_checkpoint(tmp_path / "base", seed=0)
+    w = base_weights(base)
+    write_gguf_adapter(tmp_path / "g.gguf", w, LAYERS, arch="qwen3", r=4, alpha=4, seed=1,
+                       n_heads=4, n_kv_heads=2, layers=[3], targets=("v_proj",))
+    lora = LoraManager(load_model(str(base), "float32").model,
+                       SimpleNamespace(max_loras=1, max_lora_rank=8, max_cpu_loras=1))
+    with pytest.raises(ValueError, match="GGUF LoRA adapters run on llama-family and qwen3 "
+                                         "models, not on Qwen3.5"):
+        lora.add(request(1, tmp_path / "g.gguf"))
+
+
+@pytest.mark.slow
+@pytest.mark.serving
+def test_served_qwen3_5_with_adapters_matches_mlx_lm_on_the_merged_checkpoint(tmp_path):
+    """`vllm serve --enable-lora` on Qwen3.5: concurrent requests with an adapter and
+    without get mlx-lm's greedy tokens of the merged / base checkpoint."""
+    import concurrent.futures
+
+    from qwen3_5_checkpoint import greedy, reference_model
+    from serving_harness import Server
+
+    base = write_checkpoint(tmp_path / "base", seed=0)
+    deltas = write_adapter(tmp_path / "a1", base_weights(base), LAYERS, r=8, alpha=16, seed=33,
+                           targets=ALL, magnitude=2.0)
+    merged = write_merged(base, tmp_path / "m1", deltas)
+    steps = 8
+    want = {"qwen3_5-tiny": [greedy(reference_model(base), p, steps) for p in PROMPTS],
+            "a1": [greedy(reference_model(merged), p, steps) for p in PROMPTS]}
+    assert want["a1"] != want["qwen3_5-tiny"]
+    server = Server(str(base), "qwen3_5-tiny", [
+        "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "8",
+        "--num-gpu-blocks-override", "32", "--enable-lora", "--max-lora-rank", "8",
+        "--lora-modules", f"a1={tmp_path / 'a1'}"])
+    try:
+        def run(job):
+            model, i = job
+            r = server.client.post("/v1/completions", json={
+                "model": model, "prompt": PROMPTS[i], "max_tokens": steps, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        jobs = [(m, i) for m in want for i in range(len(PROMPTS))]
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(run, jobs))
+        for (m, i), g in zip(jobs, got):
+            assert g == want[m][i], (m, i)
+    finally:
+        server.stop()
+
+
+def test_peft_adapter_on_a_qwen3_5_q8_0_gguf_base_equals_the_merged_dequantized_model(tmp_path):
+    """The GGUF base keeps its projections in block form; llama.cpp's tiled value-head
+    order is undone at load, so a PEFT adapter (HF order) applies as on safetensors."""
+    from qwen3_5_checkpoint import random_model, write_gguf
+
+    write_gguf(random_model(seed=0), tmp_path / "q8.gguf", qtype="Q8_0")
+    ref = load_model(str(tmp_path / "q8.gguf"), "float32", linear="mlx")
+    weights = {}
+    for i, layer in enumerate(ref.model.layers):
+        for parent in ("self_attn", "linear_attn", "mlp"):
+            for name, mod in (getattr(layer, parent).children().items()
+                              if hasattr(layer, parent) else ()):
+                if name.endswith("_proj") or name.startswith("in_proj_"):
+                    weights[f"model.layers.{i}.{parent}.{name}.weight"] = np.array(mod.weight)
+    deltas = write_adapter(tmp_path / "a1", weights, LAYERS, r=8, alpha=16, seed=34, targets=ALL,
+                           magnitude=2.0)
+    base_logits = prefill_logits(ref, PROMPTS[:1])[0]
+    for module, (a, b, scale) in deltas.items():
+        _, _, i, parent, proj = module.split(".")
+        lin = getattr(getattr(ref.model.layers[int(i)], parent), proj)
+        lin.weight = mx.array((np.array(lin.weight).astype(np.float64)
+                               + scale * (b @ a)).astype(np.float32))
+    want = prefill_logits(ref, PROMPTS[:1])[0]
+    assert np.abs(want - base_logits).max() > 1e-2
+
+    loaded = load_model(str(tmp_path / "q8.gguf"), "float32", int8_activations=False)
+    assert loaded.model.layers[0].linear_attn.in_proj_qkv.is_blocks
+    lora = LoraManager(loaded.model, SimpleNamespace(max_loras=1, max_lora_rank=8, max_cpu_loras=1))
+    lora.add(request(1, tmp_path / "a1"))
+    got = prefill_logits(loaded, PROMPTS[:1], lora, [1])[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
