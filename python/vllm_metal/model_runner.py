@@ -795,7 +795,10 @@ def build_pooler(model_config, scheduler_config, loaded):
     classify = (from_tokens is not None or is_sequence_classifier(loaded.hf_config)
                 or model_config.convert_type == "classify")
     if not classify:
-        return Pooler(model_config, causal=causal)
+        from vllm.model_executor.models.adapters import _load_st_projector
+
+        # sentence-transformers Dense layers (EmbeddingGemma), loaded as vLLM's own poolers do
+        return Pooler(model_config, causal=causal, projector=_load_st_projector(model_config))
     if not causal:  # a cross-encoder: its own head on the first token (models/bert.py)
         if model_config.pooler_config.seq_pooling_type not in (None, "CLS"):
             raise ValueError(f"[vllm-metal] {model_config.model}: a cross-encoder pools the first token "

@@ -30,6 +30,24 @@ def test_served_pooling_configurations_pass():
     _refuse_unsupported_pooling(*_config(("BertModel",), seq="MEAN"))  # encoders (models/bert.py)
     _refuse_unsupported_pooling(*_config(("BertForSequenceClassification",), seq="CLS"))
     _refuse_unsupported_pooling(*_config(("XLMRobertaModel",), model_type="xlm-roberta", max_model_len=512))
+    _refuse_unsupported_pooling(*_config(embedding_size=32))  # Dense layers: vLLM's projector (pooling.py)
+    # EmbeddingGemma: inputs up to the bidirectional window (transformers' halved sliding_window)
+    _refuse_unsupported_pooling(*_gemma(max_model_len=257))
+
+
+def _gemma(max_model_len=257, bidirectional=True):
+    vllm_config, archs = _config(("Gemma3TextModel",), seq="MEAN", max_model_len=max_model_len)
+    hf = vllm_config.model_config.hf_config
+    hf.architectures, hf.sliding_window, hf.max_position_embeddings = ["Gemma3TextModel"], 257, 2048
+    hf.use_bidirectional_attention = bidirectional
+    return vllm_config, archs
+
+
+@pytest.mark.parametrize("kw, words", [(dict(max_model_len=258), "--max-model-len 257"),
+                                       (dict(bidirectional=False), "use_bidirectional_attention")])
+def test_embeddinggemma_limits_are_refused(kw, words):
+    with pytest.raises(UnsupportedConfiguration, match=words):
+        _refuse_unsupported_pooling(*_gemma(**kw))
 
 
 @pytest.mark.parametrize("kw, words", [
@@ -42,7 +60,6 @@ def test_served_pooling_configurations_pass():
     (dict(tok="STEP"), "STEP"),
     (dict(seq="MEAN", prefix_caching=True), "prefix caching"),
     (dict(seq="CLS", prefix_caching=True), "prefix caching"),
-    (dict(embedding_size=32), "Dense"),
     (dict(speculative=object()), "speculative"),
 ])
 def test_unsupported_pooling_configurations_are_refused(kw, words):
