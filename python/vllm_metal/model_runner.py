@@ -885,26 +885,49 @@ def build_pooler(model_config, scheduler_config, loaded):
     """The pooling.Pooler of a `--runner pooling` model: a classifier (score layer) for
     *ForSequenceClassification checkpoints and `--convert classify`, else an embedder."""
     from vllm_metal.models.loader import is_sequence_classifier, score_weights
+    from vllm_metal.models.token_classifier import classifier_method
     from vllm_metal.pooling import Pooler, score_classifier
 
     causal = getattr(loaded.model, "causal", True)  # pooling.HiddenStateSource
     if not causal and scheduler_config.enable_chunked_prefill:
         raise ValueError(f"[vllm-metal] {model_config.model} attends both ways: chunked prefill cannot "
                          "serve it (--no-enable-chunked-prefill)")
-    classify = is_sequence_classifier(loaded.hf_config) or model_config.convert_type == "classify"
+    from_tokens = classifier_method(model_config.hf_config)  # Qwen3-Reranker-style (--hf-overrides)
+    classify = (from_tokens is not None or is_sequence_classifier(loaded.hf_config)
+                or model_config.convert_type == "classify")
     if not classify:
-        return Pooler(model_config, causal=causal)
+        from vllm.model_executor.models.adapters import _load_st_projector
+
+        # sentence-transformers Dense layers (EmbeddingGemma), loaded as vLLM's own poolers do
+        return Pooler(model_config, causal=causal, projector=_load_st_projector(model_config))
     if not causal:  # a cross-encoder: its own head on the first token (models/bert.py)
         if model_config.pooler_config.seq_pooling_type not in (None, "CLS"):
             raise ValueError(f"[vllm-metal] {model_config.model}: a cross-encoder pools the first token "
                              f"(CLS), not {model_config.pooler_config.seq_pooling_type}")
         return Pooler(model_config, loaded.model.torch_classifier(model_config.head_dtype), causal=False)
+    if from_tokens is not None:
+        weight = _score_from_tokens(model_config, loaded, *from_tokens)
+        return Pooler(model_config, score_classifier(weight, None, model_config.head_dtype), causal=causal)
     score = score_weights(model_config.model)
     if score is None:
         raise ValueError(f"[vllm-metal] {model_config.model}: a classification model needs a score "
                          "layer (score.weight) in its safetensors checkpoint")
     weight, bias = score
     return Pooler(model_config, score_classifier(weight, bias, model_config.head_dtype), causal=causal)
+
+
+def _score_from_tokens(model_config, loaded, method: str, tokens: list[str]):
+    """The score layer of an LM served as a classifier from its vocabulary
+    (models/token_classifier.py), with the token ids of the served tokenizer."""
+    from vllm.tokenizers import get_tokenizer
+
+    from vllm_metal.models.token_classifier import score_weight_from_tokens, token_ids_of
+
+    tokenizer = get_tokenizer(model_config.tokenizer, revision=model_config.tokenizer_revision,
+                              tokenizer_mode=model_config.tokenizer_mode,
+                              trust_remote_code=model_config.trust_remote_code)
+    tied = bool(loaded.hf_config.get("tie_word_embeddings", False))
+    return score_weight_from_tokens(model_config.model, method, token_ids_of(tokenizer, tokens), tied)
 
 
 def check_attention_head_size(model: str, head_dim: int) -> None:

@@ -17,7 +17,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm_metal.log import get_logger
 # encoders: --runner pooling only, no KV cache (models/bert.py, encoder_batch.py)
-from vllm_metal.models.encoder_archs import ENCODER_ARCHITECTURES
+from vllm_metal.models.encoder_archs import ENCODER_ARCHITECTURES, GEMMA3_ENCODER_ARCHITECTURES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -427,6 +427,18 @@ def _refuse_unsupported_encoder(vllm_config: VllmConfig) -> None:
         _refuse("chunked prefill with an encoder (it attends both ways: a prompt runs in one step)",
                 "drop --enable-chunked-prefill")
     hf = model.hf_config
+    if set(getattr(hf, "architectures", None) or []) & GEMMA3_ENCODER_ARCHITECTURES:
+        from vllm_metal.models.gemma3_encoder import max_tokens
+
+        if not getattr(hf, "use_bidirectional_attention", False):
+            _refuse("Gemma3TextModel without use_bidirectional_attention",
+                    "EmbeddingGemma checkpoints set it; a causal Gemma 3 serves as Gemma3ForCausalLM")
+        longest = max_tokens(hf)  # the bidirectional sliding window (models/gemma3_encoder.py)
+        if model.max_model_len > longest:
+            _refuse(f"--max-model-len {model.max_model_len} for EmbeddingGemma, whose sliding layers "
+                    f"attend within a window of {longest} tokens (longer inputs: not supported yet)",
+                    f"pass --max-model-len {longest}")
+        return
     # RoBERTa / XLM-R number positions from padding_idx + 1 (models/bert.py)
     roberta = getattr(hf, "model_type", "") in ("roberta", "xlm-roberta")
     offset = getattr(hf, "pad_token_id", 1) + 1 if roberta else 0
@@ -446,6 +458,9 @@ def _refuse_unsupported_pooling(vllm_config: VllmConfig, archs: set[str]) -> Non
                 f"supported: {', '.join(sorted(served))}")
     if archs & ENCODER_ARCHITECTURES:
         _refuse_unsupported_encoder(vllm_config)
+    if getattr(model.hf_config, "gguf_pooling_type", None) == "RANK":  # models/gguf_dir.py
+        _refuse("a GGUF reranker (pooling_type RANK, a cls.output head)",
+                "serve the safetensors reranker, or a GGUF embedding file (MEAN, CLS or LAST)")
     if vllm_config.scheduler_config.async_scheduling:
         _refuse("--async-scheduling with --runner pooling", "pooling steps are synchronous")
     if vllm_config.speculative_config is not None:
@@ -458,5 +473,3 @@ def _refuse_unsupported_pooling(vllm_config: VllmConfig, archs: set[str]) -> Non
     if pooler.seq_pooling_type in ("MEAN", "CLS") and vllm_config.cache_config.enable_prefix_caching:
         # a prefix-cache hit skips the hidden states of the cached tokens
         _refuse(f"prefix caching with {pooler.seq_pooling_type} pooling", "drop --enable-prefix-caching")
-    if model.embedding_size != model.get_hidden_size():
-        _refuse("Sentence-Transformers Dense projection layers")

@@ -15,8 +15,8 @@ LAST waits for the final chunk, CLS keeps chunk 0's first row, MEAN keeps a runn
 sum, ALL keeps the rows. A bidirectional source (an encoder) must see a prompt in one
 step; the platform refuses chunked prefill for it.
 
-After pooling, vLLM's own pooler heads do the rest (Matryoshka `dimensions`,
-normalisation, the classifier, logit calibration, activation), so outputs mean what
+After pooling, vLLM's own pooler heads do the rest (sentence-transformers Dense
+projections, Matryoshka `dimensions`, normalisation, the classifier, logit calibration, activation), so outputs mean what
 they mean on vLLM's GPU runner.
 """
 
@@ -87,9 +87,11 @@ class Pooler:
     """Per-request pooling state and vLLM's heads for the served model's tasks.
 
     classifier: the score layer (torch [n, hidden] -> [n, num_labels]) of a
-    classification model, None for an embedding model."""
+    classification model, None for an embedding model. projector: an embedding model's
+    sentence-transformers Dense layers (torch), applied before normalisation."""
 
-    def __init__(self, model_config, classifier: Callable | None = None, *, causal: bool = True):
+    def __init__(self, model_config, classifier: Callable | None = None, *, causal: bool = True,
+                 projector: Callable | None = None):
         from vllm.model_executor.layers.pooler.activations import (PoolerNormalize,
                                                                    resolve_classifier_act_fn)
         from vllm.model_executor.layers.pooler.seqwise.heads import (ClassifierPoolerHead,
@@ -104,8 +106,9 @@ class Pooler:
         self.causal = causal  # False: every prompt must come whole in one step
         if classifier is None:
             self.heads = {
-                "embed": EmbeddingPoolerHead(head_dtype=self.head_dtype, activation=PoolerNormalize()),
-                "token_embed": TokenEmbeddingPoolerHead(head_dtype=self.head_dtype,
+                "embed": EmbeddingPoolerHead(projector=projector, head_dtype=self.head_dtype,
+                                             activation=PoolerNormalize()),
+                "token_embed": TokenEmbeddingPoolerHead(head_dtype=self.head_dtype, projector=projector,
                                                         activation=PoolerNormalize()),
             }
         else:

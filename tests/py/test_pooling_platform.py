@@ -30,6 +30,24 @@ def test_served_pooling_configurations_pass():
     _refuse_unsupported_pooling(*_config(("BertModel",), seq="MEAN"))  # encoders (models/bert.py)
     _refuse_unsupported_pooling(*_config(("BertForSequenceClassification",), seq="CLS"))
     _refuse_unsupported_pooling(*_config(("XLMRobertaModel",), model_type="xlm-roberta", max_model_len=512))
+    _refuse_unsupported_pooling(*_config(embedding_size=32))  # Dense layers: vLLM's projector (pooling.py)
+    # EmbeddingGemma: inputs up to the bidirectional window (transformers' halved sliding_window)
+    _refuse_unsupported_pooling(*_gemma(max_model_len=257))
+
+
+def _gemma(max_model_len=257, bidirectional=True):
+    vllm_config, archs = _config(("Gemma3TextModel",), seq="MEAN", max_model_len=max_model_len)
+    hf = vllm_config.model_config.hf_config
+    hf.architectures, hf.sliding_window, hf.max_position_embeddings = ["Gemma3TextModel"], 257, 2048
+    hf.use_bidirectional_attention = bidirectional
+    return vllm_config, archs
+
+
+@pytest.mark.parametrize("kw, words", [(dict(max_model_len=258), "--max-model-len 257"),
+                                       (dict(bidirectional=False), "use_bidirectional_attention")])
+def test_embeddinggemma_limits_are_refused(kw, words):
+    with pytest.raises(UnsupportedConfiguration, match=words):
+        _refuse_unsupported_pooling(*_gemma(**kw))
 
 
 @pytest.mark.parametrize("kw, words", [
@@ -42,9 +60,51 @@ def test_served_pooling_configurations_pass():
     (dict(tok="STEP"), "STEP"),
     (dict(seq="MEAN", prefix_caching=True), "prefix caching"),
     (dict(seq="CLS", prefix_caching=True), "prefix caching"),
-    (dict(embedding_size=32), "Dense"),
     (dict(speculative=object()), "speculative"),
 ])
 def test_unsupported_pooling_configurations_are_refused(kw, words):
     with pytest.raises(UnsupportedConfiguration, match=words):
         _refuse_unsupported_pooling(*_config(**kw))
+
+
+@pytest.mark.parametrize("pooling, want", [("MEAN", "MEAN"), ("CLS", "CLS"), ("LAST", "LAST")])
+def test_gguf_pooling_type_reaches_vllm_pooler_config(tmp_path, pooling, want):
+    """models/gguf_dir.py writes an embedding file's pooling as sentence-transformers
+    modules; vLLM's own reader turns them into the pooler config, normalised."""
+    from vllm.transformers_utils.config import get_pooling_config
+
+    from vllm_metal.models import prepare_gguf_dir
+    from vllm_metal.models.testing import tiny_config, write_tiny_gguf
+
+    path = tmp_path / "e.gguf"
+    write_tiny_gguf(tiny_config("qwen3"), path, qtype="F32", pooling_type=pooling)
+    got = get_pooling_config(prepare_gguf_dir(str(path), str(tmp_path / "dir")))
+    assert got == {"use_activation": True, "seq_pooling_type": want}
+
+
+def test_gguf_without_pooling_type_has_no_modules(tmp_path):
+    from vllm.transformers_utils.config import get_pooling_config
+
+    from vllm_metal.models import prepare_gguf_dir
+    from vllm_metal.models.testing import tiny_config, write_tiny_gguf
+
+    path = tmp_path / "g.gguf"
+    write_tiny_gguf(tiny_config("qwen3"), path, qtype="F32")
+    assert get_pooling_config(prepare_gguf_dir(str(path), str(tmp_path / "dir"))) is None
+
+
+def test_gguf_reranker_file_is_refused(tmp_path):
+    import json
+
+    from vllm_metal.models import prepare_gguf_dir
+    from vllm_metal.models.testing import tiny_config, write_tiny_gguf
+
+    path = tmp_path / "r.gguf"
+    write_tiny_gguf(tiny_config("qwen3"), path, qtype="F32", pooling_type="RANK")
+    directory = prepare_gguf_dir(str(path), str(tmp_path / "dir"))
+    config = json.loads((tmp_path / "dir" / "config.json").read_text())
+    assert directory == str(tmp_path / "dir")
+    vllm_config, archs = _config()
+    vllm_config.model_config.hf_config.gguf_pooling_type = config["gguf_pooling_type"]
+    with pytest.raises(UnsupportedConfiguration, match="GGUF reranker"):
+        _refuse_unsupported_pooling(vllm_config, archs)

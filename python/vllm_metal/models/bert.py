@@ -25,7 +25,7 @@ import mlx.nn as nn
 import numpy as np
 
 from vllm_metal import ops
-from vllm_metal.models.encoder_archs import ENCODER_ARCHITECTURES
+from vllm_metal.models.encoder_archs import BERT_ARCHITECTURES
 
 # ops.gelu: MLX's CPU erf / exp are scalar (GELU took a third of a MiniLM layer)
 _ACTIVATIONS = {"gelu": ops.gelu, "gelu_new": lambda x: ops.gelu(x, approximate=True),
@@ -51,9 +51,9 @@ class EncoderConfig:
     def from_dict(cls, cfg: dict) -> "EncoderConfig":
         archs = cfg.get("architectures") or ["BertModel"]
         arch = archs[0]
-        if arch not in ENCODER_ARCHITECTURES:
+        if arch not in BERT_ARCHITECTURES:
             raise ValueError(f"[vllm-metal] {arch} is not a supported encoder "
-                             f"({', '.join(sorted(ENCODER_ARCHITECTURES))})")
+                             f"({', '.join(sorted(BERT_ARCHITECTURES))})")
         if cfg.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError("[vllm-metal] only absolute position embeddings are supported, got "
                              f"{cfg['position_embedding_type']!r}")

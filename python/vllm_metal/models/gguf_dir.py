@@ -6,6 +6,10 @@
                                   transformers' GGUF tokenizer conversion, with the
                                   file's add_bos/add_eos flags and chat template
     <dir>/model.gguf -> the file  (symlink; load_model reads the weights through it)
+    <dir>/modules.json, 1_Pooling/config.json
+                                  for an embedding file (`<arch>.pooling_type` MEAN, CLS
+                                  or LAST): the sentence-transformers layout vLLM reads its
+                                  pooler config from, normalised as llama.cpp's server does
 
 Cached under $XDG_CACHE_HOME (default ~/.cache)/vllm_metal/gguf/<key>, the key
 hashing the file's resolved path, size and mtime and the layout version. The
@@ -28,7 +32,7 @@ from pathlib import Path
 
 from vllm_metal.models.gguf_loader import GGUF_FILE_IN_DIR
 
-LAYOUT_VERSION = 6  # 6: qwen35 configs declare mtp_num_hidden_layers
+LAYOUT_VERSION = 7  # 7: pooling_type -> sentence-transformers modules
 _DONE_MARKER = ".vllm_metal_prepared"
 
 # Used when a Gemma 3 GGUF carries no chat template (HF's Gemma turn format:
@@ -123,12 +127,46 @@ def _write_dir(src: Path, out: Path) -> None:
     # transformers_version as save_pretrained writes it: without it transformers >= 5
     # suspects an old Mistral tokenizer config and warns about its regex.
     config = dict(config, transformers_version=transformers.__version__)
+    if pooling_type_of(ckpt) == _RANK_POOLING:
+        config["gguf_pooling_type"] = "RANK"  # a reranker file: the platform refuses it
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"eos_token_id": eos[0] if len(eos) == 1 else eos}
     for key in ("bos_token_id", "pad_token_id"):
         if key in config:
             generation[key] = config[key]
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    _write_pooling_modules(out, ckpt)
+
+
+# llama.cpp's pooling_type metadata (gguf.PoolingType) -> sentence-transformers' pooling_mode
+_POOLING_MODES = {1: "mean", 2: "cls", 3: "lasttoken"}
+_RANK_POOLING = 4
+
+
+def pooling_type_of(ckpt) -> int | None:
+    """`<arch>.pooling_type` of a GGUF file (0 none, 1 mean, 2 cls, 3 last, 4 rank)."""
+    value = ckpt.metadata.get(f"{ckpt.architecture}.pooling_type")
+    return None if value is None else int(value)
+
+
+def _write_pooling_modules(out: Path, ckpt) -> None:
+    """An embedding GGUF's pooling, as vLLM reads it from a sentence-transformers model:
+    Transformer -> Pooling -> Normalize (llama.cpp's server normalises embeddings too).
+    RANK files (rerankers with a cls.output head) are marked in config.json instead, and
+    the platform refuses them."""
+    mode = _POOLING_MODES.get(pooling_type_of(ckpt))
+    if mode is None:
+        return
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (out / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
+    (out / "1_Pooling").mkdir()
+    config = {"word_embedding_dimension": int(ckpt.metadata[f"{ckpt.architecture}.embedding_length"]),
+              "pooling_mode": mode}
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 # GGUF architectures whose files transformers' GGUF reader refuses outright, though their

@@ -89,7 +89,8 @@ def _is_qwen3_5(config: dict) -> bool:
 
 
 def _is_encoder(config: dict) -> bool:
-    # BERT family: bidirectional, no KV cache, pooling only (models/bert.py)
+    # BERT family, EmbeddingGemma: bidirectional, no KV cache, pooling only (models/bert.py,
+    # models/gemma3_encoder.py)
     from vllm_metal.models.encoder_archs import ENCODER_ARCHITECTURES
 
     return bool(set(config.get("architectures") or []) & ENCODER_ARCHITECTURES)
@@ -99,11 +100,20 @@ def _load_encoder(path: Path, hf_config: dict, dtype: str | None, linear: str):
     from vllm_metal.models import LoadedModel, ModelSpec
     from vllm_metal.models.bert import load_encoder
 
+    from vllm_metal.models.encoder_archs import GEMMA3_ENCODER_ARCHITECTURES
+    from vllm_metal.models.gemma3_encoder import load_gemma3_encoder
+
     target = _dtype(dtype or "float32")
-    model = load_encoder(path, target, linear)
+    if set(hf_config.get("architectures") or []) & GEMMA3_ENCODER_ARCHITECTURES:
+        model = load_gemma3_encoder(path, target, linear)
+        kv_heads, head_dim = model.config.num_key_value_heads, model.config.head_dim
+    else:
+        model = load_encoder(path, target, linear)
+        kv_heads = model.config.num_attention_heads
+        head_dim = model.config.hidden_size // model.config.num_attention_heads
     c = model.config
-    spec = ModelSpec(num_layers=c.num_hidden_layers, num_kv_heads=c.num_attention_heads,
-                     head_dim=c.hidden_size // c.num_attention_heads, dtype=_dtype_name(target),
+    spec = ModelSpec(num_layers=c.num_hidden_layers, num_kv_heads=kv_heads,
+                     head_dim=head_dim, dtype=_dtype_name(target),
                      sliding_window_per_layer=[0] * c.num_hidden_layers, vocab_size=c.vocab_size,
                      architecture=hf_config["architectures"][0])
     return LoadedModel(model=model, spec=spec, hf_config=hf_config, eos_token_ids=[])

@@ -253,13 +253,15 @@ def _encode(stored: np.ndarray, qtype: str, rng) -> tuple[np.ndarray, np.ndarray
 
 
 def write_tiny_gguf(config: dict, path, *, seed: int = 0, qtype: str = "Q8_0",
-                    chat_template: str | None = None) -> dict[str, np.ndarray]:
+                    chat_template: str | None = None,
+                    pooling_type: str | None = None) -> dict[str, np.ndarray]:
     """A GGUF file of `config` as llama.cpp's converter lays it out (permuted llama
     Q/K rows, gemma norms stored as 1 + w, 2-D weights in `qtype` where their
     rows are a whole number of blocks, else F32); returns the dense float32
     weights it encodes under mlx-lm names, in HF layout. Any type our kernels
     decode: those the gguf package cannot quantize (K, IQ) hold random valid
-    blocks with each weight row's RMS, so the weights are the blocks' own."""
+    blocks with each weight row's RMS, so the weights are the blocks' own.
+    pooling_type (MEAN, CLS, LAST, RANK): an embedding file's `<arch>.pooling_type`."""
     import gguf
 
     from vllm_metal.models.gguf_loader import permute_rows
@@ -290,6 +292,8 @@ def write_tiny_gguf(config: dict, path, *, seed: int = 0, qtype: str = "Q8_0",
     w.add_add_bos_token(False)
     if chat_template:
         w.add_chat_template(chat_template)
+    if pooling_type:
+        w.add_pooling_type(gguf.PoolingType[pooling_type])
 
     dense = {}
     names = {v: k for k, v in _reverse_names(arch.model_type, config["num_hidden_layers"]).items()}
