@@ -204,7 +204,7 @@ class MetalPlatform(Platform):
         if vllm_config.model_config is not None and is_hybrid_config(vllm_config.model_config.hf_text_config):
             configure_prefix_caching(vllm_config)
         _name_gguf_models_after_their_file(vllm_config)
-        if "moe_expert_offload" in (vllm_config.additional_config or {}):
+        if "moe_expert_offload" in (getattr(vllm_config, "additional_config", None) or {}):
             from vllm_metal.expert_metrics import prepare
 
             prepare(vllm_config)  # the cache's counters on /metrics
@@ -384,7 +384,7 @@ def _refuse_unsupported(vllm_config: VllmConfig) -> None:
         _refuse(f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype}", "use auto")
     if model.quantization not in (None, "gguf"):
         _refuse(f"quantization '{model.quantization}'", "serve safetensors in float16/bfloat16 or a GGUF file")
-    if "moe_expert_offload" in (vllm_config.additional_config or {}):
+    if "moe_expert_offload" in (getattr(vllm_config, "additional_config", None) or {}):
         _refuse_unsupported_offload(vllm_config, archs)
 
 
