@@ -59,6 +59,7 @@ def runner_for(loaded, block_size, speculative=False, caching=False) -> MetalMod
         cache_config=SimpleNamespace(block_size=block_size, enable_prefix_caching=caching),
         scheduler_config=SimpleNamespace(async_scheduling=True, max_num_seqs=MAX_NUM_SEQS,
                                          max_num_batched_tokens=64),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         speculative_config=None)
     runner = MetalModelRunner(config)
     runner.loaded, runner.model = loaded, loaded.model
