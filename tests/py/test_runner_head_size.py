@@ -23,7 +23,9 @@ def tiny_llama(out_dir, head_dim: int):
 def runner_for(checkpoint) -> MetalModelRunner:
     # only what load_model reads before the head-size check
     config = SimpleNamespace(model_config=SimpleNamespace(model=str(checkpoint), dtype="float32"),
-                             cache_config=None, scheduler_config=SimpleNamespace(async_scheduling=True))
+                             cache_config=None, scheduler_config=SimpleNamespace(async_scheduling=True),
+                             parallel_config=SimpleNamespace(tensor_parallel_size=1,
+                                                             pipeline_parallel_size=1))
     return MetalModelRunner(config)
 
 
