@@ -179,7 +179,7 @@ class MetalModelRunner(DeltaHooks):
         dtype = _dtype_name(self.model_config.dtype)
         from vllm_metal.models.expert_offload import OffloadConfig
 
-        additional = self.vllm_config.additional_config or {}
+        additional = getattr(self.vllm_config, "additional_config", None) or {}
         self.loaded = load_model(self.model_config.model, dtype,
                                  expert_offload=OffloadConfig.from_additional(additional))
         self.expert_stats = None  # the expert cache's counters -> /metrics (expert_metrics.py)
