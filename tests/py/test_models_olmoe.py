@@ -15,7 +15,7 @@ gguf = pytest.importorskip("gguf")
 
 from safetensors.numpy import load_file  # noqa: E402
 
-from test_models_qwen3_moe import hf_greedy  # noqa: E402
+from test_models_qwen3_moe import assert_prompt_logits_match, hf_greedy  # noqa: E402
 from test_models_transformers import NEW_TOKENS, SIZES, _random_hf_model  # noqa: E402
 from vllm_metal.models import load_model  # noqa: E402
 from vllm_metal.models.generate import greedy_generate  # noqa: E402
@@ -114,13 +114,7 @@ def test_greedy_tokens_match_transformers(tmp_path, overrides):
 
 def test_prompt_logits_match_transformers(tmp_path):
     config, hf = write_checkpoint(tmp_path, seed=3)
-    tokens = np.random.default_rng(2).integers(3, config.vocab_size, 13).tolist()
-    with torch.no_grad():
-        want = hf(torch.tensor([tokens])).logits[0].numpy()
-    loaded = load_model(str(tmp_path), "float32")
-    got = run_packed(loaded, [tokens], schedules=[[8, 5]])[0]
-    err = np.abs(got - want).max() / max(1.0, np.abs(want).max())
-    assert err < 1e-4, err
+    assert_prompt_logits_match(tmp_path, hf, config.vocab_size)
 
 
 def test_gguf_f32_experts_greedy_tokens_match_transformers(tmp_path):

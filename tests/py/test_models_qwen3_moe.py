@@ -61,17 +61,23 @@ def test_greedy_tokens_match_transformers(tmp_path, overrides):
     assert got == want
 
 
-def test_prompt_logits_match_transformers(tmp_path):
+def assert_prompt_logits_match(path, hf, vocab_size: int) -> None:
+    """Every prompt position's logits, over two prefill chunks, equal transformers' (the
+    checkpoint at path holds hf's weights)."""
     from vllm_metal.models.testing import run_packed
 
-    config, hf = write_checkpoint(tmp_path, seed=3)
-    tokens = np.random.default_rng(2).integers(3, config.vocab_size, 13).tolist()
+    tokens = np.random.default_rng(2).integers(3, vocab_size, 13).tolist()
     with torch.no_grad():
         want = hf(torch.tensor([tokens])).logits[0].numpy()
-    loaded = load_model(str(tmp_path), "float32")
+    loaded = load_model(str(path), "float32")
     got = run_packed(loaded, [tokens], schedules=[[8, 5]])[0]
     err = np.abs(got - want).max() / max(1.0, np.abs(want).max())
     assert err < 1e-4, err
+
+
+def test_prompt_logits_match_transformers(tmp_path):
+    config, hf = write_checkpoint(tmp_path, seed=3)
+    assert_prompt_logits_match(tmp_path, hf, config.vocab_size)
 
 
 @pytest.mark.slow
