@@ -205,22 +205,8 @@ class MetalModelRunner(DeltaHooks):
             check_attention_head_size(self.model_config.model, spec.head_dim)
         if self.speculation is not None and self.speculation.method == "draft_model":
             self._load_draft_model(dtype)
-        if self.speculation is not None and self.speculation.method == "mtp":
-            from vllm_metal.mtp import MtpDraft
-
-            self.speculation.draft = MtpDraft(self.loaded, self.model_config.model,
-                                              self.speculation.num_speculative_tokens,
-                                              self.model_config.max_model_len)
-            logger.info("vllm-metal loaded the checkpoint's MTP block")
-        if self.speculation is not None and self.speculation.method == "eagle3":
-            from vllm_metal.eagle3 import Eagle3Draft
-
-            path = self.vllm_config.speculative_config.draft_model_config.model
-            self.speculation.draft = Eagle3Draft(self.loaded, path,
-                                                 self.speculation.num_speculative_tokens,
-                                                 self.model_config.max_model_len)
-            logger.info("vllm-metal loaded the EAGLE3 head %s (target layers %s)", path,
-                        self.speculation.draft.head.aux_layers)
+        if self.speculation is not None and self.speculation.method in ("mtp", "eagle3"):
+            self._load_draft_head()
         if self.vllm_config.lora_config is not None:
             from vllm_metal.lora.manager import LoraManager
 
@@ -239,6 +225,23 @@ class MetalModelRunner(DeltaHooks):
             shard_loaded(self.loaded, self.mlx_group)
         except TensorParallelError as e:
             raise ValueError(f"[vllm-metal] {self.model_config.model}: {e}") from None
+
+    def _load_draft_head(self) -> None:
+        """A head drafting from the target's hidden states (head_draft.py): the checkpoint's
+        MTP block (mtp), or an EAGLE3 head from the speculative config's model (eagle3)."""
+        k, max_len = self.speculation.num_speculative_tokens, self.model_config.max_model_len
+        if self.speculation.method == "mtp":
+            from vllm_metal.mtp import MtpDraft
+
+            self.speculation.draft = MtpDraft(self.loaded, self.model_config.model, k, max_len)
+            logger.info("vllm-metal loaded the checkpoint's MTP block")
+            return
+        from vllm_metal.eagle3 import Eagle3Draft
+
+        path = self.vllm_config.speculative_config.draft_model_config.model
+        self.speculation.draft = Eagle3Draft(self.loaded, path, k, max_len)
+        logger.info("vllm-metal loaded the EAGLE3 head %s (target layers %s)", path,
+                    self.speculation.draft.head.aux_layers)
 
     def _load_draft_model(self, dtype: str | None) -> None:
         from vllm_metal.draft_model import DraftModel

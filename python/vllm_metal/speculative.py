@@ -7,7 +7,8 @@ prefill chunk), and sampling/verify.py keeps the drafts the target agrees with.
 
 Where drafts come from. After a step's tokens are on the host, the C++ packer's
 n-gram matcher proposes each request's next drafts from its token history
-(BatchPacker.propose_ngram), or a draft model decodes them greedily (draft_model.py).
+(BatchPacker.propose_ngram), or a draft model decodes them greedily (draft_model.py),
+or a head reading the target's hidden states does (head_draft.py: mtp.py, eagle3.py).
 With sync scheduling the engine reads them with
 take_draft_token_ids and schedules them. With async scheduling (vLLM's default) the
 scheduler plans step N+1 before step N's tokens exist, with placeholder drafts; the
@@ -36,7 +37,8 @@ class Speculation:
         if self.method == "ngram":
             self.min_n = int(speculative_config.prompt_lookup_min)
             self.max_n = int(speculative_config.prompt_lookup_max)
-        # draft_model.DraftModel (method draft_model) or mtp.MtpDraft (mtp), set at load
+        # set at load: draft_model.DraftModel (method draft_model), or a
+        # head_draft.HeadDraft over an MTP block (mtp) or an EAGLE3 head (eagle3)
         self.draft = None
         self.max_model_len = max_model_len
         self.async_scheduling = async_scheduling
