@@ -171,6 +171,12 @@ class MetalPlatform(Platform):
                 action.type = resolve_model_argument
             elif action.dest == "speculative_config" and action.type is not None:
                 action.type = _draft_model_resolved(action.type)
+            elif action.dest == "middleware":
+                # a 503 (not vLLM's 500) for requests that arrive during a SIGTERM
+                # drain; --middleware given by the user appends to this list
+                ours = "vllm_metal.drain_refusal.DrainRefusal"
+                if ours not in (action.default or []):
+                    action.default = [*(action.default or []), ours]
 
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:

@@ -608,8 +608,8 @@ def test_chat_fuzzer_random_messages(server):
 # ---- 4. SIGTERM under load (last: it stops the module's server) ------------------------
 
 def test_sigterm_under_load_drains_then_exits_leaving_no_child(server):
-    """--shutdown-timeout 20: in-flight requests finish, new ones are refused (a 5xx) or
-    find the port closed, and the whole process tree is gone."""
+    """--shutdown-timeout 20: in-flight requests finish, new ones get a 503 or find the
+    port closed, and the whole process tree is gone."""
     children = psutil.Process(server.proc.pid).children(recursive=True)
     assert children  # the engine core process
     results = []
@@ -644,8 +644,9 @@ def test_sigterm_under_load_drains_then_exits_leaving_no_child(server):
     assert took < 20 + 15, took
     assert [r[0] for r in results] == [200] * 16, results
     assert all(r[1]["usage"]["completion_tokens"] == 40 for r in results)
-    # refused, never served: vLLM 0.33 answers 500 during the drain (its renderer's executor
-    # is shut down: "cannot schedule new futures after shutdown"), not 503 (docs/reliability.md)
-    assert all(s in (500, 503, "closed") for s in late), late
+    # refused, never served: a 503 while the engine drains (vllm_metal.drain_refusal; vLLM
+    # alone answers 500 there), then a closed connection once uvicorn stops
+    assert all(s in (503, "closed") for s in late), late
+    assert 503 in late, late
     gone = psutil.wait_procs(children, timeout=10)[1]
     assert not gone, f"left behind: {gone}"
