@@ -439,11 +439,10 @@ def _refuse_unsupported_encoder(vllm_config: VllmConfig) -> None:
         if not getattr(hf, "use_bidirectional_attention", False):
             _refuse("Gemma3TextModel without use_bidirectional_attention",
                     "EmbeddingGemma checkpoints set it; a causal Gemma 3 serves as Gemma3ForCausalLM")
-        longest = max_tokens(hf)  # the bidirectional sliding window (models/gemma3_encoder.py)
+        longest = max_tokens(hf)  # its positions (models/gemma3_encoder.py)
         if model.max_model_len > longest:
-            _refuse(f"--max-model-len {model.max_model_len} for EmbeddingGemma, whose sliding layers "
-                    f"attend within a window of {longest} tokens (longer inputs: not supported yet)",
-                    f"pass --max-model-len {longest}")
+            _refuse(f"--max-model-len {model.max_model_len} for EmbeddingGemma, whose positions "
+                    f"reach {longest}", f"pass --max-model-len {longest}")
         return
     # RoBERTa / XLM-R number positions from padding_idx + 1 (models/bert.py)
     roberta = getattr(hf, "model_type", "") in ("roberta", "xlm-roberta")

@@ -1,6 +1,6 @@
 // Attention within each sequence of a packed variable-length batch, over
 // contiguous q/k/v (encoders: no paged cache). Bidirectional unless
-// args.causal. One simdgroup per (query row, q head): lane owns dims
+// args.causal; args.window > 0 limits keys to |i - j| < window. One simdgroup per (query row, q head): lane owns dims
 // lane + 32 c, a key's score is one simd_sum, online softmax over the keys.
 #include <metal_stdlib>
 #include "varlen_attention_args.h"
@@ -34,8 +34,12 @@ kernel void varlen_attention(
       hi = mid;
     }
   }
-  const int key_begin = cu_seqlens[lo];
-  const int key_end = args.causal != 0u ? row + 1 : cu_seqlens[lo + 1u];
+  int key_begin = cu_seqlens[lo];
+  int key_end = args.causal != 0u ? row + 1 : cu_seqlens[lo + 1u];
+  if (args.window > 0u) {
+    key_begin = max(key_begin, row - int(args.window) + 1);
+    key_end = min(key_end, row + int(args.window));
+  }
   const uint kv_head = head / (args.num_q_heads / args.num_kv_heads);
 
   float qv[kMaxChunks];

@@ -16,7 +16,7 @@ struct VarlenAttentionArgs {
   uint32_t head_size;     // <= 256
   uint32_t causal;        // 1: row i of a sequence sees keys <= i; 0: the whole sequence
   float scale;
-  uint32_t pad_;
+  uint32_t window;  // > 0: row i sees keys j with |i - j| < window (sliding layers)
 };
 
 #ifndef __METAL_VERSION__

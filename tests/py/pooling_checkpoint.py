@@ -71,6 +71,7 @@ def _merge_config(out: Path, extra: dict) -> None:
 
 
 GEMMA_WINDOW = 65  # the bidirectional window transformers derives from sliding_window 128
+GEMMA_POSITIONS = 512
 
 
 def write_embeddinggemma(out_dir, seed: int = 5, hidden: int = 64, projection: int = 128) -> Path:
@@ -86,7 +87,7 @@ def write_embeddinggemma(out_dir, seed: int = 5, hidden: int = 64, projection: i
         vocab_size=VOCAB, hidden_size=hidden, intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=128,
         query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        use_bidirectional_attention=True, max_position_embeddings=512, bos_token_id=1, eos_token_id=0,
+        use_bidirectional_attention=True, max_position_embeddings=GEMMA_POSITIONS, bos_token_id=1, eos_token_id=0,
         pad_token_id=0, rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
     model = transformers.Gemma3TextModel(config).to(torch.float32).eval()

@@ -1,5 +1,6 @@
 """varlen_attention (encoder attention over packed variable-length sequences, contiguous
-q/k/v) against a float64 NumPy reference on both backends; bidirectional and causal; a
+q/k/v) against a float64 NumPy reference on both backends; bidirectional and causal, with and
+without a sliding window (|i - j| < window: Gemma 3's bidirectional sliding layers); a
 sequence's rows unaffected by its neighbours; against MLX's own scaled_dot_product_attention;
 the errors."""
 
@@ -31,8 +32,8 @@ def cu_of(lengths):
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
-def reference(q, k, v, cu, scale, causal):
-    """float64 softmax(scale q k^T) v per sequence, per head."""
+def reference(q, k, v, cu, scale, causal, window=0):
+    """float64 softmax(scale q k^T) v per sequence, per head; window > 0: keys |i - j| < window."""
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     t, hq, d = q.shape
     group = hq // k.shape[1]
@@ -44,6 +45,9 @@ def reference(q, k, v, cu, scale, causal):
             scores = scale * q[s:e, h] @ k[s:e, h // group].T
             if causal:
                 scores = np.where(np.tril(np.ones_like(scores, bool)), scores, -np.inf)
+            if window:
+                i, j = np.indices(scores.shape)
+                scores = np.where(np.abs(i - j) < window, scores, -np.inf)
             p = np.exp(scores - scores.max(axis=1, keepdims=True))
             out[s:e, h] = (p / p.sum(axis=1, keepdims=True)) @ v[s:e, h // group]
     return out
@@ -71,6 +75,31 @@ def test_matches_reference(backend, case, dtype, causal):
     assert out.dtype == q.dtype and out.shape == q.shape
     want = reference(to_numpy(q), to_numpy(k), to_numpy(v), cu, scale, causal)
     assert_close(out, want, dtype, case_id(case))
+
+
+WINDOW_CASES = [
+    # (lengths, num_q_heads, num_kv_heads, head_size, window)
+    ((9,), 2, 2, 16, 1),              # each row sees itself only
+    ((40, 3, 70), 4, 2, 32, 5),       # windows inside query tiles and across them
+    ((33, 12), 2, 1, 20, 16),         # head_size not /8 (the generic CPU tile)
+    ((6, 10), 2, 2, 8, 64),           # window longer than every sequence: no effect
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: case_id(c[:4]) + f",w={c[4]}")
+def test_sliding_window_matches_reference(backend, case, dtype, causal):
+    lengths, hq, hkv, d, window = case
+    q, k, v = make(lengths, hq, hkv, d, dtype, seed=d + window)
+    cu = cu_of(lengths)
+    out = ops.varlen_attention(q, k, v, cu_seqlens=mx.array(cu), scale=d ** -0.5, causal=causal,
+                               window=window)
+    want = reference(to_numpy(q), to_numpy(k), to_numpy(v), cu, d ** -0.5, causal, window)
+    assert_close(out, want, dtype, f"window {window}")
+    if window < max(lengths):  # the window changed something
+        full = reference(to_numpy(q), to_numpy(k), to_numpy(v), cu, d ** -0.5, causal)
+        assert not np.allclose(to_numpy(out).astype(np.float64), full, atol=1e-2)
 
 
 def test_bidirectional_rows_see_later_keys(backend):
@@ -140,6 +169,7 @@ def _bad(**override):
         (_bad(cu_seqlens=mx.array([0, 2, 4], mx.int32)), r"cu_seqlens\[-1\] must be the number of rows 3, got 4"),
         (_bad(cu_seqlens=mx.array([0], mx.int32)), r"cu_seqlens must be \[num_seqs \+ 1\]"),
         (_bad(scale=float("nan")), r"scale must be finite"),
+        (_bad(window=-1), r"window must be 0 \(none\) or a positive key distance, got -1"),
     ],
 )
 def test_bad_input_raises_a_clear_error(make_call, message):
@@ -147,7 +177,7 @@ def test_bad_input_raises_a_clear_error(make_call, message):
         make_call()
 
 
-def test_launches_on_numpy(causal=False):
+def test_launches_on_numpy(causal=False, window=0):
     """The planner's launches run directly on NumPy arrays (also under the emulator's race and
     bounds checks: test_metal_kernel_checks); nothing is written outside the output."""
     from test_hybrid_launches import guarded, guards_intact
@@ -157,7 +187,12 @@ def test_launches_on_numpy(causal=False):
     cu = cu_of(lengths)
     out, back = guarded(q.shape, np.float32)
     plan = _core.plan_varlen_attention("float32", q.shape[0], len(lengths), hq, hkv, d, 0.2,
-                                       causal)
+                                       causal, window)
     emulation.run_plan(plan, [q, k, v, cu, out])
     assert guards_intact(back)
-    np.testing.assert_allclose(out, reference(q, k, v, cu, 0.2, causal), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(out, reference(q, k, v, cu, 0.2, causal, window), atol=2e-5,
+                               rtol=2e-5)
+
+
+def test_window_launches_on_numpy():
+    test_launches_on_numpy(causal=False, window=3)

@@ -9,9 +9,9 @@ Per layer (Gemma 3's sandwich norms, RMSNorm scaling by 1 + w):
 attention: q/k RMS-normed per head, RoPE with the layer type's base (sliding layers:
 rope_local_base_freq), scale query_pre_attn_scalar^-0.5, grouped KV heads.
 
-Sliding layers attend to keys with |i - j| < sliding_window (transformers' bidirectional
-window). Inputs are limited to sliding_window tokens (the platform sets that bound), so
-every key is inside the window and both layer types attend to the whole sequence.
+Sliding layers attend to keys with |i - j| < window (transformers' bidirectional window:
+sliding_window // 2 + 1 of the saved value), through varlen_attention's window option; full
+layers to the whole sequence. Inputs go up to max_position_embeddings.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ class Gemma3EncoderConfig:
     head_dim: int
     query_pre_attn_scalar: float
     rms_norm_eps: float
-    max_tokens: int  # the bidirectional sliding window: longer inputs are refused
+    max_tokens: int  # max_position_embeddings: longer inputs are refused
     rope_bases: list  # per layer
+    windows: list  # per layer: the bidirectional window of a sliding layer, 0 for a full one
     hidden_act: str
 
     @classmethod
@@ -65,20 +66,25 @@ class Gemma3EncoderConfig:
                    num_key_value_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
                    query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", cfg["head_dim"]),
                    rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), max_tokens=max_tokens(cfg),
-                   rope_bases=[rope[t] for t in layer_types], hidden_act=act)
+                   rope_bases=[rope[t] for t in layer_types], hidden_act=act,
+                   windows=[window(cfg) if t == "sliding_attention" else 0 for t in layer_types])
 
 
 def max_tokens(cfg) -> int:
-    """The longest input: transformers' bidirectional window (sliding_window // 2 + 1 of the
-    saved value) bounds |i - j| < window, so an input of `window` tokens sees every key."""
+    """The longest input: the position range (sliding layers window their keys themselves)."""
+    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+    return int(get("max_position_embeddings", 2048))
+
+
+def window(cfg) -> int:
+    """transformers' bidirectional window: a sliding layer's row i sees keys |i - j| < window,
+    window = sliding_window // 2 + 1 of the saved value (0: no window)."""
     get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
     saved = get("sliding_window")
-    longest = int(get("max_position_embeddings", 2048))
     if saved is None:
-        return longest
+        return 0
     # a config.json holds the saved value; a loaded transformers config, the halved one
-    window = int(saved) // 2 + 1 if isinstance(cfg, dict) else int(saved)
-    return min(window, longest)
+    return int(saved) // 2 + 1 if isinstance(cfg, dict) else int(saved)
 
 
 def rope_bases(cfg: dict) -> dict:
@@ -128,13 +134,13 @@ class _Attention(nn.Module):
         self.k_norm = _Norm(c.head_dim, c.rms_norm_eps)
         self.scale = float(c.query_pre_attn_scalar) ** -0.5
 
-    def __call__(self, x, cu, cos, sin):
+    def __call__(self, x, cu, cos, sin, window):
         t = x.shape[0]
         q = self.q_norm(self.q_proj(x).reshape(t, self.heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).reshape(t, self.kv_heads, self.head_dim))
         v = self.v_proj(x).reshape(t, self.kv_heads, self.head_dim)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        a = ops.varlen_attention(q, k, v, cu_seqlens=cu, scale=self.scale)
+        a = ops.varlen_attention(q, k, v, cu_seqlens=cu, scale=self.scale, window=window)
         return self.o_proj(a.reshape(t, -1))
 
 
@@ -160,8 +166,9 @@ class _Layer(nn.Module):
         self.pre_feedforward_layernorm = _Norm(h, eps)
         self.post_feedforward_layernorm = _Norm(h, eps)
 
-    def __call__(self, h, cu, cos, sin):
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cu, cos, sin))
+    def __call__(self, h, cu, cos, sin, window):
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cu, cos, sin,
+                                                             window))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
@@ -189,7 +196,7 @@ class Gemma3Encoder(nn.Module):
         lengths = np.diff(cu_np)
         if lengths.size and lengths.max() > c.max_tokens:
             raise ValueError(f"[vllm-metal] an input of {int(lengths.max())} tokens is longer than "
-                             f"the model's bidirectional window of {c.max_tokens}")
+                             f"the model's {c.max_tokens} positions")
         if positions is None:
             positions = np.arange(t) - np.repeat(cu_np[:-1], lengths)
         pos = np.asarray(positions, np.float64)
@@ -202,8 +209,8 @@ class Gemma3Encoder(nn.Module):
             ang = (pos[:, None] * inv[None, :]).astype(np.float32)[:, None, :]
             tables[base] = (mx.array(np.cos(ang)).astype(h.dtype), mx.array(np.sin(ang)).astype(h.dtype))
         cu = mx.array(cu_np)
-        for layer, base in zip(self.layers, c.rope_bases):
-            h = layer(h, cu, *tables[base])
+        for layer, base, w in zip(self.layers, c.rope_bases, c.windows):
+            h = layer(h, cu, *tables[base], w)
         return self.norm(h)
 
     def hidden_states(self, input_ids, ctx, rows, token_type_ids=None) -> mx.array:

@@ -30,9 +30,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from vllm_metal.models import bert_gguf
 from vllm_metal.models.gguf_loader import GGUF_FILE_IN_DIR
 
-LAYOUT_VERSION = 7  # 7: pooling_type -> sentence-transformers modules
+LAYOUT_VERSION = 8  # 7: pooling_type -> sentence-transformers modules; 8: bert files
 _DONE_MARKER = ".vllm_metal_prepared"
 
 # Used when a Gemma 3 GGUF carries no chat template (HF's Gemma turn format:
@@ -117,6 +118,9 @@ def _write_dir(src: Path, out: Path) -> None:
     from vllm_metal.models import gguf_loader
 
     ckpt = gguf_loader.GGUFCheckpoint(str(src))
+    if bert_gguf.is_bert(ckpt):  # an encoder: its own config and WordPiece tokenizer
+        _write_bert_dir(src, out, ckpt)
+        return
     config = gguf_loader.hf_config(ckpt)
     eos = gguf_loader.eos_token_ids(ckpt)
     os.symlink(src, out / GGUF_FILE_IN_DIR)
@@ -135,6 +139,19 @@ def _write_dir(src: Path, out: Path) -> None:
         if key in config:
             generation[key] = config[key]
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    _write_pooling_modules(out, ckpt)
+
+
+def _write_bert_dir(src: Path, out: Path, ckpt) -> None:
+    import transformers
+
+    config = dict(bert_gguf.hf_config(ckpt), transformers_version=transformers.__version__)
+    if pooling_type_of(ckpt) == _RANK_POOLING:
+        config["gguf_pooling_type"] = "RANK"
+    os.symlink(src, out / GGUF_FILE_IN_DIR)
+    with contextlib.redirect_stdout(sys.stderr):
+        bert_gguf.write_tokenizer(out, ckpt)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     _write_pooling_modules(out, ckpt)
 
 

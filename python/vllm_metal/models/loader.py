@@ -96,8 +96,9 @@ def _is_encoder(config: dict) -> bool:
     return bool(set(config.get("architectures") or []) & ENCODER_ARCHITECTURES)
 
 
-def _load_encoder(path: Path, hf_config: dict, dtype: str | None, linear: str):
-    from vllm_metal.models import LoadedModel, ModelSpec
+def _load_encoder(path: Path, hf_config: dict, dtype: str | None, linear: str,
+                  gguf_path: Path | None = None):
+    from vllm_metal.models import LoadedModel, ModelSpec, bert_gguf
     from vllm_metal.models.bert import load_encoder
 
     from vllm_metal.models.encoder_archs import GEMMA3_ENCODER_ARCHITECTURES
@@ -107,6 +108,10 @@ def _load_encoder(path: Path, hf_config: dict, dtype: str | None, linear: str):
     if set(hf_config.get("architectures") or []) & GEMMA3_ENCODER_ARCHITECTURES:
         model = load_gemma3_encoder(path, target, linear)
         kv_heads, head_dim = model.config.num_key_value_heads, model.config.head_dim
+    elif gguf_path is not None:
+        model = bert_gguf.load_encoder(gguf_path, hf_config, target, linear)
+        kv_heads = model.config.num_attention_heads
+        head_dim = model.config.hidden_size // model.config.num_attention_heads
     else:
         model = load_encoder(path, target, linear)
         kv_heads = model.config.num_attention_heads
@@ -174,9 +179,14 @@ def score_weights(model_path: str):
 
 def _load_gguf(gguf_path: Path, directory: Path | None, dtype: str | None, linear: str,
                expert_offload=None):
-    from vllm_metal.models import gguf_loader
+    from vllm_metal.models import bert_gguf, gguf_loader
 
     ckpt = gguf_loader.GGUFCheckpoint(str(gguf_path))
+    if bert_gguf.is_bert(ckpt):  # an encoder (models/bert_gguf.py)
+        hf_config = bert_gguf.hf_config(ckpt)
+        if expert_offload is not None:
+            _refuse_offload(hf_config)
+        return _load_encoder(directory or gguf_path, hf_config, dtype, linear, gguf_path=gguf_path)
     if directory is not None:
         hf_config = json.loads((directory / "config.json").read_text())
     else:

@@ -24,7 +24,8 @@ constexpr const char* kVarlenAttentionDoc =
     "Attention within each sequence of a packed variable-length batch (encoders).\n\n"
     "q [T, Hq, D]; k, v [T, Hkv, D] (q's float dtype, Hq a multiple of Hkv, D <= 256);\n"
     "cu_seqlens int32 [N+1] (rows [cu[n], cu[n+1]) are sequence n). Row i attends to every\n"
-    "row of its sequence (causal=False) or to rows up to itself (causal=True), softmax of\n"
+    "row of its sequence (causal=False) or to rows up to itself (causal=True); window > 0\n"
+    "keeps only rows j with |i - j| < window (sliding layers). Softmax of\n"
     "scale * q.k in float32. Returns [T, Hq, D] in q's dtype.";
 
 constexpr const char* kGeluDoc =
@@ -40,15 +41,16 @@ void bind_encoder(nb::module_& m) {
   m.def(
       "varlen_attention",
       [](const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& cu_seqlens,
-         float scale, bool causal, const StreamArg& s) {
-        return vm::varlen_attention(q, k, v, cu_seqlens, scale, causal, to_stream_or_device(s));
+         float scale, bool causal, int64_t window, const StreamArg& s) {
+        return vm::varlen_attention(q, k, v, cu_seqlens, scale, causal, window,
+                                    to_stream_or_device(s));
       },
       "q"_a, "k"_a, "v"_a, nb::kw_only(), "cu_seqlens"_a, "scale"_a, "causal"_a = false,
-      "stream"_a = nb::none(), kVarlenAttentionDoc);
+      "window"_a = 0, "stream"_a = nb::none(), kVarlenAttentionDoc);
   m.def(
       "plan_varlen_attention",
       [](const std::string& dtype, int64_t num_tokens, int64_t num_seqs, int64_t num_q_heads,
-         int64_t num_kv_heads, int64_t head_size, float scale, bool causal) {
+         int64_t num_kv_heads, int64_t head_size, float scale, bool causal, int64_t window) {
         vm::VarlenAttentionProblem p;
         p.dtype = parse_float_dtype(dtype);
         p.num_tokens = num_tokens;
@@ -58,10 +60,11 @@ void bind_encoder(nb::module_& m) {
         p.head_size = head_size;
         p.scale = scale;
         p.causal = causal;
+        p.window = window;
         return vm::plan_varlen_attention(p);
       },
       "dtype"_a, "num_tokens"_a, "num_seqs"_a, "num_q_heads"_a, "num_kv_heads"_a, "head_size"_a,
-      "scale"_a, "causal"_a = false,
+      "scale"_a, "causal"_a = false, "window"_a = 0,
       "Kernel launches of varlen_attention. Slots: 0 q, 1 k, 2 v, 3 cu_seqlens, 4 out.");
   m.def(
       "gelu",

@@ -18,6 +18,15 @@ constexpr int64_t kQueryTile = 32;  // query rows sharing the keys (converted on
 template <Elt E>
 using S = typename EltTraits<E>::Storage;
 
+// Keys [first, end) of a sequence of `len` rows that row `row` sees.
+int64_t first_key(const VarlenAttentionParams& p, int64_t row) {
+  return p.window > 0 ? std::max<int64_t>(0, row - p.window + 1) : 0;
+}
+int64_t end_key(const VarlenAttentionParams& p, int64_t row, int64_t len) {
+  const int64_t end = p.causal ? row + 1 : len;
+  return p.window > 0 ? std::min(end, row + p.window) : end;
+}
+
 struct Task {
   int64_t seq, kv_head, row_begin, row_end;  // rows relative to the sequence's start
 };
@@ -54,18 +63,21 @@ void attend_tile(const VarlenAttentionParams& p, const AttentionVecOps<E>& ops, 
   std::fill(l, l + pairs, 0.0f);
   std::fill(acc, acc + pairs * d, 0.0f);
 
-  const int64_t key_end = p.causal ? t.row_end : len;
+  // the tile's keys: from the first row's first to the last row's end
+  const int64_t key_begin = first_key(p, t.row_begin);
+  const int64_t key_end = end_key(p, t.row_end - 1, len);
   const auto* ksrc = static_cast<const S<E>*>(p.k);
   const auto* vsrc = static_cast<const S<E>*>(p.v);
-  for (int64_t j = 0; j < key_end; ++j) {
+  for (int64_t j = key_begin; j < key_end; ++j) {
     const int64_t at = ((start + j) * p.num_kv_heads + t.kv_head) * d;
-    // causal: rows before j skip the key (p = 0, rescale = 1); they form a prefix of the tile
-    const int64_t first = p.causal ? std::max<int64_t>(0, j - t.row_begin) : 0;
-    for (int64_t r = 0; r < first; ++r) {
-      std::fill(rescale + r * groups, rescale + (r + 1) * groups, 1.0f);
-      std::fill(probs + r * groups, probs + (r + 1) * groups, 0.0f);
-    }
-    for (int64_t r = first; r < rows; ++r) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row = t.row_begin + r;
+      if (j < first_key(p, row) || j >= end_key(p, row, len)) {
+        // a key the row does not see (causal, window): p = 0, rescale = 1
+        std::fill(rescale + r * groups, rescale + (r + 1) * groups, 1.0f);
+        std::fill(probs + r * groups, probs + (r + 1) * groups, 0.0f);
+        continue;
+      }
       float* sc = scores + r * groups;
       ops.dot_groups(q + r * groups * d, ksrc + at, sc, static_cast<int>(groups),
                      static_cast<int>(d));
@@ -79,7 +91,7 @@ void attend_tile(const VarlenAttentionParams& p, const AttentionVecOps<E>& ops, 
         m[pair] = m_new;
       }
     }
-    for (int64_t r = first; r < rows; ++r) {
+    for (int64_t r = 0; r < rows; ++r) {
       ops.update_groups(acc + r * groups * d, rescale + r * groups, probs + r * groups,
                         vsrc + at, static_cast<int>(groups), static_cast<int>(d));
     }
@@ -101,10 +113,11 @@ constexpr int kPairs = 4;  // (row, q head) pairs sharing each K^T / V load
 
 // Scores, softmax and P . V of up to kPairs (row, q head) pairs at once: each load of K^T
 // (8 keys) or of V (8 dims) feeds one FMA chain per pair. q [kPairs][d] (scaled), s
-// [kPairs][nk8] scratch; visible[pr] = keys [0, visible) the pair sees.
+// [kPairs][nk8] scratch; pair pr sees keys [first[pr], visible[pr]).
 template <Elt E, int NP>
 VLLM_METAL_AVX2 void attend_pairs(const float* kt, const float* vf, int64_t d, int64_t nk8,
-                                  const float* q, float* s, const int64_t* visible,
+                                  const float* q, float* s, const int64_t* first,
+                                  const int64_t* visible,
                                   typename EltTraits<E>::Storage* const* dst) {
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
@@ -121,9 +134,11 @@ VLLM_METAL_AVX2 void attend_pairs(const float* kt, const float* vf, int64_t d, i
     }
     const __m256 idx = _mm256_add_ps(lane, _mm256_set1_ps(float(c)));
     for (int pr = 0; pr < NP; ++pr) {
-      // keys at or past `visible` (padding, causal mask) -> -inf
-      const __m256 x = _mm256_blendv_ps(
-          acc[pr], ninf, _mm256_cmp_ps(idx, _mm256_set1_ps(float(visible[pr])), _CMP_GE_OQ));
+      // keys at or past `visible` (padding, causal mask) or before `first` (window) -> -inf
+      const __m256 hidden = _mm256_or_ps(
+          _mm256_cmp_ps(idx, _mm256_set1_ps(float(visible[pr])), _CMP_GE_OQ),
+          _mm256_cmp_ps(idx, _mm256_set1_ps(float(first[pr])), _CMP_LT_OQ));
+      const __m256 x = _mm256_blendv_ps(acc[pr], ninf, hidden);
       _mm256_storeu_ps(s + pr * nk8 + c, x);
       vmax[pr] = _mm256_max_ps(vmax[pr], x);
     }
@@ -174,7 +189,10 @@ VLLM_METAL_AVX2 void attend_tile_avx2(const VarlenAttentionParams& p, const Task
   const int64_t d = p.head_size;
   const int64_t groups = p.num_q_heads / p.num_kv_heads;
   const int64_t start = p.cu_seqlens[t.seq];
-  const int64_t nk = p.causal ? t.row_end : p.cu_seqlens[t.seq + 1] - start;
+  const int64_t len = p.cu_seqlens[t.seq + 1] - start;
+  // the tile's keys [k0, k0 + nk): from the first row's first to the last row's end
+  const int64_t k0 = first_key(p, t.row_begin);
+  const int64_t nk = end_key(p, t.row_end - 1, len) - k0;
   const int64_t nk8 = (nk + 7) / 8 * 8;
   work.resize(size_t(d * nk8 + nk * d + kPairs * (d + nk8)));
   float* kt = work.data();
@@ -184,7 +202,7 @@ VLLM_METAL_AVX2 void attend_tile_avx2(const VarlenAttentionParams& p, const Task
   const auto* ksrc = static_cast<const S<E>*>(p.k);
   const auto* vsrc = static_cast<const S<E>*>(p.v);
   for (int64_t j = 0; j < nk; ++j) {
-    const int64_t at = ((start + j) * p.num_kv_heads + t.kv_head) * d;
+    const int64_t at = ((start + k0 + j) * p.num_kv_heads + t.kv_head) * d;
     alignas(32) float tmp[8];
     for (int64_t i = 0; i < d; i += 8) {
       _mm256_store_ps(tmp, load8<E>(ksrc + at + i));
@@ -200,6 +218,7 @@ VLLM_METAL_AVX2 void attend_tile_avx2(const VarlenAttentionParams& p, const Task
   const int64_t pairs = (t.row_end - t.row_begin) * groups;
   for (int64_t p0 = 0; p0 < pairs; p0 += kPairs) {
     const int np = static_cast<int>(std::min<int64_t>(kPairs, pairs - p0));
+    int64_t first[kPairs];
     int64_t visible[kPairs];
     S<E>* dst[kPairs];
     for (int pr = 0; pr < np; ++pr) {
@@ -209,14 +228,15 @@ VLLM_METAL_AVX2 void attend_tile_avx2(const VarlenAttentionParams& p, const Task
       for (int64_t i = 0; i < d; i += 8) {
         _mm256_storeu_ps(q + pr * d + i, _mm256_mul_ps(load8<E>(qsrc + row_at + i), scale));
       }
-      visible[pr] = p.causal ? r + 1 : nk;
+      first[pr] = first_key(p, r) - k0;
+      visible[pr] = end_key(p, r, len) - k0;
       dst[pr] = out + row_at;
     }
     switch (np) {
-      case 4: attend_pairs<E, 4>(kt, vf, d, nk8, q, s, visible, dst); break;
-      case 3: attend_pairs<E, 3>(kt, vf, d, nk8, q, s, visible, dst); break;
-      case 2: attend_pairs<E, 2>(kt, vf, d, nk8, q, s, visible, dst); break;
-      default: attend_pairs<E, 1>(kt, vf, d, nk8, q, s, visible, dst); break;
+      case 4: attend_pairs<E, 4>(kt, vf, d, nk8, q, s, first, visible, dst); break;
+      case 3: attend_pairs<E, 3>(kt, vf, d, nk8, q, s, first, visible, dst); break;
+      case 2: attend_pairs<E, 2>(kt, vf, d, nk8, q, s, first, visible, dst); break;
+      default: attend_pairs<E, 1>(kt, vf, d, nk8, q, s, first, visible, dst); break;
     }
   }
 }
@@ -231,7 +251,8 @@ void run(const VarlenAttentionParams& p) {
     for (int64_t h = 0; h < p.num_kv_heads; ++h) {
       for (int64_t r = 0; r < len; r += kQueryTile) {
         tasks.push_back({s, h, r, std::min(len, r + kQueryTile)});
-        macs += (tasks.back().row_end - r) * (p.causal ? tasks.back().row_end : len);
+        const int64_t row_end = tasks.back().row_end;
+        macs += (row_end - r) * (end_key(p, row_end - 1, len) - first_key(p, r));
       }
     }
   }

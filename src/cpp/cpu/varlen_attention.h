@@ -22,6 +22,7 @@ struct VarlenAttentionParams {
   int64_t head_size = 0;
   float scale = 1.0f;
   bool causal = false;
+  int64_t window = 0;  // > 0: row i sees keys j with |i - j| < window
 };
 
 // Online softmax (no score matrix), threaded over (sequence, kv head, query

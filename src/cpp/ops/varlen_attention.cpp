@@ -1,6 +1,7 @@
 #include "ops/varlen_attention.h"
 
 #include <cmath>
+#include <cstdint>
 #include <stdexcept>
 
 #include "cpu/varlen_attention.h"
@@ -56,7 +57,7 @@ mx::array checked_cu_seqlens(const mx::array& cu, int64_t num_tokens, mx::Stream
 
 mx::array varlen_attention(const mx::array& q, const mx::array& k, const mx::array& v,
                            const mx::array& cu_seqlens, float scale, bool causal,
-                           mx::StreamOrDevice s) {
+                           int64_t window, mx::StreamOrDevice s) {
   check_float_dtype(kOp, "q", q.dtype());
   if (q.ndim() != 3) fail("q must be [num_tokens, num_q_heads, head_size], got " + shape_string(q.shape()));
   const int t = q.shape(0), hq = q.shape(1), d = q.shape(2);
@@ -80,10 +81,13 @@ mx::array varlen_attention(const mx::array& q, const mx::array& k, const mx::arr
          std::to_string(hkv));
   }
   if (!std::isfinite(scale)) fail("scale must be finite");
+  if (window < 0 || window > int64_t{UINT32_MAX}) {
+    fail("window must be 0 (none) or a positive key distance, got " + std::to_string(window));
+  }
   mx::array cu = checked_cu_seqlens(cu_seqlens, t, s);
   if (t == 0) return mx::zeros({0, hq, d}, q.dtype(), s);
   auto prim = std::make_shared<VarlenAttention>(mx::to_stream(s), default_kernel_backend(), scale,
-                                                causal);
+                                                causal, window);
   return mx::array(q.shape(), q.dtype(), prim, {dense(q, s), dense(k, s), dense(v, s), cu});
 }
 
@@ -96,6 +100,7 @@ KernelPlan plan_varlen_attention(const VarlenAttentionProblem& p) {
   args.head_size = static_cast<uint32_t>(p.head_size);
   args.causal = p.causal ? 1u : 0u;
   args.scale = p.scale;
+  args.window = static_cast<uint32_t>(p.window);
   KernelLaunch l;
   l.source = "varlen_attention";
   l.kernel = "varlen_attention_" + dtype_name(p.dtype);
@@ -117,6 +122,7 @@ VarlenAttentionProblem VarlenAttention::problem(const std::vector<mx::array>& in
   p.num_seqs = inputs[3].shape(0) - 1;
   p.scale = scale_;
   p.causal = causal_;
+  p.window = window_;
   return p;
 }
 
@@ -127,7 +133,7 @@ KernelPlan VarlenAttention::plan(const std::vector<mx::array>& inputs,
 
 bool VarlenAttention::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const VarlenAttention&>(other);
-  return scale_ == o.scale_ && causal_ == o.causal_ && backend() == o.backend();
+  return scale_ == o.scale_ && causal_ == o.causal_ && window_ == o.window_ && backend() == o.backend();
 }
 
 void VarlenAttention::eval_native_cpu(const std::vector<mx::array>& inputs,
@@ -141,6 +147,7 @@ void VarlenAttention::eval_native_cpu(const std::vector<mx::array>& inputs,
   params.head_size = p.head_size;
   params.scale = p.scale;
   params.causal = p.causal;
+  params.window = p.window;
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& x : inputs) encoder.set_input_array(x);
   encoder.set_output_array(outputs[0]);

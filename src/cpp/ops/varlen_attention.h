@@ -10,7 +10,8 @@
 //
 // For row i of sequence n (rows [s, e)) and q head h:
 //   out[i, h] = sum_j softmax_j(scale * q[i, h] . k[j, h']) v[j, h']
-// over j in [s, e) (bidirectional), or j in [s, i] when causal. float32
+// over j in [s, e) (bidirectional), or j in [s, i] when causal; window > 0
+// further keeps only |i - j| < window (Gemma 3's bidirectional sliding layers). float32
 // arithmetic, one rounding per output. Returns [T, Hq, D] in q's dtype.
 #pragma once
 
@@ -25,7 +26,7 @@ namespace vllm_metal {
 
 mx::array varlen_attention(const mx::array& q, const mx::array& k, const mx::array& v,
                            const mx::array& cu_seqlens, float scale, bool causal = false,
-                           mx::StreamOrDevice s = {});
+                           int64_t window = 0, mx::StreamOrDevice s = {});
 
 struct VarlenAttentionProblem {
   mx::Dtype dtype = mx::float32;
@@ -36,6 +37,7 @@ struct VarlenAttentionProblem {
   int64_t head_size = 0;
   float scale = 1.0f;
   bool causal = false;
+  int64_t window = 0;
 };
 
 // Slots: 0 q, 1 k, 2 v, 3 cu_seqlens, 4 out.
@@ -43,8 +45,9 @@ KernelPlan plan_varlen_attention(const VarlenAttentionProblem& p);
 
 class VarlenAttention : public KernelPrimitive {
  public:
-  VarlenAttention(mx::Stream stream, KernelBackend backend, float scale, bool causal)
-      : KernelPrimitive(stream, backend), scale_(scale), causal_(causal) {}
+  VarlenAttention(mx::Stream stream, KernelBackend backend, float scale, bool causal,
+                  int64_t window = 0)
+      : KernelPrimitive(stream, backend), scale_(scale), causal_(causal), window_(window) {}
 
   KernelPlan plan(const std::vector<mx::array>& inputs,
                   const std::vector<mx::array>& outputs) const override;
@@ -59,6 +62,7 @@ class VarlenAttention : public KernelPrimitive {
   VarlenAttentionProblem problem(const std::vector<mx::array>& inputs) const;
   float scale_;
   bool causal_;
+  int64_t window_;
 };
 
 }  // namespace vllm_metal

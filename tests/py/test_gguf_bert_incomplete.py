@@ -1,12 +1,12 @@
-"""A BERT GGUF (llama.cpp architecture "bert") is not served yet: preparing it says so
-by name instead of failing later."""
+"""A BERT GGUF (llama.cpp architecture "bert") missing the tensors an encoder needs is
+refused by name when its directory is prepared, not later in the engine."""
 
 from __future__ import annotations
 
 import pytest
 
 
-def test_bert_gguf_is_refused_with_a_message(tmp_path):
+def test_incomplete_bert_gguf_is_refused_with_a_message(tmp_path):
     import gguf
 
     from vllm_metal.models import prepare_gguf_dir
@@ -21,5 +21,5 @@ def test_bert_gguf_is_refused_with_a_message(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="GGUF architecture 'bert' is not supported"):
+    with pytest.raises(ValueError, match="'bert' GGUF without position_embd.weight"):
         prepare_gguf_dir(str(path), str(tmp_path / "dir"))
