@@ -3,7 +3,7 @@ on the CPU, side by side.
 
 Synthetic MoE layer of a realistic shape (default: 64 experts, top-8, hidden 1024, expert
 width 512, random weights), experts as bfloat16 (dense op) and as Q4_K / Q6_K blocks
-(Qwen3-MoE Q4_K_M layout: gate/up Q4_K, down Q6_K). The baseline runs our own GEMM
+(Qwen3-MoE Q4_K_M layout: gate/up Q4_K, down Q6_K) and as MXFP4 blocks (gpt-oss). The baseline runs our own GEMM
 (ops.gguf_matmul) per pair, i.e. the same kernels, but each pair re-reads its expert's
 weights and pays a dispatch: what a model without a fused op does. The baseline gets its
 routing for free (computed outside the timing). Prints one JSON line per case: medians
@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--inter", type=int, default=512)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--cases", nargs="+", default=["bfloat16", "Q4_K/Q6_K", "MXFP4"])
     args = ap.parse_args()
     import sys
     from pathlib import Path
@@ -75,11 +76,13 @@ def main() -> None:
     gq = mx.array(quantized_experts(rng, "Q4_K", e, i, h))
     uq = mx.array(quantized_experts(rng, "Q4_K", e, i, h))
     dq = mx.array(quantized_experts(rng, "Q6_K", e, h, i))
-    mx.eval(wg, wu, wd, gq, uq, dq)
+    mg, mu, md = (mx.array(quantized_experts(rng, "MXFP4", e, r, c)) for r, c in ((i, h), (i, h), (h, i)))
+    mx.eval(wg, wu, wd, gq, uq, dq, mg, mu, md)
     # per-expert views for the baseline: the bfloat16 rows as BF16 "blocks", K-quant row slices
     as_bytes = lambda w: w.view(mx.uint8).reshape(w.shape[0], w.shape[1], -1)  # noqa: E731
     dense_views = [as_bytes(w) for w in (wg, wu, wd)]
     q_rows = [gq.reshape(e, i, -1), uq.reshape(e, i, -1), dq.reshape(e, h, -1)]
+    mx_rows = [mg.reshape(e, i, -1), mu.reshape(e, i, -1), md.reshape(e, h, -1)]
 
     for t in args.tokens:
         x = bf(rng.standard_normal((t, h)))
@@ -109,8 +112,13 @@ def main() -> None:
                                                      inter=i, top_k=k),
                           lambda: pairs(q_rows, ["Q4_K", "Q4_K", "Q6_K"]),
                           2 * i * h * 144 // 256 + h * i * 210 // 256),
+            "MXFP4": (lambda: ops.fused_moe_gguf(x, logits, mg, "MXFP4", mu, "MXFP4", md, "MXFP4",
+                                                 inter=i, top_k=k),
+                      lambda: pairs(mx_rows, ["MXFP4"] * 3), 3 * i * h * 17 // 32),
         }
         for name, (fused, baseline, expert_bytes) in cases.items():
+            if name not in args.cases:
+                continue
             f_ms = median_ms(fused, args.repeats)
             b_ms = median_ms(baseline, args.repeats)
             print(json.dumps({

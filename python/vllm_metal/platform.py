@@ -49,7 +49,8 @@ HYBRID_ARCHITECTURES = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
 
 # --additional-config moe_expert_offload: MoE models whose experts stream (models/expert_offload.py)
 STREAMED_MOE_ARCHITECTURES = {"Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM",
-                              "Qwen3_5MoeForConditionalGeneration"}
+                              "Qwen3_5MoeForConditionalGeneration", "OlmoeForCausalLM",
+                              "GptOssForCausalLM"}
 
 # --runner pooling only: the decoder body plus a score layer (pooling.py)
 SEQUENCE_CLASSIFIERS = {
@@ -407,7 +408,7 @@ def _refuse_unsupported_offload(vllm_config: VllmConfig, archs: set[str]) -> Non
     if model.runner_type != "generate":
         _refuse("moe_expert_offload with --runner pooling")
     hf = model.hf_text_config
-    num_experts = getattr(hf, "num_experts", None)
+    num_experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None)
     if not archs & STREAMED_MOE_ARCHITECTURES:
         what = "a model without mixture-of-experts layers" if not num_experts else "this MoE model"
         _refuse(f"moe_expert_offload with {what} ({sorted(archs)})",

@@ -288,7 +288,7 @@ def _vllm_config(archs, *, runner="generate", option=None, top_k=2, experts=8, l
 
 @pytest.mark.parametrize("kw, words", [
     (dict(archs={"Qwen3ForCausalLM"}), "without mixture-of-experts"),
-    (dict(archs={"OlmoeForCausalLM"}), "this MoE model"),
+    (dict(archs={"GraniteMoeForCausalLM"}), "this MoE model"),
     (dict(archs={"Qwen3MoeForCausalLM"}, runner="pooling"), "pooling"),
     (dict(archs={"Qwen3MoeForCausalLM"}, option={"cache_experts": 1}), "top-k needs 2"),
     (dict(archs={"Qwen3MoeForCausalLM"}, option={"cache_fraction": 0.01}), "top-k needs 2"),
@@ -311,3 +311,18 @@ def test_startup_accepts_a_streamed_moe():
     _refuse_unsupported_offload(_vllm_config({"Qwen3MoeForCausalLM"}), {"Qwen3MoeForCausalLM"})
     _refuse_unsupported_offload(_vllm_config({"Qwen3MoeForCausalLM"}, option={"cache_experts": 2}),
                                 {"Qwen3MoeForCausalLM"})
+    _refuse_unsupported_offload(_vllm_config({"OlmoeForCausalLM"}), {"OlmoeForCausalLM"})
+
+
+def test_startup_gpt_oss_counts_num_local_experts():
+    """gpt-oss's config names its expert count num_local_experts: the top-k check sees it."""
+    from vllm_metal.platform import UnsupportedConfiguration, _refuse_unsupported_offload
+
+    def cfg(option):
+        c = _vllm_config({"GptOssForCausalLM"}, option=option, experts=None)
+        c.model_config.hf_text_config.num_local_experts = 8
+        return c
+
+    _refuse_unsupported_offload(cfg({"cache_fraction": 0.25}), {"GptOssForCausalLM"})
+    with pytest.raises(UnsupportedConfiguration, match="top-k needs 2"):
+        _refuse_unsupported_offload(cfg({"cache_fraction": 0.05}), {"GptOssForCausalLM"})

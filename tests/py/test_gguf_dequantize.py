@@ -91,3 +91,18 @@ def test_bad_input_raises_a_clear_error(make, message):
 def test_unsupported_types_are_refused(t):
     with pytest.raises(ValueError, match=rf"type {t.name} is not supported"):
         ops.gguf_dequantize(mx.zeros((1024,), mx.uint8), t.name, [256])
+
+
+def test_mxfp4_every_exponent_byte_is_bit_exact(backend):
+    """MXFP4's E8M0 scale 2^(e - 128) over every e (0 and 1 give subnormal scales; the CPU
+    builds it from bits, not ldexp), each with random nibbles: gguf's dequantizer's values."""
+    import gguf
+
+    t = gguf.GGMLQuantizationType.MXFP4
+    raw = np.random.default_rng(5).integers(0, 256, size=(256, 17), dtype=np.uint8)
+    raw[:, 0] = np.arange(256)
+    ref = reference_dequantize(raw, t, (256, 32))
+    got = np.array(ops.gguf_dequantize(mx.array(raw), "MXFP4", [256, 32]))
+    finite = np.isfinite(ref)
+    assert np.array_equal(np.isfinite(got), finite)
+    assert np.array_equal(got[finite].view(np.uint32), ref[finite].view(np.uint32))

@@ -204,6 +204,8 @@ def routing_z(logits: mx.array, top_k: int, scoring: str, renormalize: bool):
     ids = mx.argpartition(-logits, kth=top_k - 1, axis=-1)[:, :top_k]
     if scoring == "softmax":
         p = mx.take_along_axis(mx.softmax(logits, axis=-1), ids, axis=-1)
+    elif scoring == "softmax_topk":  # gpt-oss: softmax over the chosen logits only
+        p = mx.softmax(mx.take_along_axis(logits, ids, axis=-1), axis=-1)
     else:
         p = mx.sigmoid(mx.take_along_axis(logits, ids, axis=-1))
     if renormalize:
@@ -216,7 +218,8 @@ class StreamedExperts:
     """One MoE layer's experts, on disk: `where[e]` = 3 ExpertBytes (gate, up, down)."""
 
     def __init__(self, cache: ExpertCache, pool: ExpertPool, layer: int, where: list,
-                 num_experts: int, gguf_types: tuple | None = None, inter: int = 0):
+                 num_experts: int, gguf_types: tuple | None = None, inter: int = 0,
+                 convert=None):
         self.cache = cache
         self.pool = pool
         self.layer = layer
@@ -228,6 +231,11 @@ class StreamedExperts:
         self.last_ids: list = []  # the experts this layer used last step (prefetch guess)
         self.next: StreamedExperts | None = None
         self.gate = None  # this layer's router (the previous layer's prefetch guess)
+        # `where[e]` read in another layout (gpt-oss's fused gate_up, MXFP4 blocks + scales):
+        # convert(bufs) -> the 3 slot arrays (gate, up, down); None: where[e] is those 3
+        self.convert = convert
+        self.biases = None  # (gate [E, I], up [E, I], down [E, H]) resident (gpt-oss), or None
+        self.activation = "silu"
 
     def _load(self, experts: list, pinned: set) -> None:
         pool, cache = self.pool, self.cache
@@ -244,7 +252,10 @@ class StreamedExperts:
             cache.stats.misses += 1
             cache.stats.bytes_streamed += sum(len(b) for b in bufs)
             slot = pool.claim(key, pinned)
-            pool.write(slot, [_to_mx(b, w, s) for b, w, s in zip(bufs, self.where[e], pool.projs)])
+            if self.convert is not None:
+                pool.write(slot, [v.astype(s.dtype) for v, s in zip(self.convert(bufs), pool.projs)])
+            else:
+                pool.write(slot, [_to_mx(b, w, s) for b, w, s in zip(bufs, self.where[e], pool.projs)])
             mx.eval(pool.arrays)  # one expert's staging copy alive at a time
 
     def run(self, x: mx.array, logits: mx.array, *, top_k: int, scoring: str,
@@ -286,9 +297,14 @@ class StreamedExperts:
         slot_logits = slot_logits.reshape(t, pool.slots)
         k = min(top_k, pool.slots)
         g, u, d = pool.arrays
+        kw = dict(top_k=k, renormalize=False, scoring="sigmoid", activation=self.activation)
+        if self.biases is not None:  # each slot's expert's biases (any expert for a foreign slot)
+            owner = mx.array([o[1] if o is not None and o[0] == self.layer else 0
+                              for o in pool.owner], dtype=mx.int32)
+            kw.update(b_gate=self.biases[0][owner], b_up=self.biases[1][owner],
+                      b_down=self.biases[2][owner])
         if self.gguf_types is None:
-            return ops.fused_moe(x, slot_logits, g, u, d, top_k=k, renormalize=False,
-                                 scoring="sigmoid")
+            return ops.fused_moe(x, slot_logits, g, u, d, **kw)
         tg, tu, td = self.gguf_types
-        return ops.fused_moe_gguf(x, slot_logits, g, tg, u, tu, d, td, inter=self.inter, top_k=k,
-                                  renormalize=False, scoring="sigmoid", exact=self.exact)
+        return ops.fused_moe_gguf(x, slot_logits, g, tg, u, tu, d, td, inter=self.inter,
+                                  exact=self.exact, **kw)

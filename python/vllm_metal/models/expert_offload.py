@@ -17,6 +17,13 @@ stacked `mlp.switch_mlp.{proj}.weight` [E, ...] whose expert e is one contiguous
 slice), or a GGUF file's tensor data offsets (ffn_*_exps [E, rows, cols] in block
 form, expert e is bytes [e * n / E, (e + 1) * n / E)). The expert tensors are never
 read at load; expert_cache.py reads them on demand into a bounded pool.
+
+gpt-oss (its `mlp.experts`, SwitchGLU with biases and the clamped SwiGLU) streams too:
+transformers' dense gate_up_proj [E, H, 2I] / down_proj [E, I, H] or MXFP4
+*_blocks / *_scales (expert e one contiguous slice of each), converted per expert as
+models/gpt_oss.py does at load (gate / up interleaved; MXFP4 repacked into GGUF
+blocks), or a GGUF file's ffn_*_exps. Its expert biases ([E, I], [E, H]: 1 / H of the
+weights) stay resident, as the router does.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from vllm_metal.models.expert_cache import (ExpertBytes, ExpertCache, ExpertPool, ProjSpec,
                                             StreamedExperts)
@@ -101,6 +109,26 @@ class StreamedSwitchGLU(nn.Module):
     def run(self, x, logits, *, top_k: int, scoring: str, renormalize: bool):
         self.streamed.exact = self.exact
         return self.streamed.run(x, logits, top_k=top_k, scoring=scoring, renormalize=renormalize)
+
+
+class _Bias(nn.Module):
+    def __init__(self, bias: mx.array):
+        super().__init__()
+        self.bias = bias
+
+
+class StreamedBiasedSwitchGLU(StreamedSwitchGLU):
+    """gpt-oss's experts on disk: only the biases are parameters (gate_proj.bias, ...: the
+    names mlx-lm's SwitchGLU gives them, so a GGUF file's biases load into them)."""
+
+    def __init__(self, streamed: StreamedExperts, biases: list):
+        super().__init__(streamed)
+        self.gate_proj, self.up_proj, self.down_proj = (_Bias(b) for b in biases)
+        streamed.activation = "swiglu_oai"
+
+    def run(self, x, logits, *, top_k: int, scoring: str, renormalize: bool):
+        self.streamed.biases = (self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias)
+        return super().run(x, logits, top_k=top_k, scoring=scoring, renormalize=renormalize)
 
 
 def _refuse(msg: str):
@@ -192,6 +220,59 @@ def _fused_layer(index: dict, pre: str, num_experts: int):
     return out, [half, half, tuple(dshape[1:])]
 
 
+_NP = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+
+def _gpt_oss_layer(index: dict, layer: int, num_experts: int):
+    """gpt-oss: expert e -> [its gate_up slice, its down slice] (+ the MXFP4 scales'), the
+    converter to the three slot arrays, their specs, the GGUF types (MXFP4) or None, I."""
+    from vllm_metal.models.gpt_oss import MXFP4_TYPE_ID, mxfp4_to_gguf_blocks
+
+    pre = f"model.layers.{layer}.mlp.experts"
+    names = [f"{pre}.gate_up_proj", f"{pre}.down_proj"]
+    mxfp4 = f"{pre}.gate_up_proj_blocks" in index
+    if mxfp4:
+        names = [f"{n}{suffix}" for n in names for suffix in ("_blocks", "_scales")]
+    infos = []
+    for name in names:
+        if name not in index:
+            others = sorted(n for n in index if n.startswith(f"{pre}."))
+            _refuse(f"layer {layer}: expert layout unknown (no {name}; found e.g. {others[:3]})")
+        path, off, nbytes, dtype, shape = index[name]
+        if shape[0] != num_experts or (not mxfp4 and dtype not in _FLOAT_DTYPES) or \
+                (mxfp4 and dtype != "U8"):
+            _refuse(f"{name}: expected [{num_experts}, ...] in "
+                    f"{'U8' if mxfp4 else sorted(_FLOAT_DTYPES)}, got {shape} {dtype}")
+        infos.append((path, off, nbytes // num_experts, dtype, tuple(shape[1:])))
+    where = [[ExpertBytes(p, off + e * per, per, "blocks" if mxfp4 else dt)
+              for p, off, per, dt, _ in infos] for e in range(num_experts)]
+    if mxfp4:
+        (_, _, _, _, gu_shape), _, (_, _, _, _, d_shape), _ = infos
+        inter, hidden = gu_shape[0] // 2, d_shape[0]
+
+        def convert(bufs):
+            gu_b, gu_s, d_b, d_s = (mx.array(np.frombuffer(b, np.uint8)) for b in bufs)
+            gu = mxfp4_to_gguf_blocks(gu_b.reshape(infos[0][4]), gu_s.reshape(infos[1][4]))
+            d = mxfp4_to_gguf_blocks(d_b.reshape(infos[2][4]), d_s.reshape(infos[3][4]))
+            return [gu[0::2].reshape(-1), gu[1::2].reshape(-1), d.reshape(-1)]
+
+        per_gu = inter * gu_shape[1] * 17
+        specs = (ProjSpec((per_gu,), mx.uint8), ProjSpec((per_gu,), mx.uint8),
+                 ProjSpec((hidden * d_shape[1] * 17,), mx.uint8))
+        return where, convert, specs, (MXFP4_TYPE_ID,) * 3, inter
+    (_, _, _, gdt, (hidden, two_i)), (_, _, _, ddt, _) = infos
+
+    def convert(bufs):
+        def arr(b, dt, shape):
+            a = mx.array(np.frombuffer(b, _NP[dt]))
+            return (a.view(mx.bfloat16) if dt == "BF16" else a).reshape(shape)
+        gu = arr(bufs[0], gdt, (hidden, two_i))  # x @ gu: gate, up interleaved on the last axis
+        return [mx.contiguous(gu[:, 0::2].T), mx.contiguous(gu[:, 1::2].T),
+                mx.contiguous(arr(bufs[1], ddt, (two_i // 2, hidden)).T)]
+
+    return where, convert, (two_i // 2, hidden), None, two_i // 2
+
+
 def _gguf_layer(ckpt, layer: int, num_experts: int):
     core = ckpt._core_file
     if core is None:
@@ -230,9 +311,10 @@ def check_safetensors_layout(directory: Path, hf_config: dict) -> None:
     skip = set(hf_config.get("mlp_only_layers") or [])
     step = int(hf_config.get("decoder_sparse_step") or 1)
     index = _safetensors_index(directory)
+    gpt_oss = hf_config.get("model_type") == "gpt_oss"
     for i in range(int(hf_config["num_hidden_layers"])):
         if i not in skip and (i + 1) % step == 0:
-            _safetensors_layer(index, i, n)
+            (_gpt_oss_layer if gpt_oss else _safetensors_layer)(index, i, n)
 
 
 def hide_gguf_experts(ckpt):
@@ -243,16 +325,23 @@ def hide_gguf_experts(ckpt):
             return getattr(ckpt, name)
 
     view = _NoExperts()
-    view.tensors = {n: t for n, t in ckpt.tensors.items()
-                    if not any(f".{g}." in n for g in _GGUF_PROJS)}
+    view.tensors = {n: t for n, t in ckpt.tensors.items()  # biases (gpt-oss) stay
+                    if not any(n.endswith(f".{g}.weight") for g in _GGUF_PROJS)}
     return view
 
 
 # ---- install -------------------------------------------------------------------------
 def _moe_layers(lm: nn.Module) -> list:
-    """(index, mlp) of every layer whose MLP has mlx-lm's stacked experts (switch_mlp)."""
-    return [(i, layer.mlp) for i, layer in enumerate(lm.model.layers)
-            if hasattr(getattr(layer, "mlp", None), "switch_mlp")]
+    """(index, mlp, attribute) of every layer whose MLP has mlx-lm's stacked experts
+    (switch_mlp; gpt-oss: experts beside a router)."""
+    out = []
+    for i, layer in enumerate(lm.model.layers):
+        mlp = getattr(layer, "mlp", None)
+        if hasattr(mlp, "switch_mlp"):
+            out.append((i, mlp, "switch_mlp"))
+        elif hasattr(mlp, "router") and hasattr(mlp, "experts"):
+            out.append((i, mlp, "experts"))
+    return out
 
 
 def _slot_counts(cfg: OffloadConfig, groups: dict, expert_bytes: dict, top_k: int) -> dict:
@@ -286,15 +375,25 @@ def install(lm: nn.Module, cfg: OffloadConfig, *, directory: Path | None = None,
     if not layers:
         _refuse("the model has no mixture-of-experts layers to stream")
     args = lm.args if hasattr(lm, "args") else None
-    num_experts = int(getattr(args, "num_experts", 0) or layers[0][1].num_experts)
-    top_k = int(layers[0][1].top_k)
+    first = layers[0][1]
+    num_experts = int(getattr(args, "num_experts", 0) or getattr(args, "num_local_experts", 0)
+                      or first.num_experts)
+    top_k = int(getattr(first, "top_k", 0) or first.num_experts_per_tok)
     index = _safetensors_index(directory) if ckpt is None else None
     found, sigs, groups, expert_bytes = {}, {}, {}, {}
-    for i, mlp in layers:
-        if type(getattr(mlp.switch_mlp, "activation", None)).__name__ not in ("SwiGLU", "NoneType"):
-            _refuse(f"layer {i}: expert activation {type(mlp.switch_mlp.activation).__name__} "
-                    f"is not SwiGLU")
-        if ckpt is None:
+    for i, mlp, attr in layers:
+        act = type(getattr(getattr(mlp, attr), "activation", None)).__name__
+        if act not in (("SwigluOAI", "NoneType") if attr == "experts" else ("SwiGLU", "NoneType")):
+            _refuse(f"layer {i}: expert activation {act} is not SwiGLU")
+        convert = None
+        if ckpt is None and attr == "experts":
+            where, convert, specs, gg, inter = _gpt_oss_layer(index, i, num_experts)
+            if gg is None:
+                specs = tuple(ProjSpec(s, dtype) for s in (specs, specs, specs[::-1]))
+                sig = ("dense", tuple(s.shape for s in specs), str(dtype))
+            else:
+                sig = ("gguf", gg, tuple(s.shape for s in specs))
+        elif ckpt is None:
             where, shapes = _safetensors_layer(index, i, num_experts)
             specs = tuple(ProjSpec(s, dtype) for s in shapes)
             sig, gg = ("dense", tuple(shapes), str(dtype)), None
@@ -303,7 +402,7 @@ def install(lm: nn.Module, cfg: OffloadConfig, *, directory: Path | None = None,
             where, types, sizes, inter = _gguf_layer(ckpt, i, num_experts)
             specs = tuple(ProjSpec(s, mx.uint8) for s in sizes)
             sig, gg = ("gguf", types, tuple(sizes)), types
-        found[i] = (where, specs, gg, inter)
+        found[i] = (where, specs, gg, inter, convert)
         sigs[i] = sig
         groups.setdefault(sig, ([], num_experts))[0].append(i)
         expert_bytes[sig] = sum(math.prod(s.shape) * s.dtype.size for s in specs)
@@ -312,11 +411,18 @@ def install(lm: nn.Module, cfg: OffloadConfig, *, directory: Path | None = None,
              for sig in groups}
     cache = ExpertCache(list(pools.values()), prefetch=cfg.prefetch, guess=cfg.prefetch_guess)
     prev = None
-    for i, mlp in layers:
-        where, _, gg, inter = found[i]
-        streamed = StreamedExperts(cache, pools[sigs[i]], i, where, num_experts, gg, inter)
-        streamed.gate = mlp.gate  # the module FusedMoeBlock keeps: its weights load later
-        mlp.switch_mlp = StreamedSwitchGLU(streamed)
+    for i, mlp, attr in layers:
+        where, _, gg, inter, convert = found[i]
+        streamed = StreamedExperts(cache, pools[sigs[i]], i, where, num_experts, gg, inter,
+                                   convert)
+        if attr == "experts":  # gpt-oss: the biases stay (loaded already, or later from GGUF)
+            old = mlp.experts
+            streamed.gate = mlp.router
+            mlp.experts = StreamedBiasedSwitchGLU(
+                streamed, [p.bias for p in (old.gate_proj, old.up_proj, old.down_proj)])
+        else:
+            streamed.gate = mlp.gate  # the module FusedMoeBlock keeps: its weights load later
+            mlp.switch_mlp = StreamedSwitchGLU(streamed)
         cache.layers.append(streamed)
         if prev is not None:
             prev.next = streamed

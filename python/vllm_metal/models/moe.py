@@ -130,7 +130,7 @@ def install_expert_blocks(lm: nn.Module, weights: dict) -> dict:
 
 
 def _is_streamed(sw: nn.Module) -> bool:
-    return type(sw).__name__ == "StreamedSwitchGLU"
+    return type(sw).__name__ in ("StreamedSwitchGLU", "StreamedBiasedSwitchGLU")
 
 
 def _dense_experts(block: nn.Module) -> bool:
@@ -157,6 +157,9 @@ class GptOssMoeBlock(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         sw = self.experts
+        if _is_streamed(sw):  # experts on disk (expert_offload.StreamedBiasedSwitchGLU)
+            return sw.run(x, self.router(x), top_k=self.top_k, scoring="softmax_topk",
+                          renormalize=False)
         g, u, d = sw.gate_proj, sw.up_proj, sw.down_proj
         kw = dict(top_k=self.top_k, renormalize=False, scoring="softmax_topk",
                   activation="swiglu_oai", b_gate=g.bias, b_up=u.bias, b_down=d.bias)
@@ -169,7 +172,7 @@ class GptOssMoeBlock(nn.Module):
 def _gpt_oss_block(mlp: nn.Module) -> bool:
     if type(mlp).__module__ != "mlx_lm.models.gpt_oss" or type(mlp).__name__ != "MLPBlock":
         return False
-    if isinstance(mlp.experts, GGUFSwitchGLU):
+    if isinstance(mlp.experts, GGUFSwitchGLU) or _is_streamed(mlp.experts):
         return True
     projs = [mlp.experts.gate_proj, mlp.experts.up_proj, mlp.experts.down_proj]
     return all("scales" not in p and mx.issubdtype(p.weight.dtype, mx.floating) for p in projs)
