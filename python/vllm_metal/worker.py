@@ -86,6 +86,37 @@ class DeviceMemory:
                 f"RAM available {self.available / gib:.2f} GiB, margin {self.margin / gib:.2f} GiB")
 
 
+def _forget_inherited_signal_wakeup() -> None:
+    """A worker process of vLLM's mp executor, forked (VLLM_WORKER_MULTIPROC_METHOD=fork)
+    from an engine core itself forked from the API server, inherits the API server's
+    asyncio signal wakeup fd: the SIGTERM the executor sends a surviving worker when
+    another has died would then also read as the API server's own, which shuts down
+    before the engine can fail the streams in flight (docs/distributed.md, "When a
+    worker dies"). The workers run no event loop on their main thread: drop it."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.set_wakeup_fd(-1)
+
+
+def _exit_with_parent() -> None:
+    """A worker whose engine process is gone exits. vLLM's worker only closes its queues
+    then, which a main thread blocked in MLX (a ring collective whose peer died: the
+    evaluation waits for good) never notices; the engine's own kill of its workers dies
+    with the engine when the engine stops first (a fatal error after a peer's death)."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="vllm-metal-parent-watch").start()
+
+
 class MetalWorker(WorkerBase):
     def init_device(self) -> None:
         from vllm_metal.model_runner import MetalModelRunner
@@ -119,6 +150,8 @@ class MetalWorker(WorkerBase):
                                           parallel.pipeline_parallel_size)
         if parallel.world_size == 1:
             return None
+        _forget_inherited_signal_wakeup()
+        _exit_with_parent()
         from vllm_metal.mlx_ring import join_ring, ring_address
 
         address = ring_address(self.local_rank, getattr(parallel, "nnodes", 1) > 1)
