@@ -87,16 +87,20 @@ class DeviceMemory:
 
 
 def _forget_inherited_signal_wakeup() -> None:
-    """A worker process of vLLM's mp executor, forked (VLLM_WORKER_MULTIPROC_METHOD=fork)
-    from an engine core itself forked from the API server, inherits the API server's
-    asyncio signal wakeup fd: the SIGTERM the executor sends a surviving worker when
-    another has died would then also read as the API server's own, which shuts down
-    before the engine can fail the streams in flight (docs/distributed.md, "When a
-    worker dies"). The workers run no event loop on their main thread: drop it."""
+    """A process forked (VLLM_WORKER_MULTIPROC_METHOD=fork) from the API server, directly
+    (a data-parallel replica's engine) or through its engine (a TP/PP worker), inherits
+    the API server's asyncio signal wakeup fd: the SIGTERM vLLM sends a surviving worker
+    or replica when another has died then also reads as the API server's own, which shuts
+    down before the engine can fail the requests in flight (docs/distributed.md). Neither
+    runs an event loop on its main thread: drop it (in a process of vLLM's only: a worker
+    in the user's own process, the uni executor without multiprocessing, keeps the
+    user's)."""
+    import multiprocessing
     import signal
     import threading
 
-    if threading.current_thread() is threading.main_thread():
+    if multiprocessing.parent_process() is not None and \
+            threading.current_thread() is threading.main_thread():
         signal.set_wakeup_fd(-1)
 
 
@@ -139,6 +143,7 @@ class MetalWorker(WorkerBase):
         from vllm.distributed.parallel_state import get_world_group
 
         parallel = self.parallel_config
+        _forget_inherited_signal_wakeup()
         init_distributed_environment(
             world_size=parallel.world_size,
             rank=self.rank,
@@ -150,7 +155,6 @@ class MetalWorker(WorkerBase):
                                           parallel.pipeline_parallel_size)
         if parallel.world_size == 1:
             return None
-        _forget_inherited_signal_wakeup()
         _exit_with_parent()
         from vllm_metal.mlx_ring import join_ring, ring_address
 

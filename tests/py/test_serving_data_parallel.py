@@ -138,13 +138,11 @@ def test_a_replica_killed_mid_serve_fails_the_server_fast_and_leaves_no_process(
     share. Then SIGKILL of replica 1's engine with requests in flight on both replicas: the requests
     on replica 1 get an error, those on replica 0 end unfinished (vLLM aborts them as it
     shuts down), no request claims a full answer, the server exits by itself within a bounded
-    time and no engine, coordinator or API-server process is left. Spawned processes, as users
-    get: forked ones (the harness's Linux default) inherit the API server's asyncio signal
-    wakeup fd, so the SIGTERM vLLM sends the surviving replica and the DP coordinator reads as
-    the API server's own, which then stops before the dead replica's requests are failed."""
+    time and no engine, coordinator or API-server process is left. Forked engines (the
+    harness's Linux default): worker.py drops the API server's signal wakeup fd they inherit
+    (docs/distributed.md)."""
     s = Server(smollm2_gguf(), "smollm2", [*ARGS, "--data-parallel-size", "2",
-                                            "--gpu-memory-utilization", "0.5"],
-               env={"VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
+                                            "--gpu-memory-utilization", "0.5"])
     try:
         # two replicas on one host split its share: each worker budgets 0.25 of the memory
         budgets = kv_budgets(Path(s.log_path).read_text())
