@@ -32,7 +32,7 @@ def layer_specs(loaded) -> list:
     if hybrid is None:
         return [attention(w) for w in spec.sliding_window_per_layer]
     state = linear_attention(hybrid.state_shapes, hybrid.conv_dtype)
-    linear = set(hybrid.linear_layers)
+    linear = {i - hybrid.first_layer for i in hybrid.linear_layers}  # this stage's indices
     return [state if i in linear else attention(0) for i in range(spec.num_layers)]
 
 

@@ -305,9 +305,6 @@ def _refuse_parallel_features(vllm_config: VllmConfig, what: str) -> None:
         return
     if model.runner_type == "pooling":
         _refuse(f"{what} with --runner pooling")
-    archs = set(getattr(model.hf_config, "architectures", None) or [])
-    if archs & HYBRID_ARCHITECTURES:
-        _refuse(f"{what} with the hybrid {sorted(archs)} (its linear-attention layers are not split)")
 
 
 def _refuse_unsupported_pipeline_parallel(vllm_config: VllmConfig) -> None:
@@ -335,6 +332,10 @@ def _refuse_unsupported_tensor_parallel(vllm_config: VllmConfig) -> None:
     model = vllm_config.model_config
     if model is None:
         return
+    archs = set(getattr(model.hf_config, "architectures", None) or [])
+    if archs & HYBRID_ARCHITECTURES:  # pipeline parallelism splits them by layers
+        _refuse(f"{what} with the hybrid {sorted(archs)} (its linear-attention heads are not "
+                "split yet)", "use --pipeline-parallel-size")
     text = model.hf_text_config
     heads = getattr(text, "num_attention_heads", None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads

@@ -42,6 +42,15 @@ class Qwen3_5ForCausalLM(_DescribedOnly):
     supports_lora: ClassVar[Literal[True]] = True
     packed_modules_mapping: ClassVar[dict] = {}
     embedding_modules: ClassVar[dict] = {}
+    # --pipeline-parallel-size: our runner splits the layers (models/pipeline_parallel.py);
+    # vLLM's config check asks for SupportsPP's attributes and forward argument
+    supports_pp: ClassVar[Literal[True]] = True
+
+    def make_empty_intermediate_tensors(self, batch_size, dtype, device):
+        raise NotImplementedError
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, **kwargs):
+        raise NotImplementedError
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config):

@@ -86,6 +86,41 @@ class DeviceMemory:
                 f"RAM available {self.available / gib:.2f} GiB, margin {self.margin / gib:.2f} GiB")
 
 
+def _forget_inherited_signal_wakeup() -> None:
+    """A process forked (VLLM_WORKER_MULTIPROC_METHOD=fork) from the API server, directly
+    (a data-parallel replica's engine) or through its engine (a TP/PP worker), inherits
+    the API server's asyncio signal wakeup fd: the SIGTERM vLLM sends a surviving worker
+    or replica when another has died then also reads as the API server's own, which shuts
+    down before the engine can fail the requests in flight (docs/distributed.md). Neither
+    runs an event loop on its main thread: drop it (in a process of vLLM's only: a worker
+    in the user's own process, the uni executor without multiprocessing, keeps the
+    user's)."""
+    import multiprocessing
+    import signal
+    import threading
+
+    if multiprocessing.parent_process() is not None and \
+            threading.current_thread() is threading.main_thread():
+        signal.set_wakeup_fd(-1)
+
+
+def _exit_with_parent() -> None:
+    """A worker whose engine process is gone exits. vLLM's worker only closes its queues
+    then, which a main thread blocked in MLX (a ring collective whose peer died: the
+    evaluation waits for good) never notices; the engine's own kill of its workers dies
+    with the engine when the engine stops first (a fatal error after a peer's death)."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="vllm-metal-parent-watch").start()
+
+
 class MetalWorker(WorkerBase):
     def init_device(self) -> None:
         from vllm_metal.model_runner import MetalModelRunner
@@ -108,6 +143,7 @@ class MetalWorker(WorkerBase):
         from vllm.distributed.parallel_state import get_world_group
 
         parallel = self.parallel_config
+        _forget_inherited_signal_wakeup()
         init_distributed_environment(
             world_size=parallel.world_size,
             rank=self.rank,
@@ -119,6 +155,7 @@ class MetalWorker(WorkerBase):
                                           parallel.pipeline_parallel_size)
         if parallel.world_size == 1:
             return None
+        _exit_with_parent()
         from vllm_metal.mlx_ring import join_ring, ring_address
 
         address = ring_address(self.local_rank, getattr(parallel, "nnodes", 1) > 1)

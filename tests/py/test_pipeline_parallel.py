@@ -24,6 +24,35 @@ def test_a_stage_keeps_its_layers_and_their_cache_spec(tmp_path):
     assert loaded.spec.num_layers == 1 and loaded.spec.sliding_window_per_layer == [7]
 
 
+# Qwen3.5 with an attention layer in each half: stages of layers 0-1 and 2-3
+HYBRID_CONFIG = dict(full_attention_interval=2, layer_types=["linear_attention", "full_attention"] * 2)
+
+
+def test_a_hybrid_stage_keeps_its_layers_state_and_cache(tmp_path):
+    from qwen3_5_checkpoint import CONFIG, write_checkpoint
+    from vllm_metal import kv_plan
+
+    ckpt = write_checkpoint(tmp_path / "q", config=dict(CONFIG, **HYBRID_CONFIG))
+    loaded = load_model(str(ckpt), "float32")
+    keep_stage(loaded, 1, 2, mx.distributed.init())
+    model, hybrid = loaded.model, loaded.hybrid
+    assert len(model.layers) == 2 and model.is_linear == [True, False]
+    assert model.layers[1].self_attn.layer_idx == 1  # its KV cache: the stage's second layer
+    # global indices: vLLM's layer names of this stage's layers only
+    assert (hybrid.attention_layers, hybrid.linear_layers, hybrid.first_layer) == ([3], [2], 2)
+    assert [s.kind for s in kv_plan.layer_specs(loaded)] == ["linear_attention", "full_attention"]
+    pools = model.make_state_pools(2, mx.float32)
+    assert pools[0] is not None and pools[1] is None
+
+
+def test_a_hybrid_stage_without_an_attention_layer_is_refused(tmp_path):
+    from qwen3_5_checkpoint import write_checkpoint  # layers: 3 linear, then 1 full
+
+    loaded = load_model(str(write_checkpoint(tmp_path / "q")), "float32")
+    with pytest.raises(PipelineParallelError, match="holds no full-attention layer.*VLLM_PP_LAYER_PARTITION"):
+        keep_stage(loaded, 0, 2, mx.distributed.init())
+
+
 @pytest.mark.parametrize("name, size, words", [
     ("gemma3", 2, "gemma3_text is not supported with pipeline parallelism"),
     ("llama", 4, "--pipeline-parallel-size 4 exceeds the model's 3 layers"),
@@ -47,6 +76,7 @@ def _config(size=2, *, tp=1, async_scheduling=False, layers=4, speculative=None,
 
 def test_pipeline_parallel_configuration_passes():
     _refuse_unsupported_pipeline_parallel(_config())
+    _refuse_unsupported_pipeline_parallel(_config(archs=("Qwen3_5ForCausalLM",)))  # hybrid: split by layers
 
 
 @pytest.mark.parametrize("kw, words", [
@@ -55,7 +85,6 @@ def test_pipeline_parallel_configuration_passes():
     (dict(speculative=object()), "with speculative decoding"),
     (dict(lora=object()), "with LoRA"),
     (dict(runner="pooling"), "with --runner pooling"),
-    (dict(archs=("Qwen3_5ForCausalLM",)), "hybrid"),
 ])
 def test_unsupported_pipeline_parallel_configurations_are_refused(kw, words):
     with pytest.raises(UnsupportedConfiguration, match=words):

@@ -1,9 +1,10 @@
 """`vllm serve --data-parallel-size 2` (data_parallel.py, docs/distributed.md): vLLM's own
 replicas, one engine process each with a Metal worker and its own KV pool, and its DP
 coordinator balancing the requests. On loopback, each process standing in for a Mac:
-none of 64 concurrent requests lost, both replicas serving, greedy outputs equal to one
-replica's, the memory share split, the two-host (--headless) form, and a replica killed
-mid-serve failing the server fast with no process left behind."""
+on the two-host (--headless) form, none of 64 concurrent requests lost, both replicas
+serving, greedy outputs equal to one replica's; on one host, the memory share split and a
+replica killed mid-serve failing the server fast with no process left behind. Three servers
+in all (one replica, two "hosts", one host), each started once."""
 
 from __future__ import annotations
 
@@ -32,8 +33,6 @@ ARGS = ["--max-model-len", "256", "--max-num-seqs", "16", "--num-gpu-blocks-over
 INVARIANT = {"VLLM_BATCH_INVARIANT": "1"}
 PROMPTS = [f"Write the number {i} in words, then count from {i} to {i + 3}:" for i in range(64)]
 MAX_TOKENS = 8
-# hand-chosen ports of this module (the helper's range): the replicas' RPC port across "hosts"
-RPC_PORT = 18110
 
 
 def smollm2_gguf() -> str:
@@ -81,43 +80,16 @@ def reference():
     return texts(responses)
 
 
-@pytest.fixture(scope="module")
-def dp2():
-    s = Server(smollm2_gguf(), "smollm2", [*ARGS, "--data-parallel-size", "2",
-                                            "--gpu-memory-utilization", "0.5"], env=INVARIANT)
-    yield s
-    s.stop()
-
-
-def test_64_concurrent_requests_none_lost_both_replicas_serve_outputs_equal_one_replica(reference, dp2):
-    before = successes_per_engine(dp2)
-    responses = complete_all(dp2, PROMPTS)
-    assert [r["status"] for r in responses] == [200] * len(PROMPTS), responses
-    assert all(r["usage"]["completion_tokens"] == MAX_TOKENS for r in responses)
-    assert texts(responses) == reference
-    after = successes_per_engine(dp2)
-    served = {e: after[e] - before.get(e, 0.0) for e in after}
-    assert set(served) == {"0", "1"}, served
-    assert sum(served.values()) == len(PROMPTS), served
-    # the coordinator balances: each replica takes a real part, not a stray request
-    assert min(served.values()) >= len(PROMPTS) // 8, served
-
-
-def test_each_replica_budgets_half_the_memory_share(dp2):
-    """--gpu-memory-utilization 0.5 over two replicas on one host: each worker cuts its KV
-    budget from 0.25 of the memory (its startup summary says so)."""
-    log = Path(dp2.log_path).read_text()
-    budgets = re.findall(r"\((EngineCore_DP\d) pid=\d+\).*KV cache .* from a budget of .*"
-                         r"--gpu-memory-utilization ([0-9.]+) of", log)
-    assert sorted(budgets) == [("EngineCore_DP0", "0.25"), ("EngineCore_DP1", "0.25")], budgets
-
-
-def test_two_hosts_on_loopback_headless_replica_joins_the_api_server(reference):
+def test_two_hosts_on_loopback_64_concurrent_requests_none_lost_both_replicas_serve(reference):
     """The 2-Mac form of docs/distributed.md on loopback: a headless process holds replica 1,
-    the API server's process replica 0; both serve, outputs equal one replica's."""
+    the API server's process replica 0. 64 concurrent requests: none lost, each replica takes
+    a real part (the DP coordinator balances), outputs equal one replica's; each replica,
+    alone on its "host", budgets the whole --gpu-memory-utilization."""
+    rpc_port = free_port()  # where the API server's host waits for the replicas' handshake
     common = [*ARGS, "--data-parallel-size", "2", "--data-parallel-size-local", "1",
-              "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(RPC_PORT)]
-    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-metal-serve-headless-{RPC_PORT}.log"
+              "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port),
+              "--gpu-memory-utilization", "0.5"]
+    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-metal-serve-headless-{rpc_port}.log"
     with open(log_path, "w") as log:
         headless = subprocess.Popen(
             [VLLM, "serve", smollm2_gguf(), "--headless", "--data-parallel-start-rank", "1", *common],
@@ -126,11 +98,19 @@ def test_two_hosts_on_loopback_headless_replica_joins_the_api_server(reference):
     try:
         front = Server(smollm2_gguf(), "smollm2", common, env=INVARIANT)
         try:
-            responses = complete_all(front, PROMPTS[:16])
-            assert [r["status"] for r in responses] == [200] * 16, responses
-            assert texts(responses) == reference[:16]
-            served = successes_per_engine(front)
-            assert served.get("0", 0) > 0 and served.get("1", 0) > 0, served
+            before = successes_per_engine(front)
+            responses = complete_all(front, PROMPTS)
+            assert [r["status"] for r in responses] == [200] * len(PROMPTS), responses
+            assert all(r["usage"]["completion_tokens"] == MAX_TOKENS for r in responses)
+            assert texts(responses) == reference
+            after = successes_per_engine(front)
+            served = {e: after[e] - before.get(e, 0.0) for e in after}
+            assert set(served) == {"0", "1"}, served
+            assert sum(served.values()) == len(PROMPTS), served
+            # the coordinator balances: each replica takes a real part, not a stray request
+            assert min(served.values()) >= len(PROMPTS) // 8, served
+            budgets = kv_budgets(Path(front.log_path).read_text() + log_path.read_text())
+            assert budgets == [("EngineCore_DP0", "0.5"), ("EngineCore_DP1", "0.5")], budgets
         finally:
             front.stop()
         # vLLM keeps a headless host's engines up when the API server goes; its operator
@@ -146,17 +126,27 @@ def test_two_hosts_on_loopback_headless_replica_joins_the_api_server(reference):
             headless.wait()
 
 
+def kv_budgets(log: str) -> list[tuple[str, str]]:
+    """(replica, the --gpu-memory-utilization its worker cut its KV budget from), sorted,
+    from the workers' startup summaries."""
+    return sorted(re.findall(r"\((EngineCore_DP\d) pid=\d+\).*KV cache .* from a budget of .*"
+                             r"--gpu-memory-utilization ([0-9.]+) of", log))
+
+
 def test_a_replica_killed_mid_serve_fails_the_server_fast_and_leaves_no_process():
-    """SIGKILL of replica 1's engine with requests in flight on both replicas: the requests
+    """One host, `--data-parallel-size 2`: each replica's worker budgets half the memory
+    share. Then SIGKILL of replica 1's engine with requests in flight on both replicas: the requests
     on replica 1 get an error, those on replica 0 end unfinished (vLLM aborts them as it
     shuts down), no request claims a full answer, the server exits by itself within a bounded
-    time and no engine, coordinator or API-server process is left. Spawned processes, as users
-    get: forked ones (the harness's Linux default) inherit the API server's asyncio signal
-    wakeup fd, so the SIGTERM vLLM sends the surviving replica and the DP coordinator reads as
-    the API server's own, which then stops before the dead replica's requests are failed."""
-    s = Server(smollm2_gguf(), "smollm2", [*ARGS, "--data-parallel-size", "2"],
-               env={"VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
+    time and no engine, coordinator or API-server process is left. Forked engines (the
+    harness's Linux default): worker.py drops the API server's signal wakeup fd they inherit
+    (docs/distributed.md)."""
+    s = Server(smollm2_gguf(), "smollm2", [*ARGS, "--data-parallel-size", "2",
+                                            "--gpu-memory-utilization", "0.5"])
     try:
+        # two replicas on one host split its share: each worker budgets 0.25 of the memory
+        budgets = kv_budgets(Path(s.log_path).read_text())
+        assert budgets == [("EngineCore_DP0", "0.25"), ("EngineCore_DP1", "0.25")], budgets
         children = psutil.Process(s.proc.pid).children(recursive=True)
         victim = [p for p in children if "EngineCore_DP1" in p.name()]
         assert len(victim) == 1, [p.name() for p in children]

@@ -1,40 +1,29 @@
 """--pipeline-parallel-size 2 served on loopback: two stage workers under vLLM's
 multiprocessing executor, hidden states sent stage to stage on MLX's ring. Reference: the
-same checkpoint served by one process; greedy tokens must match exactly. Pipeline
-parallelism runs without async scheduling (platform.py refuses the combination: its
-message is checked in test_pipeline_parallel.py)."""
+same checkpoint served by one process (parallel_reference.py, shared with the tensor
+parallel tests); greedy tokens must match exactly. Pipeline parallelism runs without
+async scheduling (platform.py refuses the combination: its message is checked in
+test_pipeline_parallel.py)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from test_serving_tensor_parallel import serve_jobs, tiny_llama
+from parallel_reference import (PER_OP, SYNC, assert_same_greedy, one_process_reference, serve_jobs,
+                                shared_tiny_llama)
 
-SYNC = ["--no-async-scheduling"]
-# the stages run the per-op path (fused_layers.py): so does the one-process reference
-PER_OP = {"VLLM_METAL_FUSED_LAYERS": "0"}
-
-
-def assert_same_greedy(one, two, atol):
-    for (tokens1, lp1), (tokens2, lp2) in zip(one, two, strict=True):
-        assert tokens2 == tokens1
-        np.testing.assert_allclose(lp2, lp1, atol=atol)
+pytestmark = pytest.mark.slow
 
 
-@pytest.mark.slow
-def test_pipeline_parallel_greedy_matches_one_process(tmp_path):
-    checkpoint = tiny_llama(tmp_path / "llama", num_hidden_layers=3)  # stages of 2 and 1 layers
-    one, _ = serve_jobs(checkpoint, SYNC, env=PER_OP)
-    two, server = serve_jobs(checkpoint, SYNC + ["--pipeline-parallel-size", "2"])
+def test_pipeline_parallel_greedy_matches_one_process():
+    two, server = serve_jobs(shared_tiny_llama(), SYNC + ["--pipeline-parallel-size", "2"])
     log = server.log_path.read_text()
     assert "pipeline stage 0 of 2: layers 0-1" in log and "pipeline stage 1 of 2: layers 2-2" in log
     # the same ops, but vLLM keeps 2 batches in flight under PP: requests share steps
     # differently, and a row's sums can depend on its batch (last-bit differences)
-    assert_same_greedy(one, two, atol=1e-5)
+    assert_same_greedy(one_process_reference(), two, atol=1e-5)
 
 
-@pytest.mark.slow
 def test_pipeline_parallel_smollm2_q4_1_matches_one_process():
     from vllm_metal.models.offline import OFFLINE_GGUF
 
@@ -45,3 +34,23 @@ def test_pipeline_parallel_smollm2_q4_1_matches_one_process():
     one, _ = serve_jobs(gguf, [], args, jobs, env=PER_OP)
     two, _ = serve_jobs(gguf, ["--pipeline-parallel-size", "2"], args, jobs)
     assert_same_greedy(one, two, atol=1e-3)
+
+
+def test_pipeline_parallel_hybrid_qwen3_5_matches_mlx_lm(tmp_path):
+    """The hybrid Qwen3.5 split into stages of layers 0-1 and 2-3 (each a gated delta net
+    and a full-attention layer): each stage keeps the state slots and KV cache of its own
+    layers. Reference: mlx-lm's own model on the same files, request by request."""
+    import numpy as np
+    from qwen3_5_checkpoint import CONFIG, greedy, reference_model, write_checkpoint
+
+    checkpoint = write_checkpoint(tmp_path / "qwen3_5", config=dict(
+        CONFIG, full_attention_interval=2, layer_types=["linear_attention", "full_attention"] * 2))
+    rng = np.random.default_rng(5)
+    # chunked prefills (32-token budget) beside decodes, as in the llama test
+    jobs = [(rng.integers(3, 320, n).tolist(), m) for n, m in [(5, 12), (45, 8), (20, 10), (33, 6)]]
+    two, server = serve_jobs(checkpoint, SYNC + ["--pipeline-parallel-size", "2"], jobs=jobs)
+    log = server.log_path.read_text()
+    assert "pipeline stage 0 of 2: layers 0-1" in log and "pipeline stage 1 of 2: layers 2-3" in log
+    reference = reference_model(checkpoint)
+    for (tokens, _), (prompt, n) in zip(two, jobs, strict=True):
+        assert tokens == greedy(reference, prompt, n)

@@ -5,7 +5,8 @@ overrides, as for vLLM's own models) and drops the others; its KV cache holds it
 only. The first stage embeds; each stage hands the next one its hidden state and the
 residual stream not yet added to it, stacked [2, tokens, hidden], through mx.distributed
 send/recv; the last stage adds them, applies the final norm and lm_head, and samples.
-The sampled tokens reach the earlier stages through vLLM's scheduler (it sends them
+Hybrid models (Qwen3.5) split the same way: a stage's state pools and KV caches cover
+its own layers (each stage needs one full-attention layer). The sampled tokens reach the earlier stages through vLLM's scheduler (it sends them
 back in the next step's output when pipeline parallel runs without async scheduling).
 """
 
@@ -38,11 +39,13 @@ class Stage:
 
 
 def keep_stage(loaded, rank: int, size: int, group) -> Stage:
-    """Cuts a LoadedModel (llama family) down to stage `rank` of `size`, in place."""
+    """Cuts a LoadedModel (llama family, or the hybrid Qwen3.5) down to stage `rank` of
+    `size`, in place."""
     from vllm.distributed.utils import get_pp_indices
 
     model = loaded.model
-    if model.sandwich or model.llama4_beta is not None:
+    hybrid = loaded.hybrid
+    if hybrid is None and (model.sandwich or model.llama4_beta is not None):
         raise PipelineParallelError(f"{model.arch.model_type} is not supported with pipeline "
                                     "parallelism yet (llama-family pre-norm decoders are)")
     n = len(model.layers)
@@ -50,15 +53,38 @@ def keep_stage(loaded, rank: int, size: int, group) -> Stage:
         raise PipelineParallelError(f"--pipeline-parallel-size {size} exceeds the model's {n} layers")
     start, stop = get_pp_indices(n, rank, size)
     model.lm.model.layers = model.layers[start:stop]
-    for layer in model.layers:
-        layer.self_attn.layer_idx -= start
-    model.reset_fused_layers()
+    if hybrid is not None:
+        _keep_hybrid_layers(loaded, start, stop)
+    else:
+        for layer in model.layers:
+            layer.self_attn.layer_idx -= start
+        model.reset_fused_layers()
     object.__setattr__(model, "pipeline_stage", (start, stop))  # fused_layers.why_not_fused
     spec = loaded.spec
     spec.num_layers = stop - start
     spec.sliding_window_per_layer = spec.sliding_window_per_layer[start:stop]
     mx.eval(model.parameters())
     return Stage(rank, size, start, stop, group)
+
+
+def _keep_hybrid_layers(loaded, start: int, stop: int) -> None:
+    """Qwen3.5 (hybrid.py): the stage's attention layers index its KV caches, its linear
+    layers its state pools, both from 0; the HybridSpec keeps the global indices (vLLM's
+    layer names) of this stage's layers only, so its KV spec, state pools and checkpoints
+    cover them alone."""
+    model, hybrid = loaded.model, loaded.hybrid
+    model.is_linear = model.is_linear[start:stop]
+    for layer in model.layers:
+        if not layer.is_linear:
+            layer.self_attn.layer_idx -= start
+    hybrid.attention_layers = [i for i in hybrid.attention_layers if start <= i < stop]
+    hybrid.linear_layers = [i for i in hybrid.linear_layers if start <= i < stop]
+    hybrid.first_layer = start
+    if not hybrid.attention_layers:
+        # the runner keeps one attention KV-cache group per worker (hybrid.HybridState)
+        raise PipelineParallelError(
+            f"pipeline stage of layers {start}-{stop - 1} holds no full-attention layer; "
+            "choose the split with VLLM_PP_LAYER_PARTITION so that every stage holds one")
 
 
 def send_to_next(stage: Stage, h: mx.array, residual: mx.array) -> mx.array:

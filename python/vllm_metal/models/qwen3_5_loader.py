@@ -30,6 +30,9 @@ class HybridSpec:
     linear_layers: list[int]      # model layer indices with gated delta net (state slots)
     state_shapes: StateShapes
     conv_dtype: str               # conv state dtype (the model's); the ssm state is float32
+    # the global index of the model's layer 0: a pipeline stage's first layer (the lists
+    # above keep global indices: vLLM's layer names)
+    first_layer: int = 0
 
 
 def text_config(config: dict) -> dict:

@@ -221,19 +221,12 @@ class PagedQwen3_5(nn.Module):
                          if layer.is_linear else None)
         return pools
 
-    def __call__(self, input_ids: mx.array, ctx: HybridContext) -> mx.array:
+    def __call__(self, input_ids: mx.array, ctx: HybridContext, carried=None) -> mx.array:
+        """carried (pipeline parallel, a later stage): the previous stage's (h, residual)
+        instead of the embedded input_ids."""
         body = self.lm.model
-        h = body.embed_tokens(input_ids)                                     # [T, hidden]
-        t = input_ids.shape[0]
-        positions3 = mx.broadcast_to(ctx.positions[None], (3, t))            # text: t = h = w
-        for i, layer in enumerate(self.layers):
-            x = layer.input_layernorm(h)
-            if layer.is_linear:
-                r = gated_delta_net(layer.linear_attn, x, ctx, i)
-            else:
-                r = layer.self_attn(x, ctx, positions3)
-            h = h + r
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        pending, h = self.stage_forward(input_ids, ctx, carried)
+        h = h + pending
         if getattr(ctx, "keep_hidden", False):
             ctx.hidden = body.norm(h)
             out = ctx.hidden[ctx.logits_indices]
@@ -242,3 +235,26 @@ class PagedQwen3_5(nn.Module):
         if self.lm.args.tie_word_embeddings:
             return body.embed_tokens.as_linear(out)
         return self.lm.lm_head(out)
+
+    def stage_forward(self, input_ids: mx.array, ctx: HybridContext, carried=None):
+        """The layers this model holds (all of them, or a pipeline stage's:
+        models/pipeline_parallel.py). The first stage embeds input_ids; a later one takes
+        the previous stage's (h, residual). Returns (the last layer's MLP output, the
+        stream it is still to be added to), as the llama family's stage_forward does."""
+        if carried is None:
+            stream, pending = self.lm.model.embed_tokens(input_ids), None   # [T, hidden]
+        else:
+            pending, stream = carried
+        t = input_ids.shape[0]
+        positions3 = mx.broadcast_to(ctx.positions[None], (3, t))            # text: t = h = w
+        for i, layer in enumerate(self.layers):
+            if pending is not None:
+                stream = stream + pending
+            x = layer.input_layernorm(stream)
+            if layer.is_linear:
+                r = gated_delta_net(layer.linear_attn, x, ctx, i)
+            else:
+                r = layer.self_attn(x, ctx, positions3)
+            stream = stream + r
+            pending = layer.mlp(layer.post_attention_layernorm(stream))
+        return pending, stream
