@@ -20,6 +20,7 @@ import re
 import numpy as np
 
 from vllm_metal.lora.adapter import TARGETS, LoraAdapter, add_checked
+from vllm_metal.lora.http_status import REFUSED
 from vllm_metal.log import get_logger
 
 logger = get_logger(__name__)
@@ -68,7 +69,7 @@ def load_gguf_adapter(name: str, path: str, shapes: dict, max_rank: int, model_a
     from vllm_metal.models.gguf_loader import GGUF_ARCHS, mlx_lm_name, unpermute_rows
     from vllm_metal.lora.adapter import _LAYER
 
-    where = f"LoRA adapter '{name}' ({path})"
+    where = f"{REFUSED}'{name}' ({path})"  # the API server answers 400 (http_status.py)
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
