@@ -46,7 +46,8 @@ def register_general() -> None:
     empty_host_cache() at shutdown; with the CPU build of torch and no accelerator
     both raise, so they become no-ops. A requested shutdown logs no engine-dead
     traceback (log_filters.py). Architectures whose vLLM classes cannot be
-    imported here get descriptors.
+    imported here get descriptors. In the API server, a refused LoRA adapter at
+    /v1/load_lora_adapter answers 400 (lora/http_status.py).
     """
     from vllm_metal import envs
 
@@ -62,6 +63,9 @@ def register_general() -> None:
 
     log_filters.install()
     _register_architectures()
+    from vllm_metal.lora import http_status
+
+    http_status.install()  # a refused LoRA adapter: 400, not vLLM's 500
 
 
 def _noop():

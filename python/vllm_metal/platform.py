@@ -283,10 +283,13 @@ def _refuse_unsupported_kv_cache(vllm_config: VllmConfig) -> None:
 
 def _refuse_unsupported_lora(vllm_config: VllmConfig) -> None:
     """LoRA runs on the llama-family / qwen3 and Qwen3.5 paged models (vllm_metal/lora);
-    not with speculative decoding or pooling yet (other model classes, and adapters on
-    layers a model lacks, are refused when the runner installs them: lora/manager.py)."""
-    if vllm_config.speculative_config is not None:
-        _refuse("LoRA with speculative decoding")
+    with ngram drafts (the verify step is a packed step like any other: each row gets its
+    sequence's adapter) but no drafting model or head (they would run without the adapter),
+    not with pooling yet (other model classes, and adapters on layers a model lacks, are
+    refused when the runner installs them: lora/manager.py)."""
+    spec = vllm_config.speculative_config
+    if spec is not None and spec.method != "ngram":
+        _refuse(f"LoRA with speculative decoding method {spec.method!r}", "ngram drafts work")
     if getattr(vllm_config.model_config, "runner_type", "generate") == "pooling":
         _refuse("LoRA with --runner pooling")
     lora = vllm_config.lora_config

@@ -216,10 +216,13 @@ def test_mixed_batch_on_the_metal_kernels_in_the_emulator(tmp_path):
     deltas = {lid: write_adapter(tmp_path / f"a{lid}", w, LAYERS, r=4 * lid, alpha=8, seed=lid,
                                  magnitude=2.0) for lid in (1, 2)}
     loras = [2, 0, 1]
-    prompts = PROMPTS[:3]
-    want = [prefill_logits(load_model(str(base if lid == 0 else write_merged(
-        base, tmp_path / f"m{lid}", deltas[lid])), "float32"), [p])[0]
-        for p, lid in zip(prompts, loras)]
+    # a prefill step (per-op plan) and one of 7 tokens (the fused plan's size: with
+    # adapters the layer still runs the per-op plan, lora_apply after each mat-mul)
+    prompts = PROMPTS[:3] + [[4], [8, 2], [6, 1, 9, 3]]
+    loras = loras + loras
+    merged = {0: base} | {lid: write_merged(base, tmp_path / f"m{lid}", d) for lid, d in deltas.items()}
+    want = [prefill_logits(load_model(str(merged[lid]), "float32"), [p])[0]
+            for p, lid in zip(prompts, loras)]
     previous = ops.kernel_backend()
     ops.set_kernel_backend("emulated")
     try:
@@ -227,17 +230,20 @@ def test_mixed_batch_on_the_metal_kernels_in_the_emulator(tmp_path):
         lora = LoraManager(loaded.model, lora_config(max_loras=2))
         for lid in (1, 2):
             lora.add(request(lid, tmp_path / f"a{lid}"))
-        got = prefill_logits(loaded, prompts, lora, loras)
+        got = prefill_logits(loaded, prompts[:3], lora, loras[:3])
+        got += prefill_logits(loaded, prompts[3:], lora, loras[3:])
     finally:
         ops.set_kernel_backend(previous)
     for g, w_, lid in zip(got, want, loras):
         np.testing.assert_allclose(g, w_, rtol=2e-4, atol=2e-4, err_msg=f"adapter {lid}")
 
 
-def test_steps_without_adapters_keep_the_fused_layers(setup):
+def test_steps_with_and_without_adapters_run_the_fused_layers(setup, monkeypatch):
     """--enable-lora costs base-only steps nothing: they run the fused decoder layers on
-    the base projections; a step with an adapter runs the per-op path."""
+    the base projections; a step with an adapter runs them too, with its slots (the
+    per-op path, VLLM_METAL_FUSED_LAYERS=0, gives the same numbers)."""
     from vllm_metal.lora.manager import LoraManager
+    from vllm_metal.models import fused_layers
 
     plain = load_model(str(setup.base), "float32")
     want = prefill_logits(plain, PROMPTS[:2])
@@ -249,9 +255,20 @@ def test_steps_without_adapters_keep_the_fused_layers(setup):
     assert loaded.model.__dict__.get("_fused_plan")
     for g, w_ in zip(got, want):
         np.testing.assert_array_equal(g, w_)
+    calls = []
+    real = fused_layers._core.decoder_layer
+    monkeypatch.setattr(fused_layers._core, "decoder_layer",
+                        lambda *a, **k: calls.append(a[-1].lora) or real(*a, **k))
     mixed = prefill_logits(loaded, PROMPTS[:2], lora, [1, 0])
+    assert calls == [True] * LAYERS  # the fused op, given the adapters
     np.testing.assert_allclose(mixed[1], want[1], rtol=1e-4, atol=1e-4)  # the base row
     np.testing.assert_allclose(mixed[0], merged_logits(setup, 1, PROMPTS[0]), rtol=1e-4, atol=1e-4)
+    monkeypatch.setenv("VLLM_METAL_FUSED_LAYERS", "0")
+    per_op = load_model(str(setup.base), "float32")
+    lora_per_op = LoraManager(per_op.model, lora_config())
+    lora_per_op.add(request(1, setup.tmp / "a1"))
+    for g, w_ in zip(mixed, prefill_logits(per_op, PROMPTS[:2], lora_per_op, [1, 0])):
+        np.testing.assert_allclose(g, w_, rtol=1e-5, atol=1e-5)
 
 
 def test_an_adapter_for_a_projection_the_layer_lacks_is_refused(setup, tmp_path):

@@ -96,16 +96,68 @@ def test_mixed_batch_on_qwen3_5_equals_merged_checkpoints(tmp_path):
         np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4, err_msg=f"adapter {lid}")
 
 
-def test_gguf_adapters_on_qwen3_5_are_refused_naming_the_problem(tmp_path):
+def write_qwen35_gguf_adapter(path, deltas: dict, *, r: int, alpha: float):
+    """deltas (HF order, write_adapter's) as llama.cpp's converter writes a "qwen35" LoRA:
+    its tensor names, the value heads of in_proj_qkv's V rows and in_proj_z's rows (lora_b)
+    and out_proj's columns (lora_a) in its tiled order."""
+    import gguf
+
+    from qwen3_5_checkpoint import _grouped_to_tiled
+    from vllm_metal.models.gguf_qwen35 import _BLOCK
+
+    hk, hv = CONFIG["linear_num_key_heads"], CONFIG["linear_num_value_heads"]
+    key_dim = hk * CONFIG["linear_key_head_dim"]
+    tile = lambda x, axis=0: _grouped_to_tiled(x, hk, hv, axis)  # noqa: E731
+    kind = {v: k for k, v in _BLOCK.items()}
+    writer = gguf.GGUFWriter(str(path), "qwen35")
+    writer.add_type("adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(alpha))
+    for module, (a, b, scale) in deltas.items():
+        assert scale == alpha / r
+        _, _, i, rest = module.split(".", 3)
+        a, b = a.astype(np.float32), b.astype(np.float32)
+        if rest == "linear_attn.in_proj_qkv":
+            b = np.concatenate([b[:2 * key_dim], tile(b[2 * key_dim:])])
+        elif rest == "linear_attn.in_proj_z":
+            b = tile(b)
+        elif rest == "linear_attn.out_proj":
+            a = tile(a, axis=1)
+        name = f"blk.{i}.{kind[rest]}.weight"
+        writer.add_tensor(name + ".lora_a", np.ascontiguousarray(a))
+        writer.add_tensor(name + ".lora_b", np.ascontiguousarray(b))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_llama_cpp_gguf_adapter_on_qwen3_5_equals_the_merged_checkpoint(tmp_path):
+    """A "qwen35" GGUF LoRA (llama.cpp's names and tiled value heads: 4 value heads over 2
+    key heads here) gives the logits of the checkpoint with the adapter merged in NumPy;
+    an adapter of another architecture is refused naming it."""
     base = write_checkpoint(tmp_path / "base", seed=0)
     w = base_weights(base)
-    write_gguf_adapter(tmp_path / "g.gguf", w, LAYERS, arch="qwen3", r=4, alpha=4, seed=1,
+    deltas = write_adapter(tmp_path / "peft", w, LAYERS, r=8, alpha=16, seed=33, targets=ALL,
+                           magnitude=2.0)
+    assert any("in_proj_qkv" in m for m in deltas) and any("out_proj" in m for m in deltas)
+    write_qwen35_gguf_adapter(tmp_path / "g.gguf", deltas, r=8, alpha=16)
+    loaded = load_model(str(base), "float32")
+    lora = LoraManager(loaded.model, SimpleNamespace(max_loras=1, max_lora_rank=8, max_cpu_loras=2))
+    lora.add(request(1, tmp_path / "g.gguf"))
+    got = prefill_logits(loaded, PROMPTS, lora, [1, 0, 1])
+    base_logits = prefill_logits(load_model(str(base), "float32"), PROMPTS)
+    merged = load_model(str(write_merged(base, tmp_path / "m", deltas)), "float32")
+    for i, lid in enumerate([1, 0, 1]):
+        want = prefill_logits(merged, [PROMPTS[i]])[0] if lid else base_logits[i]
+        assert lid == 0 or np.abs(want - base_logits[i]).max() > 1e-2
+        np.testing.assert_allclose(got[i], want, rtol=1e-4, atol=1e-4, err_msg=f"prompt {i}")
+
+    write_gguf_adapter(tmp_path / "q3.gguf", w, LAYERS, arch="qwen3", r=4, alpha=4, seed=1,
                        n_heads=4, n_kv_heads=2, layers=[3], targets=("v_proj",))
-    lora = LoraManager(load_model(str(base), "float32").model,
-                       SimpleNamespace(max_loras=1, max_lora_rank=8, max_cpu_loras=1))
-    with pytest.raises(ValueError, match="GGUF LoRA adapters run on llama-family and qwen3 "
-                                         "models, not on Qwen3.5"):
-        lora.add(request(1, tmp_path / "g.gguf"))
+    with pytest.raises(ValueError, match="adapter architecture 'qwen3' does not match the "
+                                         "model \\(qwen3_5\\)"):
+        lora.add(request(2, tmp_path / "q3.gguf"))
 
 
 @pytest.mark.slow

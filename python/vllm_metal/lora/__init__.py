@@ -7,5 +7,6 @@ gate/up/down projections through ops.lora_apply, many adapters in one batch.
 - layers.py: LoraLinear, the wrapper around a base projection, and the slot buffers;
 - manager.py: the worker-side LoRA manager (vLLM's add/remove/pin/list_loras), the CPU
   LRU of parsed adapters (--max-cpu-loras), the slots (--max-loras) and each step's
-  row -> slot mapping.
+  row -> slot mapping;
+- http_status.py: a refused adapter at /v1/load_lora_adapter answers 400 (vLLM: 500).
 """

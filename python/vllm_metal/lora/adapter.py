@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vllm_metal.lora.http_status import REFUSED
+
 # projection -> its parent module in mlx-lm's llama/qwen3/qwen3_5 layers (the last three:
 # Qwen3.5's gated delta net; in_proj_b / in_proj_a are per-head gate scalars, not adapted)
 TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
@@ -70,7 +72,7 @@ def load_peft_adapter(name: str, path: str, shapes: dict, max_rank: int,
     """shapes: (layer, projection) -> (in, out) of the model's projections."""
     from vllm.lora.peft_helper import PEFTHelper
 
-    where = f"LoRA adapter '{name}' ({path})"
+    where = f"{REFUSED}'{name}' ({path})"  # the API server answers 400 (http_status.py)
     config_path = os.path.join(path, "adapter_config.json")
     weights_path = os.path.join(path, "adapter_model.safetensors")
     if not os.path.isfile(config_path):
@@ -89,7 +91,10 @@ def load_peft_adapter(name: str, path: str, shapes: dict, max_rank: int,
         problems.append("adapter bias is not supported")
     if problems:
         raise ValueError(f"{where}: {' '.join(problems)}")
-    tensors = _read_safetensors(weights_path)
+    try:
+        tensors = _read_safetensors(weights_path)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
     pairs: dict[str, dict[str, np.ndarray]] = {}
     for key, value in tensors.items():
         m = _KEY.match(key)

@@ -104,8 +104,8 @@ def install(model, slots: int, rank: int, step: LoraStep) -> dict:
     if not wrapped:
         raise ValueError("[vllm-metal] LoRA: the model has none of the projections "
                          f"{', '.join(TARGETS)}")
-    # steps with an adapter take the per-op path; steps without one keep the fused
-    # layers, rebuilt here from the base projections (paged_model.PagedCausalLM.__call__)
+    # the fused layers are rebuilt to hold the wrappers (fused_layers.FusedDecoderLayer
+    # passes the slots of a step with adapters; other steps run the base layer as it is)
     object.__setattr__(model, "_lora_step", step)
     if hasattr(model, "reset_fused_layers"):  # PagedQwen3_5 has no fused layers
         model.reset_fused_layers()

@@ -39,7 +39,12 @@ class LoraManager:
         self.step = LoraStep()
         self.layers = install(model, self.max_loras, self.max_rank, self.step)
         self.shapes = {k: (m.in_features, m.out_features) for k, m in self.layers.items()}
-        self.arch = getattr(model, "arch", None)  # None: Qwen3.5 (GGUF adapters refused)
+        self.arch = getattr(model, "arch", None)  # None: Qwen3.5
+        # Qwen3.5: (key heads, value heads, key head dim, value head dim) of the gated delta
+        # net, for GGUF adapters in llama.cpp's value-head order (gguf_adapter.py)
+        gdn = next((l.linear_attn for l in model.layers if hasattr(l, "linear_attn")), None)
+        self.linear_heads = None if gdn is None else (
+            int(gdn.num_k_heads), int(gdn.num_v_heads), int(gdn.head_k_dim), int(gdn.head_v_dim))
         attn = next((l.self_attn for l in model.layers if hasattr(l, "self_attn")), None)
         # llama GGUF adapters' lora_b rows of q/k are un-permuted per head (gguf_adapter.py)
         self.qk_heads = {} if attn is None else {"q_proj": int(attn.num_heads),
@@ -123,7 +128,7 @@ class LoraManager:
         """A PEFT directory, or a llama.cpp GGUF LoRA file."""
         if is_gguf_file(path):
             return load_gguf_adapter(name, path, self.shapes, self.max_rank, self.arch,
-                                     self.qk_heads)
+                                     self.qk_heads, self.linear_heads)
         return load_peft_adapter(name, path, self.shapes, self.max_rank,
                                  self.max_position_embeddings)
 

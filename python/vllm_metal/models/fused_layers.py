@@ -24,7 +24,7 @@ from vllm_metal import _core, envs, ops
 from vllm_metal.models.context import AttentionContext
 from vllm_metal.models.gguf_linear import GGUFLinear
 from vllm_metal.models.layers import PagedAttention, RMSNorm
-from vllm_metal.lora.layers import base_of  # LoRA wrappers: steps without adapters run fused
+from vllm_metal.lora.layers import LoraLinear, base_of
 
 # GGML type ids of dense weights (gguf_linear names them by string)
 _DENSE_TYPE_IDS = {"F32": 0, "F16": 1, "BF16": 30}
@@ -43,8 +43,13 @@ class FusedDecoderLayer:
         attn: PagedAttention = layer.self_attn
         mlp = layer.mlp
         spec = _core.DecoderLayerSpec()
-        q, k, v, o = (base_of(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
-        projections = [q, k, v, o] + [base_of(p) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+        wrapped = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
+                   mlp.up_proj, mlp.down_proj]
+        # vllm_metal.lora wraps every projection or none: a step with adapters passes
+        # their slots (spec.lora), the others run the base layer as it is
+        self.loras = wrapped if all(isinstance(p, LoraLinear) for p in wrapped) else None
+        projections = [base_of(p) for p in wrapped]
+        q, k, v, o = projections[:4]
         spec.hidden = q.in_features
         spec.num_heads = attn.num_heads
         spec.num_kv_heads = attn.num_kv_heads
@@ -85,11 +90,18 @@ class FusedDecoderLayer:
 
     def __call__(self, x: mx.array, ctx: AttentionContext) -> mx.array:
         """The layer's caches in ctx.kv_caches are written in place (the op's contract)."""
-        self.spec.exact = self.projection.exact
+        spec, weights = self.spec, self.weights
+        row_slot = None if self.loras is None else self.loras[0]._step.row_slot
+        spec.lora = row_slot is not None  # the op copies the spec: set per call
+        if spec.lora:  # rows with adapters this step (vllm_metal.lora.manager)
+            weights = weights + [row_slot]
+            for p in self.loras:
+                weights += list(p._arrays)  # A, B, scale: rebuilt when a slot is written
+        spec.exact = self.projection.exact
         key_cache, value_cache = ctx.kv_caches[self.layer_idx]
         return _core.decoder_layer(
             x, ctx.positions, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q,
-            key_cache, value_cache, self.rope_table, self.weights, self.spec,
+            key_cache, value_cache, self.rope_table, weights, spec,
             num_decode_seqs=ctx.num_decode_seqs, max_seq_len=ctx.max_seq_len,
             max_query_len=ctx.max_query_len)
 

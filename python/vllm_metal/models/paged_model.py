@@ -126,8 +126,7 @@ class PagedCausalLM(nn.Module):
         if self.embed_scale is not None:
             h = h * mx.array(self.embed_scale, mx.bfloat16).astype(h.dtype)
         query_scale = self._llama4_query_scale(ctx.positions)
-        lora = self.__dict__.get("_lora_step")  # vllm_metal.lora: rows with adapters this step
-        fused = None if lora is not None and lora.row_slot is not None else self._fused_layers()
+        fused = self._fused_layers()  # with LoRA adapters too (FusedDecoderLayer passes them)
         aux = _AuxStates(ctx)  # an EAGLE3 head's inputs: the stream after some layers
         aux.after(0, h, None)
         if fused:

@@ -58,6 +58,7 @@ void bind_decoder_layer(nb::module_& m) {
       .def_rw("sliding_window", &vm::DecoderLayerSpec::sliding_window)
       .def_rw("softcap", &vm::DecoderLayerSpec::softcap)
       .def_rw("exact", &vm::DecoderLayerSpec::exact)
+      .def_rw("lora", &vm::DecoderLayerSpec::lora)
       .def("weight_names", &vm::DecoderLayerSpec::weight_names,
            "The order decoder_layer takes its weights in.");
   m.def(

@@ -82,9 +82,29 @@ GgufMatmul matmul_of(const DecoderLayerRows& a, const LayerLinear& l, const void
   return m;
 }
 
+// y += the rows' LoRA deltas of x (in place), when the step has adapters.
+void add_lora(const DecoderLayerRows& a, const LayerLinear& l, const void* x, void* y) {
+  if (!a.lora_row_slot || !l.lora_a) return;
+  LoraApplyRows r;
+  r.elt = a.elt;
+  r.y = y;
+  r.x = x;
+  r.a = l.lora_a;
+  r.b = l.lora_b;
+  r.scale = l.lora_scale;
+  r.row_slot = a.lora_row_slot;
+  r.out = y;
+  r.rows = a.tokens;
+  r.in_dim = l.k;
+  r.out_dim = l.n;
+  r.rank = a.lora_rank;
+  lora_apply_rows(r);
+}
+
 void project(const DecoderLayerRows& a, const LayerLinear& l, const void* x, void* y) {
   gguf_matmul(matmul_of(a, l, x, y));
   if (l.bias) add_bias(a.elt, y, l.bias, a.tokens, l.n);
+  add_lora(a, l, x, y);
 }
 
 // Projections of the same x in one pool job (q/k/v; gate/up).
@@ -96,6 +116,7 @@ void project_all(const DecoderLayerRows& a, const LayerLinear* const (&ls)[N], c
   gguf_matmul_group(mats, N);
   for (int i = 0; i < N; ++i) {
     if (ls[i]->bias) add_bias(a.elt, ys[i], ls[i]->bias, a.tokens, ls[i]->n);
+    add_lora(a, *ls[i], x, ys[i]);
   }
 }
 

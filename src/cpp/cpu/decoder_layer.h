@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "cpu/gguf_matmul.h"
+#include "cpu/lora.h"
 #include "cpu/paged_attention.h"
 #include "cpu/silu_and_mul.h"
 #include "cpu/vec.h"
@@ -28,6 +29,10 @@ struct LayerLinear {
   const void* bias = nullptr;
   int64_t n = 0;
   int64_t k = 0;
+  // LoRA slots (cpu/lora.h), or null: A [S, R, k], B [S, n, R] in elt, scale float [S]
+  const void* lora_a = nullptr;
+  const void* lora_b = nullptr;
+  const float* lora_scale = nullptr;
 };
 
 struct DecoderLayerRows {
@@ -41,6 +46,10 @@ struct DecoderLayerRows {
   int64_t head_dim = 0;
   int64_t intermediate = 0;
   bool exact = true;  // gguf_matmul's `exact` for every projection
+  // LoRA: each projection's output gets its row's adapter delta (after the bias), as
+  // the per-op model's LoraLinear does; null: no adapter this step
+  const int32_t* lora_row_slot = nullptr;  // [tokens], -1 = base
+  int64_t lora_rank = 0;
 
   const void* input_norm = nullptr;  // [hidden]
   const void* post_norm = nullptr;   // [hidden]

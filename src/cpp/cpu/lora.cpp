@@ -67,7 +67,7 @@ void lora_apply_rows(const LoraApplyRows& p) {
       const char* yr = y + t * od * es;
       char* outr = out + t * od * es;
       if (s < 0) {
-        std::memcpy(outr, yr, od * es);
+        if (outr != yr) std::memcpy(outr, yr, od * es);  // out may be y itself
         continue;
       }
       const int64_t i = index_of_slot[s];

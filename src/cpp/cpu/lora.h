@@ -16,7 +16,7 @@ struct LoraApplyRows {
   const void* b = nullptr;       // [S, out, R]
   const float* scale = nullptr;  // [S]
   const int32_t* row_slot = nullptr;  // [T], -1 = copy y
-  void* out = nullptr;           // [T, out]
+  void* out = nullptr;           // [T, out]; may be y itself (in place)
   int64_t rows = 0;
   int64_t in_dim = 0;
   int64_t out_dim = 0;

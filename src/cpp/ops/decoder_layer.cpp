@@ -1,11 +1,13 @@
 #include "ops/decoder_layer.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "cpu/batch_invariant.h"
 #include <string>
 
 #include "cpu/decoder_layer.h"
+#include "lora_args.h"
 #include "cpu/paged_attention.h"
 #include "cpu/reshape_and_cache.h"
 #include "mlx/allocator.h"
@@ -118,6 +120,22 @@ void check(const std::vector<mx::array>& in, const DecoderLayerSpec& s) {
     expect(w[next++], "q_norm", x.dtype(), {static_cast<int>(s.head_dim)});
     expect(w[next++], "k_norm", x.dtype(), {static_cast<int>(s.head_dim)});
   }
+  if (s.lora) {
+    expect(w[next++], "lora_row_slot", mx::int32, {t});
+    const mx::array& a0 = w[next];
+    if (a0.ndim() != 3 || a0.shape(1) < 1 || a0.shape(1) > LORA_MAX_RANK) {
+      fail("q_lora_a must be [slots, rank in [1, " + std::to_string(LORA_MAX_RANK) + "], " +
+           std::to_string(hid) + "], got " + shape_str(a0.shape()));
+    }
+    const int slots = a0.shape(0), rank = a0.shape(1);
+    for (int i = 0; i < 7; ++i) {
+      const int n = static_cast<int>(proj[i][0]), k = static_cast<int>(proj[i][1]);
+      expect(w[next], names[next].c_str(), x.dtype(), {slots, rank, k});
+      expect(w[next + 1], names[next + 1].c_str(), x.dtype(), {slots, n, rank});
+      expect(w[next + 2], names[next + 2].c_str(), mx::float32, {slots});
+      next += 3;
+    }
+  }
 }
 
 // The caches are updated in place, vLLM's contract for its KV cache: a buffer the
@@ -135,6 +153,12 @@ void check_cache_is_writable(const mx::array& cache, const char* what) {
   }
 }
 
+// Index of the weight `name` among spec.weight_names().
+int weight_index(const DecoderLayerSpec& spec, const std::string& name) {
+  const auto names = spec.weight_names();
+  return static_cast<int>(std::find(names.begin(), names.end(), name) - names.begin());
+}
+
 }  // namespace
 
 std::vector<std::string> DecoderLayerSpec::weight_names() const {
@@ -144,6 +168,14 @@ std::vector<std::string> DecoderLayerSpec::weight_names() const {
   if (qkv_bias) n.insert(n.end(), {"q_bias", "k_bias", "v_bias"});
   if (o_bias) n.push_back("o_bias");
   if (qk_norm) n.insert(n.end(), {"q_norm", "k_norm"});
+  if (lora) {
+    n.push_back("lora_row_slot");
+    for (const char* p : {"q", "k", "v", "o", "gate", "up", "down"}) {
+      for (const char* part : {"_lora_a", "_lora_b", "_lora_scale"}) {
+        n.push_back(std::string(p) + part);
+      }
+    }
+  }
   return n;
 }
 
@@ -169,6 +201,11 @@ mx::array decoder_layer(const mx::array& x, const mx::array& positions,
   p->dtype = x.dtype();
   p->tokens = x.shape(0);
   p->num_slots = static_cast<int64_t>(key_cache.shape(0)) * key_cache.shape(1);
+  if (spec.lora) {
+    const mx::array& q_lora_a = in[kNumMeta + weight_index(spec, "q_lora_a")];
+    p->lora_slots = q_lora_a.shape(0);
+    p->lora_rank = q_lora_a.shape(1);
+  }
   PagedAttentionProblem& a = p->attention;
   a.uses_kernels = backend == KernelBackend::kEmulated || stream.device == mx::Device::gpu;
   if (a.uses_kernels) {
@@ -306,6 +343,23 @@ void DecoderLayer::eval_native_cpu(const std::vector<mx::array>& inputs,
     if (s.qk_norm) {
       a.q_norm = w[next++].data<void>();
       a.k_norm = w[next++].data<void>();
+    }
+    if (s.lora) {
+      const int32_t* row_slot = w[next++].data<int32_t>();
+      const int64_t slots = w[next].shape(0);
+      a.lora_rank = w[next].shape(1);
+      for (int64_t t = 0; t < a.tokens; ++t) {
+        if (row_slot[t] < -1 || row_slot[t] >= slots) {
+          fail("lora_row_slot[" + std::to_string(t) + "] = " + std::to_string(row_slot[t]) +
+               " is out of range for " + std::to_string(slots) + " slots (-1 = no adapter)");
+        }
+      }
+      a.lora_row_slot = row_slot;
+      for (int i = 0; i < 7; ++i) {
+        proj[i]->lora_a = w[next++].data<void>();
+        proj[i]->lora_b = w[next++].data<void>();
+        proj[i]->lora_scale = w[next++].data<float>();
+      }
     }
     cpu::decoder_layer(a);
   });

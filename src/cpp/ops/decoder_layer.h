@@ -49,9 +49,16 @@ struct DecoderLayerSpec {
   int64_t sliding_window = 0;  // 0: none
   float softcap = 0.0f;        // 0: none
   bool exact = true;           // gguf_matmul's exact
+  // LoRA adapters this step (vllm_metal.lora): each projection's output gets its row's
+  // delta, as lora_apply (ops/lora.h) adds it after the bias. The weights end with
+  // lora_row_slot int32 [T] and, per projection p of q..down, p_lora_a [S, R, in],
+  // p_lora_b [S, out, R] (x's dtype) and p_lora_scale float32 [S]. On the Metal
+  // kernels such a step runs the per-op plan (lora_apply after each mat-mul).
+  bool lora = false;
 
   // input_norm, post_norm, q, k, v, o, gate, up, down[, attn_out_norm, mlp_out_norm]
-  // [, q_bias, k_bias, v_bias][, o_bias][, q_norm, k_norm]
+  // [, q_bias, k_bias, v_bias][, o_bias][, q_norm, k_norm][, lora_row_slot, q_lora_a,
+  // q_lora_b, q_lora_scale, ..., down_lora_scale]
   std::vector<std::string> weight_names() const;
 };
 

@@ -9,6 +9,7 @@
 #include "decoder_layer_args.h"
 #include "ops/dtype_names.h"
 #include "ops/gguf_ops.h"
+#include "ops/lora.h"
 #include "ops/rms_norm.h"
 #include "runtime/gguf_types.h"
 
@@ -78,7 +79,7 @@ void append_mapped(KernelPlan& plan, KernelPlan part, const std::vector<int>& ma
 }  // namespace
 
 bool decoder_layer_fuses(const DecoderLayerProblem& p) {
-  return p.tokens <= kMaxRows || p.attention.batch_invariant;
+  return !p.spec.lora && (p.tokens <= kMaxRows || p.attention.batch_invariant);
 }
 
 DecoderLayerSlots::DecoderLayerSlots(const DecoderLayerSpec& spec) : names(spec.weight_names()) {
@@ -284,9 +285,18 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
       n.eps = s.norm_eps;
       append_mapped(plan, plan_rms_norm(n), {in, slot.weight(weight), out});
     };
+    static const char* const kLoraNames[7] = {"q", "k", "v", "o", "gate", "up", "down"};
     auto push_matmul = [&](int in, int proj, int64_t n, int64_t k, int out) {
       GgufMatmulProblem m{s.types[proj], p.dtype, p.tokens, n, k};
       append_mapped(plan, plan_gguf_matmul(m), {in, slot.weight(slot.names[2 + proj]), out});
+      if (!s.lora) return;
+      // out += its rows' adapter deltas, in place (each element is read and written by
+      // one thread of lora_apply)
+      LoraApplyProblem l{p.dtype, p.tokens, k, n, p.lora_rank, p.lora_slots};
+      const std::string pre = kLoraNames[proj];
+      append_mapped(plan, plan_lora_apply(l),
+                    {out, in, slot.weight(pre + "_lora_a"), slot.weight(pre + "_lora_b"),
+                     slot.weight(pre + "_lora_scale"), slot.weight("lora_row_slot"), out});
     };
     const int64_t kv_width = s.num_kv_heads * s.head_dim;
     push_norm(x, "input_norm", slot.xn);

@@ -18,6 +18,7 @@ struct DecoderLayerProblem {
   mx::Dtype dtype = mx::float16;  // of x, the norms, biases and caches
   int64_t tokens = 0;
   int64_t num_slots = 0;  // cache slots: num_blocks * block_size
+  int64_t lora_slots = 0, lora_rank = 0;  // spec.lora: the adapter slots' count and rank
   // attention over q [tokens, num_heads, head_dim]: counts, hints, batch-invariant mode
   PagedAttentionProblem attention;
 };
@@ -49,12 +50,14 @@ std::vector<mx::Dtype> decoder_layer_output_dtypes(const DecoderLayerProblem& p)
 
 // Whether the plan runs the fused kernels: up to 8 tokens (one pass over the weights),
 // or any batch in batch-invariant mode (the per-op path then runs mat-vecs too).
+// A step with LoRA adapters never fuses (the fused kernels have no delta hook).
 bool decoder_layer_fuses(const DecoderLayerProblem& p);
 
 // Fused: layer_qkv, attention (decode [+ reduce]), layer_matvec (o), layer_gate_up,
 // layer_matvec (down) [, layer_add_norm (gemma)]. Longer batches: the per-op kernels
 // (rms_norm, the tiled gguf_matmul, attention's prefill kernel) with small epilogue
-// kernels of decoder_layer.metal for what MLX ops did between them.
+// kernels of decoder_layer.metal for what MLX ops did between them, and with LoRA
+// adapters lora_apply after each mat-mul (in place on its output).
 KernelPlan plan_decoder_layer(const DecoderLayerProblem& p);
 
 }  // namespace vllm_metal

@@ -1,0 +1,67 @@
+"""LoRA with ngram speculative decoding through `vllm serve`: the verify steps pack a
+sequence's drafts as extra rows, each row gets its sequence's adapter, so every request's
+greedy tokens equal those of the base with its adapter merged in NumPy (W + scale * B @ A),
+run without LoRA, whether its drafts are accepted or not; a batch mixes two adapters and
+the base."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import pytest
+
+from lora_checkpoint import base_weights, write_adapter, write_merged
+from serving_harness import Server
+from test_serving_emulated import tiny_attention_checkpoint
+from vllm_metal.models import load_model
+from vllm_metal.models.generate import greedy_generate
+
+pytestmark = [pytest.mark.serving, pytest.mark.slow]
+
+LAYERS = 2
+# repeated n-grams: the ngram proposer drafts from the prompt
+PROMPTS = {"base": [5, 9, 30, 5, 9, 30, 5, 9], "a1": [3, 8, 200, 3, 8, 200, 3, 8],
+           "a2": [17, 56, 90, 17, 56, 90, 17, 56]}
+MAX_TOKENS = 12
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+        "prompt_lookup_max": 3}
+
+
+def test_each_request_equals_its_merged_checkpoint_with_ngram_drafts(tmp_path):
+    base = tiny_attention_checkpoint("llama", tmp_path / "base")
+    w = base_weights(base)
+    deltas = {"a1": write_adapter(tmp_path / "a1", w, LAYERS, r=8, alpha=16, seed=41, magnitude=2.0),
+              "a2": write_adapter(tmp_path / "a2", w, LAYERS, r=4, alpha=8, seed=42, magnitude=2.0,
+                                  targets=("q_proj", "v_proj", "down_proj"))}
+    want = {}
+    for name, prompt in PROMPTS.items():
+        ckpt = base if name == "base" else write_merged(base, tmp_path / f"m_{name}", deltas[name])
+        want[name] = greedy_generate(load_model(str(ckpt), "float32"), [prompt], MAX_TOKENS,
+                                     stop_ids=[])[0]
+    assert len({tuple(v) for v in want.values()}) == len(want)  # each adapter matters
+    server = Server(str(base), "llama-tiny", [
+        "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4",
+        "--num-gpu-blocks-override", "64", "--enable-lora", "--max-loras", "2",
+        "--max-lora-rank", "8", "--lora-modules", f"a1={tmp_path / 'a1'}", f"a2={tmp_path / 'a2'}",
+        "--speculative-config", json.dumps(SPEC)])
+    try:
+        def run(name):
+            r = server.client.post("/v1/completions", json={
+                "model": "llama-tiny" if name == "base" else name, "prompt": PROMPTS[name],
+                "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        for name in PROMPTS:  # alone
+            assert run(name) == want[name], name
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # one batch
+            got = dict(zip(PROMPTS, pool.map(run, PROMPTS)))
+        assert got == want
+        metrics = server.client.get("/metrics").text
+        drafted = [l for l in metrics.splitlines()
+                   if l.startswith("vllm:spec_decode_num_draft_tokens_total")]
+        assert drafted and float(drafted[0].split()[-1]) > 0, drafted  # drafts were verified
+    finally:
+        server.stop()
