@@ -31,8 +31,8 @@ def test_served_pooling_configurations_pass():
     _refuse_unsupported_pooling(*_config(("BertForSequenceClassification",), seq="CLS"))
     _refuse_unsupported_pooling(*_config(("XLMRobertaModel",), model_type="xlm-roberta", max_model_len=512))
     _refuse_unsupported_pooling(*_config(embedding_size=32))  # Dense layers: vLLM's projector (pooling.py)
-    # EmbeddingGemma: inputs up to the bidirectional window (transformers' halved sliding_window)
-    _refuse_unsupported_pooling(*_gemma(max_model_len=257))
+    # EmbeddingGemma: inputs past its sliding window (windowed varlen_attention), up to its positions
+    _refuse_unsupported_pooling(*_gemma(max_model_len=2048))
 
 
 def _gemma(max_model_len=257, bidirectional=True):
@@ -43,7 +43,7 @@ def _gemma(max_model_len=257, bidirectional=True):
     return vllm_config, archs
 
 
-@pytest.mark.parametrize("kw, words", [(dict(max_model_len=258), "--max-model-len 257"),
+@pytest.mark.parametrize("kw, words", [(dict(max_model_len=2049), "--max-model-len 2048"),
                                        (dict(bidirectional=False), "use_bidirectional_attention")])
 def test_embeddinggemma_limits_are_refused(kw, words):
     with pytest.raises(UnsupportedConfiguration, match=words):
