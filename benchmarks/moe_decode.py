@@ -123,8 +123,8 @@ def decode_rate(loaded, batch: int, tokens: int, rng) -> float:
     return statistics.median(rates)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def add_shape_args(ap: argparse.ArgumentParser) -> None:
+    """The synthetic model's shape and the decode batch sizes (config() reads them)."""
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=8)
@@ -132,6 +132,11 @@ def main() -> None:
     ap.add_argument("--inter", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=320)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_shape_args(ap)
     ap.add_argument("--tokens", type=int, default=24)
     a = ap.parse_args()
     from vllm_metal.models import load_model

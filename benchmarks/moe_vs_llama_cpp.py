@@ -43,16 +43,10 @@ ROOT = HERE.parent
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--types", nargs="+", default=["Q4_0", "MXFP4"])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--experts", type=int, default=64)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--inter", type=int, default=512)
-    ap.add_argument("--vocab", type=int, default=320)
+    moe_decode.add_shape_args(ap)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--no-docs", action="store_true")
     a = ap.parse_args()
     if not LLAMA_BENCH.exists():
