@@ -282,14 +282,12 @@ def _refuse_unsupported_kv_cache(vllm_config: VllmConfig) -> None:
 
 
 def _refuse_unsupported_lora(vllm_config: VllmConfig) -> None:
-    """LoRA runs on the llama-family / qwen3 and Qwen3.5 paged models (vllm_metal/lora);
-    with ngram drafts (the verify step is a packed step like any other: each row gets its
-    sequence's adapter) but no drafting model or head (they would run without the adapter),
-    not with pooling yet (other model classes, and adapters on layers a model lacks, are
-    refused when the runner installs them: lora/manager.py)."""
-    spec = vllm_config.speculative_config
-    if spec is not None and spec.method != "ngram":
-        _refuse(f"LoRA with speculative decoding method {spec.method!r}", "ngram drafts work")
+    """LoRA runs on the llama-family / qwen3 and Qwen3.5 paged models (vllm_metal/lora),
+    with every speculative method: the verify step is a packed step like any other, each
+    row with its sequence's adapter, so outputs are exact; a drafting model or head drafts
+    without the adapter (fewer drafts kept for an adapter far from the base). Not with
+    pooling yet (other model classes, and adapters on layers a model lacks, are refused
+    when the runner installs them: lora/manager.py)."""
     if getattr(vllm_config.model_config, "runner_type", "generate") == "pooling":
         _refuse("LoRA with --runner pooling")
     lora = vllm_config.lora_config
