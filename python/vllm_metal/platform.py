@@ -283,13 +283,17 @@ def _refuse_unsupported_kv_cache(vllm_config: VllmConfig) -> None:
 
 def _refuse_unsupported_lora(vllm_config: VllmConfig) -> None:
     """LoRA runs on the llama-family / qwen3 and Qwen3.5 paged models (vllm_metal/lora),
-    with every speculative method: the verify step is a packed step like any other, each
-    row with its sequence's adapter, so outputs are exact; a drafting model or head drafts
-    without the adapter (fewer drafts kept for an adapter far from the base). Not with
-    pooling yet (other model classes, and adapters on layers a model lacks, are refused
-    when the runner installs them: lora/manager.py)."""
-    if getattr(vllm_config.model_config, "runner_type", "generate") == "pooling":
-        _refuse("LoRA with --runner pooling")
+    generating or pooling (decoder embedders and classifiers), with every speculative
+    method: the verify step is a packed step like any other, each row with its sequence's
+    adapter, so outputs are exact; a drafting model or head drafts without the adapter
+    (fewer drafts kept for an adapter far from the base). Not on the encoders (other
+    model classes, and adapters on layers a model lacks, are refused when the runner
+    installs them: lora/manager.py)."""
+    model = vllm_config.model_config
+    archs = set(getattr(getattr(model, "hf_config", None), "architectures", None) or [])
+    if archs & ENCODER_ARCHITECTURES:
+        _refuse(f"LoRA with the encoder {sorted(archs)}",
+                "adapters apply to decoder models (embedders such as Qwen3-Embedding too)")
     lora = vllm_config.lora_config
     if getattr(lora, "fully_sharded_loras", False):
         _refuse("--fully-sharded-loras")
