@@ -180,8 +180,9 @@ class MetalModelRunner(DeltaHooks):
         from vllm_metal.models.expert_offload import OffloadConfig
 
         additional = getattr(self.vllm_config, "additional_config", None) or {}
-        self.loaded = load_model(self.model_config.model, dtype,
-                                 expert_offload=OffloadConfig.from_additional(additional))
+        with self._stage_layers_only():
+            self.loaded = load_model(self.model_config.model, dtype,
+                                     expert_offload=OffloadConfig.from_additional(additional))
         self.expert_stats = None  # the expert cache's counters -> /metrics (expert_metrics.py)
         if self.loaded.expert_cache is not None and additional.get(STATS_KEY):
             self.expert_stats = StatsWriter(additional[STATS_KEY], self.loaded.expert_cache)
@@ -215,6 +216,21 @@ class MetalModelRunner(DeltaHooks):
         self._init_sampling()
         if self.model_config.runner_type == "pooling":
             self.pooler = build_pooler(self.model_config, self.scheduler_config, self.loaded)
+
+    def _stage_layers_only(self):
+        """Pipeline parallel: the load reads only this stage's layers (stage_loading.py);
+        keep_stage then drops the others, unread."""
+        import contextlib
+
+        if self.pipeline_parallel_size == 1:
+            return contextlib.nullcontext()
+        from vllm.distributed.utils import get_pp_indices
+
+        from vllm_metal.models.stage_loading import only_layers
+
+        layers = self.model_config.hf_text_config.num_hidden_layers
+        group = self.mlx_group
+        return only_layers(range(*get_pp_indices(layers, group.rank(), group.size())))
 
     def _shard_model(self) -> None:
         """Keeps this rank's heads and MLP columns (models/tensor_parallel.py); its KV cache

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from vllm_metal.models.stage_loading import outside_stage
+
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 GGUF_FILE_IN_DIR = "model.gguf"  # in a prepared directory: a symlink to the file
 
@@ -431,6 +433,9 @@ def load_weights(ckpt: GGUFCheckpoint, config: dict, dtype: mx.Dtype, *,
     for name in ckpt.tensors:
         target = mlx_lm_name(name, arch.model_type)
         if target is None:
+            continue
+        if outside_stage(name):  # another pipeline stage's layer: never read (stage_loading.py)
+            weights[target] = mx.zeros(ckpt.tensors[name].shape, dtype)
             continue
         # biases stay dense (gpt-oss's expert biases are 2-D [E, rows])
         w = ckpt.blocks(name) if blocks and not name.endswith(".bias") else None

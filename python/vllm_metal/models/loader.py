@@ -33,6 +33,7 @@ from vllm_metal.models.gguf_loader import GGUF_FILE_IN_DIR
 from vllm_metal.models.linear_choice import choose_dense_layers
 from vllm_metal.models.moe import install_expert_blocks
 from vllm_metal.models.paged_model import PagedCausalLM
+from vllm_metal.models.stage_loading import evaluate_parameters
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -247,7 +248,7 @@ def _finish(lm, config: dict, hf_config: dict, dtype: mx.Dtype, eos_ids: list[in
     model.set_dtype(dtype)
     model.fold_norm_offsets()
     model.eval()
-    mx.eval(model.parameters())
+    evaluate_parameters(model)  # a pipeline stage's layers only (stage_loading.py)
 
     attn = model.layers[0].self_attn
     spec = ModelSpec(

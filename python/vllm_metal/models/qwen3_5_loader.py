@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from vllm_metal.models.qwen3_5_paged import PagedQwen3_5, StateShapes, layer_is_linear
+from vllm_metal.models.stage_loading import evaluate_parameters
 
 HF_ARCHITECTURE = "Qwen3_5ForCausalLM"
 HF_MOE_ARCHITECTURE = "Qwen3_5MoeForCausalLM"
@@ -174,7 +175,7 @@ def finish(lm, config: dict, hf_config: dict, dtype: mx.Dtype, eos_ids: list[int
         if isinstance(m, GGUFEmbedding):
             m.out_dtype = dtype if m.is_blocks else m.weight.dtype
     model.eval()
-    mx.eval(model.parameters())
+    evaluate_parameters(model)  # a pipeline stage's layers only (stage_loading.py)
 
     is_linear = layer_is_linear(config)
     attention = [i for i, lin in enumerate(is_linear) if not lin]
