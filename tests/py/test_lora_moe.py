@@ -183,3 +183,95 @@ def test_expert_adapter_on_a_dense_model_is_refused(tmp_path):
                   modules=["model.layers.1.mlp.experts.0.up_proj"])
     with pytest.raises(ValueError, match="layer 1 has no experts.0.up_proj"):
         lora.add(request(1, tmp_path / "bad"))
+
+
+def test_mlx_quantized_experts_equal_merged_dequantized(setup, tmp_path):
+    """An MLX-quantized checkpoint (experts in QuantizedSwitchLinear: the base runs mlx-lm's
+    gather_qmm block) with adapters equals the dequantized weights with the deltas merged,
+    written as a dense checkpoint and run on the fused op."""
+    import json
+
+    from vllm_metal.models.moe import FusedMoeBlock
+
+    # mlx-lm's layout: experts stacked [E, out, in] in switch_mlp; experts and q/o quantized
+    hf = base_weights(setup.tmp / "base")
+    layers, params, dense = setup.config.num_hidden_layers, {}, {}
+    for key, value in hf.items():
+        if ".mlp.experts." in key:
+            continue
+        params[key] = mx.array(value)
+    for l in range(layers):
+        for p in PROJS:
+            params[f"model.layers.{l}.mlp.switch_mlp.{p}.weight"] = mx.array(np.stack(
+                [hf[f"model.layers.{l}.mlp.experts.{e}.{p}.weight"] for e in range(EXPERTS)]))
+    for key in list(params):
+        if key.endswith((".q_proj.weight", ".o_proj.weight")) or ".switch_mlp." in key:
+            stem = key.removesuffix(".weight")
+            w, scales, biases = mx.quantize(params[key], group_size=32, bits=8)
+            params[key], params[stem + ".scales"], params[stem + ".biases"] = w, scales, biases
+            value = mx.dequantize(w, scales, biases, group_size=32, bits=8)
+        else:
+            value = params[key]
+        if ".switch_mlp." in key:  # the dense reference: HF per-expert names
+            for e in range(EXPERTS):
+                dense[key.replace("switch_mlp", f"experts.{e}")] = np.array(value[e])
+        else:
+            dense[key] = np.array(value)
+    quant = tmp_path / "q8"
+    quant.mkdir()
+    mx.save_safetensors(str(quant / "model.safetensors"), params)
+    cfg = json.loads((setup.tmp / "base" / "config.json").read_text())
+    (quant / "config.json").write_text(json.dumps(dict(cfg, quantization={"group_size": 32, "bits": 8})))
+    (tmp_path / "dq").mkdir()
+    mx.save_safetensors(str(tmp_path / "dq" / "model.safetensors"), {k: mx.array(v) for k, v in dense.items()})
+    (tmp_path / "dq" / "config.json").write_text(json.dumps(cfg))
+    merged = {0: tmp_path / "dq"} | {lid: write_merged(tmp_path / "dq", tmp_path / f"m{lid}", d)
+                                     for lid, d in setup.deltas.items()}
+
+    loaded = load_model(str(quant), "float32")
+    block = loaded.model.layers[0].mlp
+    assert not isinstance(block, FusedMoeBlock) and "scales" in block.switch_mlp.gate_proj
+    lora = LoraManager(loaded.model, lora_config(max_loras=2))
+    for lid in (1, 2):
+        lora.add(request(lid, setup.tmp / f"a{lid}"))
+    loras = [2, 1, 0]
+    got = prefill_logits(loaded, PROMPTS[:3], lora, loras)
+    for prompt, lid, g in zip(PROMPTS, loras, got):
+        ref = load_model(str(merged[lid]), "float32")
+        assert isinstance(ref.model.layers[0].mlp, FusedMoeBlock)
+        want = prefill_logits(ref, [prompt])[0]
+        np.testing.assert_allclose(g, want, rtol=2e-4, atol=2e-4, err_msg=f"adapter {lid}")
+
+
+def test_mixed_batch_on_the_metal_kernels_in_the_emulator(tmp_path):
+    """The per-op expert path on Metal kernels, emulated (gguf_matmul on Q8_0 expert blocks,
+    lora_apply, attention with head size 64, norms, rope); the reference, the dequantized
+    file with the deltas merged, runs on the CPU kernels."""
+    from vllm_metal import ops
+
+    config, _ = write_checkpoint(tmp_path / "hf", seed=6, vocab_size=VOCAB, num_experts=4,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    path = write_gguf(tmp_path / "hf", config, tmp_path / "m.gguf", "Q8_0")
+    w = base_weights(tmp_path / "hf")
+    layers = config.num_hidden_layers
+    deltas = {1: write_adapter(tmp_path / "a1", w, layers, r=4, alpha=8, seed=1, magnitude=2.0,
+                               modules=sum((experts(l, range(4)) for l in range(layers)), [])),
+              2: write_adapter(tmp_path / "a2", w, layers, r=8, alpha=8, seed=2, magnitude=2.0,
+                               modules=["model.layers.1.self_attn.q_proj"] + experts(0, [1, 2]))}
+    ns = SimpleNamespace(gguf=path, deltas=deltas)
+    prompts, loras = PROMPTS[:3], [2, 0, 1]
+    want = [prefill_logits(reference(ns, "gguf", lid), [p])[0] for p, lid in zip(prompts, loras)]
+    base = prefill_logits(reference(ns, "gguf", 0), [prompts[0], prompts[2]])
+    assert min(np.abs(want[0] - base[0]).max(), np.abs(want[2] - base[1]).max()) > 1e-2
+    previous = ops.kernel_backend()
+    ops.set_kernel_backend("emulated")
+    try:
+        loaded = load_model(str(path), "float32")
+        lora = LoraManager(loaded.model, lora_config(max_loras=2))
+        for lid in (1, 2):
+            lora.add(request(lid, tmp_path / f"a{lid}"))
+        got = prefill_logits(loaded, prompts, lora, loras)
+    finally:
+        ops.set_kernel_backend(previous)
+    for g, w_, lid in zip(got, want, loras):
+        np.testing.assert_allclose(g, w_, rtol=2e-4, atol=2e-4, err_msg=f"adapter {lid}")
