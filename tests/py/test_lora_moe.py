@@ -275,3 +275,31 @@ def test_mixed_batch_on_the_metal_kernels_in_the_emulator(tmp_path):
         ops.set_kernel_backend(previous)
     for g, w_, lid in zip(got, want, loras):
         np.testing.assert_allclose(g, w_, rtol=2e-4, atol=2e-4, err_msg=f"adapter {lid}")
+
+
+def test_gpt_oss_attention_adapters_work_and_expert_adapters_are_refused(tmp_path):
+    """gpt-oss: adapters on the (biased) attention projections equal the merged checkpoint;
+    its experts (fused gate_up, clamped SwiGLU) take none: an expert module is refused,
+    naming it."""
+    from test_models_gpt_oss import write_checkpoint as write_gpt_oss
+
+    config, _ = write_gpt_oss(tmp_path / "base", seed=2)
+    w = base_weights(tmp_path / "base")
+    layers = config.num_hidden_layers
+    deltas = write_adapter(tmp_path / "a1", w, layers, r=4, alpha=8, seed=5, magnitude=2.0,
+                           targets=("q_proj", "v_proj", "o_proj"))
+    merged = write_merged(tmp_path / "base", tmp_path / "m1", deltas)
+    loaded = load_model(str(tmp_path / "base"), "float32")
+    lora = LoraManager(loaded.model, lora_config(max_loras=1))
+    lora.add(request(1, tmp_path / "a1"))
+    got = prefill_logits(loaded, PROMPTS[:2], lora, [1, 0])
+    want = prefill_logits(load_model(str(merged), "float32"), PROMPTS[:1])[0]
+    base = prefill_logits(load_model(str(tmp_path / "base"), "float32"), PROMPTS[:2])
+    assert np.abs(want - base[0]).max() > 1e-2
+    np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got[1], base[1], rtol=1e-4, atol=1e-4)
+    module = "model.layers.0.mlp.experts.0.up_proj"
+    write_adapter(tmp_path / "bad", {module + ".weight": np.zeros((8, config.hidden_size), np.float32)},
+                  0, r=2, alpha=2, seed=0, modules=[module])
+    with pytest.raises(ValueError, match="layer 0 has no experts.0.up_proj"):
+        lora.add(request(2, tmp_path / "bad"))
