@@ -282,7 +282,8 @@ def _refuse_unsupported_kv_cache(vllm_config: VllmConfig) -> None:
 
 
 def _refuse_unsupported_lora(vllm_config: VllmConfig) -> None:
-    """LoRA runs on the llama-family / qwen3 and Qwen3.5 paged models (vllm_metal/lora);
+    """LoRA runs on the llama-family / qwen3 and Qwen3.5 paged models, MoE ones included
+    (routed experts per op in steps with adapters: lora/experts.py) (vllm_metal/lora);
     with ngram drafts (the verify step is a packed step like any other: each row gets its
     sequence's adapter) but no drafting model or head (they would run without the adapter),
     not with pooling yet (other model classes, and adapters on layers a model lacks, are
