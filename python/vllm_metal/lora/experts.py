@@ -25,6 +25,7 @@ import mlx.nn as nn
 import numpy as np
 
 from vllm_metal import ops
+from vllm_metal.models.expert_cache import routing_weights
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -83,13 +84,6 @@ class ExpertLoraSlots:
             return
         self.arrays = {p: (mx.array(a).astype(self.dtype), mx.array(b).astype(self.dtype),
                            mx.array(s)) for p, (a, b, s) in self._host.items()}
-
-
-def routing(logits: mx.array, top_k: int, scoring: str, renormalize: bool):
-    """(ids [T, k] int32, p [T, k] float32) as the fused op routes (expert_cache.routing_z)."""
-    from vllm_metal.models.expert_cache import routing_weights
-
-    return routing_weights(logits, top_k, scoring, renormalize)
 
 
 class _ExpertMatmuls:
@@ -162,7 +156,8 @@ class LoraMoeBlock(nn.Module):
         return y.reshape(shape)
 
     def _routed(self, x: mx.array, row_slot: mx.array) -> mx.array:
-        ids, p = routing(self.block.gate(x), self.top_k, self.scoring, self.renormalize)
+        # the top-k and weights as the fused op computes them
+        ids, p = routing_weights(self.block.gate(x), self.top_k, self.scoring, self.renormalize)
         mx.eval(ids)
         ids_np = np.array(ids).reshape(-1)
         tok_np = np.repeat(np.arange(x.shape[0]), self.top_k)
