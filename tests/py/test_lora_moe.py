@@ -138,11 +138,19 @@ def test_greedy_tokens_mixed_batch_equal_merged_and_solo(setup):
     assert got[0] != base  # adapter 2 changes the tokens
 
 
-def test_steps_without_adapters_run_the_fused_op(setup, monkeypatch):
-    """The per-op path is taken only by steps with adapters."""
+def test_steps_without_expert_adapters_run_the_fused_op(setup, monkeypatch, tmp_path):
+    """The per-op path is taken only by steps whose rows' adapters hold expert weights (an
+    attention-only adapter's step keeps the fused op, while expert adapters sit in slots)."""
     from vllm_metal.lora import experts as lora_experts
 
-    loaded, lora = with_adapters(setup, "safetensors", False)
+    loaded = load_model(str(setup.tmp / "base"), "float32")
+    lora = LoraManager(loaded.model, lora_config(max_loras=3))
+    for lid in (1, 2):
+        lora.add(request(lid, setup.tmp / f"a{lid}"))
+    w = base_weights(setup.tmp / "base")
+    attn = write_adapter(tmp_path / "a3", w, setup.config.num_hidden_layers, r=4, alpha=8,
+                         seed=3, magnitude=2.0, targets=("q_proj", "o_proj"))
+    lora.add(request(3, tmp_path / "a3"))
     calls = []
     real = lora_experts.LoraMoeBlock._routed
     monkeypatch.setattr(lora_experts.LoraMoeBlock, "_routed",
@@ -154,6 +162,13 @@ def test_steps_without_adapters_run_the_fused_op(setup, monkeypatch):
         np.testing.assert_array_equal(g, w_)
     prefill_logits(loaded, PROMPTS[:2], lora, [1, 0])
     assert len(calls) == setup.config.num_hidden_layers
+    calls.clear()
+    got = prefill_logits(loaded, PROMPTS[:2], lora, [3, 0])  # slots 0 and 1 hold expert weights
+    assert calls == []
+    merged = write_merged(setup.tmp / "base", tmp_path / "m3", attn)
+    want = prefill_logits(load_model(str(merged), "float32"), PROMPTS[:1])[0]
+    np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got[1], plain[1], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("module, shape, message", [

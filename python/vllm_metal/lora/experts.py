@@ -46,6 +46,7 @@ class ExpertLoraSlots:
                      "down_proj": (inter, hidden)}  # (in, out)
         self._host = None  # proj -> (A, B, scale) float32, allocated on first use
         self.arrays = None  # proj -> (A, B, scale) on the device, or None: no expert adapter
+        self.filled: set = set()  # slots holding some expert weights of this layer
 
     def shapes(self) -> dict:
         """(layer, key) -> (in, out) for the adapter checks."""
@@ -69,6 +70,9 @@ class ExpertLoraSlots:
             a_host[:, slot] = 0
             b_host[:, slot] = 0
             s_host[:, slot] = 0
+        self.filled.discard(slot)
+        if mine:
+            self.filled.add(slot)
         for (e, p), (a, b, scale) in mine.items():
             a_host, b_host, s_host = self._host[p]
             r = a.shape[0]
@@ -85,18 +89,27 @@ class ExpertLoraSlots:
         self.arrays = {p: (mx.array(a).astype(self.dtype), mx.array(b).astype(self.dtype),
                            mx.array(s)) for p, (a, b, s) in self._host.items()}
 
+    @property
+    def stacked(self) -> dict:
+        """proj -> (A [E * S, R, in], B [E * S, out, R], scale [E * S]): slot e * S + s is
+        expert e's weights of adapter slot s, the layout ops.lora_apply takes."""
+        n = self.num_experts * self.slots
+        return {p: (a.reshape(n, *a.shape[2:]), b.reshape(n, *b.shape[2:]), sc.reshape(n))
+                for p, (a, b, sc) in self.arrays.items()}
+
 
 class _ExpertMatmuls:
-    """x @ W_e.T for one expert's gate / up / down, whatever form the weights are in."""
+    """x_j @ W_{e_j}.T for (row, expert) pairs j, whatever form the expert weights are in."""
 
     def __init__(self, switch_mlp: nn.Module, dims: dict):
         self.sw = switch_mlp
         self.dims = dims  # proj -> (in, out)
+        self.streamed = getattr(switch_mlp, "streamed", None)
 
     def rounds(self, experts: list):
         """Groups of experts whose weights can be read together (streamed: a pool's worth,
         loaded into the cache before the group runs)."""
-        streamed = getattr(self.sw, "streamed", None)
+        streamed = self.streamed
         if streamed is None:
             yield experts
             return
@@ -106,34 +119,57 @@ class _ExpertMatmuls:
             streamed._load(chunk, {(streamed.layer, e) for e in chunk})
             yield chunk
 
-    def __call__(self, i: int, e: int, x: mx.array) -> mx.array:
-        sw, proj = self.sw, PROJS[i]
-        streamed = getattr(sw, "streamed", None)
-        if streamed is not None:
-            w = streamed.pool.arrays[i][streamed.pool.lru[(streamed.layer, e)]]
+    def __call__(self, i: int, x: mx.array, eids: np.ndarray) -> mx.array:
+        """x [n, in], eids [n] (host) -> [n, out]."""
+        streamed, proj = self.streamed, PROJS[i]
+        if streamed is not None:  # the experts' slots in the pool (rounds() loaded them)
+            pool = streamed.pool
+            slot_of = {e: pool.lru[(streamed.layer, e)] for e in set(eids.tolist())}
+            slots = np.array([slot_of[e] for e in eids.tolist()], np.int32)
             if streamed.gguf_types is None:
-                return x @ w.T
+                return _gather_mm(x, pool.arrays[i], slots)
             cols, rows = self.dims[proj]
-            return ops.gguf_matmul(x, w, streamed.gguf_types[i], (rows, cols), exact=streamed.exact)
-        p = getattr(sw, proj)
-        if hasattr(p, "type_id"):  # GGUFExperts: [E, rows, cols] in blocks
-            blocks = p.weight.reshape(p.num_experts, -1)[e]
-            return ops.gguf_matmul(x, blocks, p.type_id, (p.rows, p.cols), exact=sw.exact)
+            return _per_expert(x, slots, lambda xe, s: ops.gguf_matmul(
+                xe, pool.arrays[i][s], streamed.gguf_types[i], (rows, cols), exact=streamed.exact))
+        p = getattr(self.sw, proj)
+        if hasattr(p, "type_id"):  # GGUFExperts: [E, rows, cols] in blocks, no gathered op
+            blocks = p.weight.reshape(p.num_experts, -1)
+            return _per_expert(x, eids, lambda xe, e: ops.gguf_matmul(
+                xe, blocks[e], p.type_id, (p.rows, p.cols), exact=self.sw.exact))
         if "scales" in p:  # mlx-lm QuantizedSwitchLinear
-            biases = p.get("biases")
-            y = mx.quantized_matmul(x, p["weight"][e], p["scales"][e],
-                                    None if biases is None else biases[e], transpose=True,
-                                    group_size=p.group_size, bits=p.bits, mode=p.mode)
+            y = mx.gather_qmm(x[:, None, :], p["weight"], p["scales"], p.get("biases"),
+                              rhs_indices=mx.array(eids.astype(np.int32)), transpose=True,
+                              group_size=p.group_size, bits=p.bits, mode=p.mode)[:, 0]
         else:
-            y = x @ p["weight"][e].T
+            y = _gather_mm(x, p["weight"], eids)
         if "bias" in p:
-            y = y + p["bias"][e]
+            y = y + p["bias"][mx.array(eids.astype(np.int32))]
         return y
 
 
+def _gather_mm(x: mx.array, w: mx.array, idx: np.ndarray) -> mx.array:
+    """x [n, in] @ w[idx[j]].T per row, w [E, out, in]."""
+    return mx.gather_mm(x[:, None, :], w.swapaxes(-1, -2),
+                        rhs_indices=mx.array(idx.astype(np.int32)))[:, 0]
+
+
+def _per_expert(x: mx.array, idx: np.ndarray, matmul) -> mx.array:
+    """matmul(x rows of one index, index) per distinct index, rows put back in order."""
+    order = np.argsort(idx, kind="stable")
+    parts, start = [], 0
+    sorted_idx = idx[order]
+    while start < len(order):
+        stop = int(np.searchsorted(sorted_idx, sorted_idx[start], side="right"))
+        parts.append(matmul(x[mx.array(order[start:stop].astype(np.int32))], int(sorted_idx[start])))
+        start = stop
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(len(order))
+    return mx.concatenate(parts)[mx.array(inverse.astype(np.int32))]
+
+
 class LoraMoeBlock(nn.Module):
-    """Stands where a sparse-MoE block was; runs it as it is unless this step has rows with
-    adapters and some slot holds expert weights of this layer."""
+    """Stands where a sparse-MoE block was; runs it as it is unless a row of this step has
+    an adapter holding expert weights of this layer."""
 
     def __init__(self, block: nn.Module, slots: ExpertLoraSlots, step, *, top_k: int,
                  renormalize: bool, scoring: str):
@@ -144,41 +180,46 @@ class LoraMoeBlock(nn.Module):
         self.top_k, self.renormalize, self.scoring = int(top_k), bool(renormalize), scoring
 
     def __call__(self, x: mx.array) -> mx.array:
-        row_slot = self._step.row_slot
-        if row_slot is None or self._slots.arrays is None:
+        step, slots = self._step, self._slots
+        if step.row_slot is None or slots.arrays is None or not slots.filled & step.slots:
             return self.block(x)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        y = self._routed(x, row_slot)
+        y = self._routed(x, step.row_slot)
         block = self.block
         if "shared_expert" in block:  # its projections are LoraLinear: adapters apply there
             y = y + mx.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
         return y.reshape(shape)
 
     def _routed(self, x: mx.array, row_slot: mx.array) -> mx.array:
+        """All (token, expert) pairs at once: each projection one gathered mat-mul (or one
+        per expert for GGUF blocks) and one ops.lora_apply whose slots are (expert, adapter
+        slot) pairs of the stacked buffers [E * S, ...]."""
         # the top-k and weights as the fused op computes them
         ids, p = routing_weights(self.block.gate(x), self.top_k, self.scoring, self.renormalize)
         mx.eval(ids)
-        ids_np = np.array(ids).reshape(-1)
-        tok_np = np.repeat(np.arange(x.shape[0]), self.top_k)
+        eids = np.array(ids).reshape(-1)
+        toks = np.repeat(np.arange(x.shape[0]), self.top_k)
         p = p.reshape(-1).astype(x.dtype)
-        arrays = self._slots.arrays
+        rows = row_slot[mx.array(toks.astype(np.int32))]  # each pair's adapter slot
+        pair_slot = mx.where(rows >= 0, mx.array(eids.astype(np.int32)) * self._slots.slots + rows, -1)
+        buffers = self._slots.stacked
         mm = _ExpertMatmuls(self.block.switch_mlp, self._slots.dims)
         out = mx.zeros(x.shape, dtype=x.dtype)
-        for chunk in mm.rounds(sorted(set(ids_np.tolist()))):
-            for e in chunk:
-                pairs = np.flatnonzero(ids_np == e)
-                tok = mx.array(tok_np[pairs].astype(np.int32))
-                xe, slot = x[tok], row_slot[tok]
+        for chunk in mm.rounds(sorted(set(eids.tolist()))):
+            sel = np.flatnonzero(np.isin(eids, chunk)) if mm.streamed is not None \
+                else np.arange(len(eids))
+            sel_mx = mx.array(sel.astype(np.int32))
+            tok = mx.array(toks[sel].astype(np.int32))
+            xs, e_sel, slot = x[tok], eids[sel], pair_slot[sel_mx]
 
-                def proj(i, inp):
-                    a, b, s = arrays[PROJS[i]]
-                    return ops.lora_apply(mm(i, e, inp), inp, lora_a=a[e], lora_b=b[e],
-                                          scale=s[e], row_slot=slot)
+            def proj(i, inp):
+                a, b, scale = buffers[PROJS[i]]
+                return ops.lora_apply(mm(i, inp, e_sel), inp, lora_a=a, lora_b=b, scale=scale,
+                                      row_slot=slot)
 
-                h = nn.silu(proj(0, xe)) * proj(1, xe)
-                d = proj(2, h) * p[mx.array(pairs.astype(np.int32))][:, None]
-                out = out.at[tok].add(d)
+            h = nn.silu(proj(0, xs)) * proj(1, xs)
+            out = out.at[tok].add(proj(2, h) * p[sel_mx][:, None])
             mx.eval(out)  # a streamed round's slots are rewritten by the next
         return out
 

@@ -23,6 +23,7 @@ class LoraStep:
 
     def __init__(self):
         self.row_slot: mx.array | None = None  # int32 [T], -1 = base; None: no adapter
+        self.slots: frozenset = frozenset()  # the slots row_slot uses (host side)
 
 
 class LoraLinear(nn.Module):

@@ -114,7 +114,7 @@ class LoraManager:
             if lr is not None:
                 needed.setdefault(int(lr.lora_int_id), []).append((i, lr))
         if not needed:
-            self.step.row_slot = None
+            self.step.row_slot, self.step.slots = None, frozenset()
             return
         if len(needed) > self.max_loras:  # the scheduler never does this
             raise ValueError(f"[vllm-metal] {len(needed)} LoRA adapters in one step, "
@@ -125,9 +125,10 @@ class LoraManager:
                 slots_per_seq[i] = slot
         lengths = np.diff(np.asarray(cu_seqlens_q))
         self.step.row_slot = mx.array(np.repeat(slots_per_seq, lengths).astype(np.int32))
+        self.step.slots = frozenset(int(v) for v in slots_per_seq if v >= 0)
 
     def end_step(self) -> None:
-        self.step.row_slot = None
+        self.step.row_slot, self.step.slots = None, frozenset()
 
     # ---- internals -----------------------------------------------------------------
     def _read(self, name: str, path: str) -> LoraAdapter:
