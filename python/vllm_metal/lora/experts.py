@@ -139,7 +139,8 @@ class _ExpertMatmuls:
         if "scales" in p:  # mlx-lm QuantizedSwitchLinear
             y = mx.gather_qmm(x[:, None, :], p["weight"], p["scales"], p.get("biases"),
                               rhs_indices=mx.array(eids.astype(np.int32)), transpose=True,
-                              group_size=p.group_size, bits=p.bits, mode=p.mode)[:, 0]
+                              group_size=p.group_size, bits=p.bits, mode=p.mode,
+                              sorted_indices=_ascending(eids))[:, 0]
         else:
             y = _gather_mm(x, p["weight"], eids)
         if "bias" in p:
@@ -149,8 +150,12 @@ class _ExpertMatmuls:
 
 def _gather_mm(x: mx.array, w: mx.array, idx: np.ndarray) -> mx.array:
     """x [n, in] @ w[idx[j]].T per row, w [E, out, in]."""
-    return mx.gather_mm(x[:, None, :], w.swapaxes(-1, -2),
-                        rhs_indices=mx.array(idx.astype(np.int32)))[:, 0]
+    return mx.gather_mm(x[:, None, :], w.swapaxes(-1, -2), rhs_indices=mx.array(idx.astype(np.int32)),
+                        sorted_indices=_ascending(idx))[:, 0]
+
+
+def _ascending(idx: np.ndarray) -> bool:
+    return bool(np.all(idx[1:] >= idx[:-1]))
 
 
 def _per_expert(x: mx.array, idx: np.ndarray, matmul) -> mx.array:
@@ -199,8 +204,9 @@ class LoraMoeBlock(nn.Module):
         ids, p = routing_weights(self.block.gate(x), self.top_k, self.scoring, self.renormalize)
         mx.eval(ids)
         eids = np.array(ids).reshape(-1)
-        toks = np.repeat(np.arange(x.shape[0]), self.top_k)
-        p = p.reshape(-1).astype(x.dtype)
+        order = np.argsort(eids, kind="stable")  # pairs grouped by expert: each read once
+        eids, toks = eids[order], np.repeat(np.arange(x.shape[0]), self.top_k)[order]
+        p = p.reshape(-1)[mx.array(order.astype(np.int32))].astype(x.dtype)
         rows = row_slot[mx.array(toks.astype(np.int32))]  # each pair's adapter slot
         pair_slot = mx.where(rows >= 0, mx.array(eids.astype(np.int32)) * self._slots.slots + rows, -1)
         buffers = self._slots.stacked
