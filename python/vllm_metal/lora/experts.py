@@ -2,11 +2,12 @@
 `layers.N.mlp.experts.E.{gate,up,down}_proj`, vLLM's per-expert names).
 
 The fused MoE ops have no place to add a delta between an expert's gate/up matmuls and
-its activation, so a step whose rows carry adapters runs the layer per op instead
-(`LoraMoeBlock`): the router's top-k on the host, then, expert by expert, that expert's
-rows through gate / up (+ ops.lora_apply, each row its own slot), SwiGLU, down
-(+ ops.lora_apply), weighted by the routing weight and added back to the token. Steps
-without adapters, and layers no loaded adapter targets, run the block as it is.
+its activation, so a step in which some row's adapter holds expert weights of a layer runs
+that layer per op instead (`LoraMoeBlock`): the router's top-k on the host, then all
+(token, expert) pairs at once, sorted by expert, through gate / up (each + one
+ops.lora_apply over (expert, adapter slot) pairs), SwiGLU, down (+ ops.lora_apply),
+weighted by the routing weight and added back to the token. Other steps (no adapter,
+adapters without expert weights here) run the block as it is.
 
 The expert weights are read where they are, in every form the MoE blocks hold them:
 dense or MLX-quantized SwitchLinear (mlx-lm), GGUF blocks (GGUFExperts), and streamed
