@@ -238,7 +238,8 @@ def test_mlx_quantized_experts_equal_merged_dequantized(setup, tmp_path):
     cfg = json.loads((setup.tmp / "base" / "config.json").read_text())
     (quant / "config.json").write_text(json.dumps(dict(cfg, quantization={"group_size": 32, "bits": 8})))
     (tmp_path / "dq").mkdir()
-    mx.save_safetensors(str(tmp_path / "dq" / "model.safetensors"), {k: mx.array(v) for k, v in dense.items()})
+    mx.save_safetensors(str(tmp_path / "dq" / "model.safetensors"),
+                        {k: mx.array(v) for k, v in dense.items()})
     (tmp_path / "dq" / "config.json").write_text(json.dumps(cfg))
     merged = {0: tmp_path / "dq"} | {lid: write_merged(tmp_path / "dq", tmp_path / f"m{lid}", d)
                                      for lid, d in setup.deltas.items()}
