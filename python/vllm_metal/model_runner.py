@@ -767,13 +767,13 @@ class MetalModelRunner(DeltaHooks):
             input_ids = mx.array(p.input_ids[:t])
         if self.pipeline is not None:
             return self._stage_forward(input_ids, ctx)
-        if hidden_rows is not None:
-            out = self.model.hidden_states(input_ids, ctx, mx.array(hidden_rows))
-            self.kv_caches = ctx.kv_caches
-            return out
         if self.lora is not None:  # each row's adapter slot (lora/manager.py)
             self.lora.begin_step(list(p.req_ids), np.array(p.cu_seqlens_q))
         try:
+            if hidden_rows is not None:
+                out = self.model.hidden_states(input_ids, ctx, mx.array(hidden_rows))
+                self.kv_caches = ctx.kv_caches
+                return out
             logits = self.model(input_ids, ctx)
         finally:
             if self.lora is not None:
@@ -826,12 +826,12 @@ class MetalModelRunner(DeltaHooks):
             self.lora.requests_removed(removed)
 
     def request_added(self, new, row: int, tokens: list[int], prompt_len: int) -> None:
+        if self.lora is not None:
+            self.lora.request_added(new.req_id, getattr(new, "lora_request", None))
         if self.pooler is not None:
             self.pooler.add(new.req_id, new.pooling_params, prompt_len)
             return
         self.prompt_logprobs.drop([new.req_id])
-        if self.lora is not None:
-            self.lora.request_added(new.req_id, getattr(new, "lora_request", None))
         self.sampling_table.add(row, new.req_id, new.sampling_params,
                                 new.prompt_token_ids or tokens, prompt_len,
                                 resumed=len(tokens) > prompt_len)

@@ -282,17 +282,19 @@ def _refuse_unsupported_kv_cache(vllm_config: VllmConfig) -> None:
 
 
 def _refuse_unsupported_lora(vllm_config: VllmConfig) -> None:
-    """LoRA runs on the llama-family / qwen3 and Qwen3.5 paged models, MoE ones included
-    (routed experts per op in steps with adapters: lora/experts.py) (vllm_metal/lora);
-    with ngram drafts (the verify step is a packed step like any other: each row gets its
-    sequence's adapter) but no drafting model or head (they would run without the adapter),
-    not with pooling yet (other model classes, and adapters on layers a model lacks, are
-    refused when the runner installs them: lora/manager.py)."""
-    spec = vllm_config.speculative_config
-    if spec is not None and spec.method != "ngram":
-        _refuse(f"LoRA with speculative decoding method {spec.method!r}", "ngram drafts work")
-    if getattr(vllm_config.model_config, "runner_type", "generate") == "pooling":
-        _refuse("LoRA with --runner pooling")
+    """LoRA runs on the llama-family / qwen3 and Qwen3.5 paged models (vllm_metal/lora), MoE
+    ones included (routed experts per op in steps with their adapters: lora/experts.py),
+    generating or pooling (decoder embedders and classifiers), with every speculative
+    method: the verify step is a packed step like any other, each row with its sequence's
+    adapter, so outputs are exact; a drafting model or head drafts without the adapter
+    (fewer drafts kept for an adapter far from the base). Not on the encoders (other
+    model classes, and adapters on layers a model lacks, are refused when the runner
+    installs them: lora/manager.py)."""
+    model = vllm_config.model_config
+    archs = set(getattr(getattr(model, "hf_config", None), "architectures", None) or [])
+    if archs & ENCODER_ARCHITECTURES:
+        _refuse(f"LoRA with the encoder {sorted(archs)}",
+                "adapters apply to decoder models (embedders such as Qwen3-Embedding too)")
     lora = vllm_config.lora_config
     if getattr(lora, "fully_sharded_loras", False):
         _refuse("--fully-sharded-loras")

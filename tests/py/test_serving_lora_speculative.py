@@ -1,8 +1,9 @@
-"""LoRA with ngram speculative decoding through `vllm serve`: the verify steps pack a
-sequence's drafts as extra rows, each row gets its sequence's adapter, so every request's
-greedy tokens equal those of the base with its adapter merged in NumPy (W + scale * B @ A),
-run without LoRA, whether its drafts are accepted or not; a batch mixes two adapters and
-the base."""
+"""LoRA with speculative decoding through `vllm serve`: ngram drafts, a draft model (the
+base drafting for itself) and an EAGLE3 head. The verify steps pack a sequence's drafts as
+extra rows and each row gets its sequence's adapter, so every request's greedy tokens equal
+those of the base with its adapter merged in NumPy (W + scale * B @ A), run without LoRA,
+whether its drafts are accepted or not; a batch mixes two adapters and the base. (A draft
+model or head drafts without the adapter: only how many drafts are kept depends on it.)"""
 
 from __future__ import annotations
 
@@ -24,11 +25,25 @@ LAYERS = 2
 PROMPTS = {"base": [5, 9, 30, 5, 9, 30, 5, 9], "a1": [3, 8, 200, 3, 8, 200, 3, 8],
            "a2": [17, 56, 90, 17, 56, 90, 17, 56]}
 MAX_TOKENS = 12
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
-        "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 3}
 
 
-def test_each_request_equals_its_merged_checkpoint_with_ngram_drafts(tmp_path):
+def speculative_config(method: str, base, tmp_path) -> dict:
+    if method == "ngram":
+        return NGRAM
+    if method == "draft_model":  # the base checkpoint drafts for itself (and for the adapters)
+        return {"method": "draft_model", "model": str(base), "num_speculative_tokens": 3}
+    from vllm_metal.models.testing import write_random_eagle3_head
+
+    cfg = json.loads((base / "config.json").read_text())
+    head, *_ = write_random_eagle3_head(tmp_path / "eagle3", cfg["hidden_size"], cfg["vocab_size"],
+                                        heads=2, kv=1, draft_vocab=64, aux=[0, 1, 2])
+    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+def test_each_request_equals_its_merged_checkpoint_with_drafts(tmp_path, method):
     base = tiny_attention_checkpoint("llama", tmp_path / "base")
     w = base_weights(base)
     deltas = {"a1": write_adapter(tmp_path / "a1", w, LAYERS, r=8, alpha=16, seed=41, magnitude=2.0),
@@ -44,7 +59,7 @@ def test_each_request_equals_its_merged_checkpoint_with_ngram_drafts(tmp_path):
         "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4",
         "--num-gpu-blocks-override", "64", "--enable-lora", "--max-loras", "2",
         "--max-lora-rank", "8", "--lora-modules", f"a1={tmp_path / 'a1'}", f"a2={tmp_path / 'a2'}",
-        "--speculative-config", json.dumps(SPEC)])
+        "--speculative-config", json.dumps(speculative_config(method, base, tmp_path))])
     try:
         def run(name):
             r = server.client.post("/v1/completions", json={
