@@ -282,7 +282,8 @@ def _refuse_unsupported_kv_cache(vllm_config: VllmConfig) -> None:
 
 
 def _refuse_unsupported_lora(vllm_config: VllmConfig) -> None:
-    """LoRA runs on the llama-family / qwen3 and Qwen3.5 paged models (vllm_metal/lora),
+    """LoRA runs on the llama-family / qwen3 and Qwen3.5 paged models (vllm_metal/lora), MoE
+    ones included (routed experts per op in steps with their adapters: lora/experts.py),
     generating or pooling (decoder embedders and classifiers), with every speculative
     method: the verify step is a packed step like any other, each row with its sequence's
     adapter, so outputs are exact; a drafting model or head drafts without the adapter

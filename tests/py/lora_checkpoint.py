@@ -24,29 +24,33 @@ def base_weights(checkpoint) -> dict[str, np.ndarray]:
 
 def write_adapter(out_dir, weights: dict, num_layers: int, *, r: int, alpha: float, seed: int,
                   targets=tuple(PROJECTIONS), layers=None, rank_pattern=None, alpha_pattern=None,
-                  magnitude: float = 1.0) -> dict:
+                  magnitude: float = 1.0, modules=None) -> dict:
     """adapter_config.json + adapter_model.safetensors with PEFT's key names. Returns
     module name ("model.layers.0.self_attn.q_proj") -> (A [r, in], B [out, r], scale),
-    float64, the scale as PEFT defines it (alpha / r, per-module patterns)."""
+    float64, the scale as PEFT defines it (alpha / r, per-module patterns).
+    modules: the module names to adapt (e.g. a MoE layer's "model.layers.0.mlp.experts.3.up_proj"),
+    in place of layers x targets."""
     rng = np.random.default_rng(seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rank_pattern, alpha_pattern = rank_pattern or {}, alpha_pattern or {}
     tensors, deltas = {}, {}
-    for layer in (range(num_layers) if layers is None else layers):
-        for proj in targets:
-            module = f"model.layers.{layer}.{PARENTS[proj]}.{proj}"
-            if module + ".weight" not in weights:  # e.g. q_proj of a linear-attention layer
-                continue
-            w = weights[module + ".weight"]
-            rank = next((v for k, v in rank_pattern.items() if module.endswith(k)), r)
-            a_ = next((v for k, v in alpha_pattern.items() if module.endswith(k)), alpha)
-            a = rng.standard_normal((rank, w.shape[1])) / np.sqrt(w.shape[1])
-            b = rng.standard_normal((w.shape[0], rank)) * magnitude * np.abs(w).mean()
-            a, b = a.astype(np.float32), b.astype(np.float32)
-            tensors[f"base_model.model.{module}.lora_A.weight"] = a
-            tensors[f"base_model.model.{module}.lora_B.weight"] = b
-            deltas[module] = (a.astype(np.float64), b.astype(np.float64), a_ / rank)
+    if modules is None:
+        modules = [f"model.layers.{layer}.{PARENTS[proj]}.{proj}"
+                   for layer in (range(num_layers) if layers is None else layers)
+                   for proj in targets]
+    for module in modules:
+        if module + ".weight" not in weights:  # e.g. q_proj of a linear-attention layer
+            continue
+        w = weights[module + ".weight"]
+        rank = next((v for k, v in rank_pattern.items() if module.endswith(k)), r)
+        a_ = next((v for k, v in alpha_pattern.items() if module.endswith(k)), alpha)
+        a = rng.standard_normal((rank, w.shape[1])) / np.sqrt(w.shape[1])
+        b = rng.standard_normal((w.shape[0], rank)) * magnitude * np.abs(w).mean()
+        a, b = a.astype(np.float32), b.astype(np.float32)
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b
+        deltas[module] = (a.astype(np.float64), b.astype(np.float64), a_ / rank)
     config = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(targets),
               "bias": "none", "task_type": "CAUSAL_LM", "rank_pattern": rank_pattern,
               "alpha_pattern": alpha_pattern}

@@ -231,3 +231,43 @@ def test_peft_adapter_on_a_qwen3_5_q8_0_gguf_base_equals_the_merged_dequantized_
     lora.add(request(1, tmp_path / "a1"))
     got = prefill_logits(loaded, PROMPTS[:1], lora, [1])[0]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_qwen3_5_moe_experts_and_shared_expert_equal_merged_checkpoints(tmp_path):
+    """Qwen3.5-MoE: adapters on the routed experts (per-expert PEFT names, the per-op
+    path of lora/experts.py), on the shared expert (a dense MLP) and on the attention, two
+    adapters and the base in one packed batch, against the NumPy-merged checkpoints."""
+    pytest.importorskip("mlx_lm.models.qwen3_5_moe")
+    from qwen3_5_checkpoint import MOE_CONFIG
+
+    base = write_checkpoint(tmp_path / "base", seed=1, config=MOE_CONFIG, expert_layout="per_expert")
+    w = base_weights(base)
+    layers, num_experts = MOE_CONFIG["num_hidden_layers"], MOE_CONFIG["num_experts"]
+    shared = [f"model.layers.{l}.mlp.shared_expert.{p}" for l in range(layers)
+              for p in ("gate_proj", "up_proj", "down_proj")]
+    routed = [f"model.layers.{l}.mlp.experts.{e}.{p}" for l in range(layers)
+              for e in range(num_experts) for p in ("gate_proj", "up_proj", "down_proj")]
+    attn = [m for m in (f"model.layers.{l}.{p}" for l in range(layers)
+                        for p in ("self_attn.q_proj", "linear_attn.in_proj_z"))
+            if m + ".weight" in w]
+    deltas = {
+        1: write_adapter(tmp_path / "a1", w, LAYERS, r=8, alpha=16, seed=41, magnitude=2.0,
+                         modules=attn + routed),
+        2: write_adapter(tmp_path / "a2", w, LAYERS, r=4, alpha=8, seed=42, magnitude=2.0,
+                         modules=shared + routed[:24]),
+    }
+    assert all(len(d) > 0 for d in deltas.values()) and all(m + ".weight" in w for m in shared)
+    loaded = load_model(str(base), "float32")
+    lora = LoraManager(loaded.model, SimpleNamespace(max_loras=2, max_lora_rank=8, max_cpu_loras=2))
+    for lid in deltas:
+        lora.add(request(lid, tmp_path / f"a{lid}"))
+    loras = [2, 0, 1]
+    got = prefill_logits(loaded, PROMPTS, lora, loras)
+    base_logits = prefill_logits(load_model(str(base), "float32"), PROMPTS)
+    for i, (lid, g) in enumerate(zip(loras, got)):
+        want = base_logits[i]
+        if lid:
+            merged = write_merged(base, tmp_path / f"m{lid}", deltas[lid])
+            want = prefill_logits(load_model(str(merged), "float32"), [PROMPTS[i]])[0]
+            assert np.abs(want - base_logits[i]).max() > 1e-2
+        np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4, err_msg=f"adapter {lid}")

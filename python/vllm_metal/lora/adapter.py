@@ -25,6 +25,10 @@ TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A[.default].weight
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.*?)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
 _LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp|linear_attn)\.(?P<proj>\w+)$")
+# sparse-MoE MLPs: a routed expert's projection (vLLM's per-expert names) or the shared
+# expert's (Qwen3.5-MoE); the key is "experts.E.gate_proj" / "shared_expert.gate_proj"
+_MOE = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.mlp\.(?P<proj>(?:experts\.\d+|shared_expert)"
+                  r"\.(?:gate_proj|up_proj|down_proj))$")
 
 
 @dataclass
@@ -105,10 +109,11 @@ def load_peft_adapter(name: str, path: str, shapes: dict, max_rank: int,
     adapter = LoraAdapter(name=name, path=path)
     num_layers = 1 + max((l for l, _ in shapes), default=-1)
     for module, ab in sorted(pairs.items()):
-        m = _LAYER.search(module)
-        if m is None or TARGETS.get(m["proj"]) != m["parent"]:
+        m = _MOE.search(module) or _LAYER.search(module)
+        if m is None or ("parent" in m.groupdict() and TARGETS.get(m["proj"]) != m["parent"]):
             raise ValueError(f"{where}: target module {module} is not one the model has "
-                             f"(supported: {', '.join(TARGETS)} of each layer)")
+                             f"(supported: {', '.join(TARGETS)} of each layer, and a MoE "
+                             f"layer's mlp.experts.E.* / mlp.shared_expert.*)")
         if "A" not in ab or "B" not in ab:
             raise ValueError(f"{where}: {module} lacks its lora_{'B' if 'A' in ab else 'A'} weight")
         rank, scale = peft.get_rank_and_scaling(module.removeprefix("base_model.model."))
@@ -131,8 +136,9 @@ def add_checked(adapter: LoraAdapter, where: str, module: str, layer: int, proj:
     if layer >= num_layers:
         raise ValueError(f"{where}: target module {module}: the model has {num_layers} layers")
     if (layer, proj) not in shapes:  # e.g. a sparse-MoE layer has no dense gate/up/down
+        what = proj if "." in proj else f"dense {proj}"  # experts.E.* / shared_expert.*
         raise ValueError(f"{where}: target module {module} is not one the model has "
-                         f"(layer {layer} has no dense {proj})")
+                         f"(layer {layer} has no {what})")
     in_dim, out_dim = shapes[(layer, proj)]
     if a.ndim != 2 or b.ndim != 2 or a.shape != (a.shape[0], in_dim) \
             or b.shape != (out_dim, a.shape[0]):

@@ -23,6 +23,7 @@ class LoraStep:
 
     def __init__(self):
         self.row_slot: mx.array | None = None  # int32 [T], -1 = base; None: no adapter
+        self.slots: frozenset = frozenset()  # the slots row_slot uses (host side)
 
 
 class LoraLinear(nn.Module):
@@ -87,11 +88,25 @@ def _dims(layer: nn.Module) -> tuple[int, int]:
 
 def install(model, slots: int, rank: int, step: LoraStep) -> dict:
     """Wraps every target projection of `model` (a PagedCausalLM or PagedQwen3_5) in a
-    LoraLinear.
-    Returns (layer, projection) -> LoraLinear."""
+    LoraLinear, a sparse-MoE block's shared expert's too, and every sparse-MoE block in
+    an experts.LoraMoeBlock.
+    Returns (layer, projection) -> LoraLinear or ExpertLoraSlots."""
+    from vllm_metal.lora.experts import wrap_moe_block
+
     dtype = model.layers[0].input_layernorm.weight.dtype
     wrapped = {}
     for i, layer in enumerate(model.layers):
+        moe = wrap_moe_block(layer, i, slots, rank, dtype, step)
+        if moe is not None:
+            wrapped[(i, "experts")] = moe
+            shared = getattr(layer.mlp.block, "shared_expert", None)
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                base = getattr(shared, proj, None) if shared is not None else None
+                if base is not None:
+                    in_dim, out_dim = _dims(base)
+                    lora = LoraLinear(base, in_dim, out_dim, slots, rank, dtype, step)
+                    setattr(shared, proj, lora)
+                    wrapped[(i, f"shared_expert.{proj}")] = lora
         for proj, parent_name in TARGETS.items():
             parent = getattr(layer, parent_name, None)
             base = getattr(parent, proj, None) if parent is not None else None

@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_metal.lora.adapter import LoraAdapter, load_peft_adapter
+from vllm_metal.lora.experts import ExpertLoraSlots
 from vllm_metal.lora.gguf_adapter import is_gguf_file, load_gguf_adapter
 from vllm_metal.lora.layers import LoraStep, install
 from vllm_metal.log import get_logger
@@ -38,7 +39,12 @@ class LoraManager:
                              f"not on {type(model).__name__}")
         self.step = LoraStep()
         self.layers = install(model, self.max_loras, self.max_rank, self.step)
-        self.shapes = {k: (m.in_features, m.out_features) for k, m in self.layers.items()}
+        self.shapes = {}
+        for k, m in self.layers.items():
+            if isinstance(m, ExpertLoraSlots):  # one entry per expert's gate / up / down
+                self.shapes.update(m.shapes())
+            else:
+                self.shapes[k] = (m.in_features, m.out_features)
         self.arch = getattr(model, "arch", None)  # None: Qwen3.5
         # Qwen3.5: (key heads, value heads, key head dim, value head dim) of the gated delta
         # net, for GGUF adapters in llama.cpp's value-head order (gguf_adapter.py)
@@ -108,7 +114,7 @@ class LoraManager:
             if lr is not None:
                 needed.setdefault(int(lr.lora_int_id), []).append((i, lr))
         if not needed:
-            self.step.row_slot = None
+            self.step.row_slot, self.step.slots = None, frozenset()
             return
         if len(needed) > self.max_loras:  # the scheduler never does this
             raise ValueError(f"[vllm-metal] {len(needed)} LoRA adapters in one step, "
@@ -119,9 +125,10 @@ class LoraManager:
                 slots_per_seq[i] = slot
         lengths = np.diff(np.asarray(cu_seqlens_q))
         self.step.row_slot = mx.array(np.repeat(slots_per_seq, lengths).astype(np.int32))
+        self.step.slots = frozenset(int(v) for v in slots_per_seq if v >= 0)
 
     def end_step(self) -> None:
-        self.step.row_slot = None
+        self.step.row_slot, self.step.slots = None, frozenset()
 
     # ---- internals -----------------------------------------------------------------
     def _read(self, name: str, path: str) -> LoraAdapter:
@@ -154,7 +161,10 @@ class LoraManager:
 
     def _write_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
         for key, layer in self.layers.items():
-            layer.write_slot(slot, None if adapter is None else adapter.weights.get(key))
+            if isinstance(layer, ExpertLoraSlots):  # picks its layer's experts' weights
+                layer.write_slot(slot, None if adapter is None else adapter.weights)
+            else:
+                layer.write_slot(slot, None if adapter is None else adapter.weights.get(key))
             layer.sync()
 
     def _evict_cpu(self, keep: int) -> None:

@@ -196,10 +196,10 @@ class ExpertCache:
         self.reader.close()
 
 
-def routing_z(logits: mx.array, top_k: int, scoring: str, renormalize: bool):
-    """-> (ids [T, k] int32, z [T, k] float32): each token's experts and logit(p) of their
-    routing weights, as the fused op computes them (top-k of the logits; on an exact tie of
-    two logits the pick may differ from the op's lower-id rule)."""
+def routing_weights(logits: mx.array, top_k: int, scoring: str, renormalize: bool):
+    """-> (ids [T, k] int32, p [T, k] float32): each token's experts and their routing
+    weights, as the fused op computes them (top-k of the logits; on an exact tie of two
+    logits the pick may differ from the op's lower-id rule)."""
     logits = logits.astype(mx.float32)
     ids = mx.argpartition(-logits, kth=top_k - 1, axis=-1)[:, :top_k]
     if scoring == "softmax":
@@ -210,8 +210,13 @@ def routing_z(logits: mx.array, top_k: int, scoring: str, renormalize: bool):
         p = mx.sigmoid(mx.take_along_axis(logits, ids, axis=-1))
     if renormalize:
         p = p / mx.sum(p, axis=-1, keepdims=True)
-    z = mx.clip(mx.log(p) - mx.log1p(-p), -_Z_CLIP, _Z_CLIP)
-    return ids.astype(mx.int32), z
+    return ids.astype(mx.int32), p
+
+
+def routing_z(logits: mx.array, top_k: int, scoring: str, renormalize: bool):
+    """-> (ids [T, k] int32, z [T, k] float32): routing_weights with z = logit(p)."""
+    ids, p = routing_weights(logits, top_k, scoring, renormalize)
+    return ids, mx.clip(mx.log(p) - mx.log1p(-p), -_Z_CLIP, _Z_CLIP)
 
 
 class StreamedExperts:
