@@ -54,7 +54,9 @@ def checkpoint(out: Path, model: str = "llama") -> str:
     from vllm_metal.models.testing import tiny_config, write_random_checkpoint
 
     if model == "qwen3_5":  # float32 on disk, served as float16 (--dtype)
-        return str(write_checkpoint(out, seed=1, config=dict(CONFIG, **QWEN3_5_SHAPE)))
+        rope = dict(CONFIG["rope_parameters"], mrope_section=[6, 5, 5])  # rotary 32 of 128
+        return str(write_checkpoint(out, seed=1, config=dict(CONFIG, **QWEN3_5_SHAPE,
+                                                              rope_parameters=rope)))
     path = write_random_checkpoint(tiny_config("llama", **SHAPE), out, seed=1, dtype="float16")
     write_tokenizer(path, SHAPE["vocab_size"])
     return str(path)
