@@ -12,6 +12,11 @@ at a time (single stream), median of the requests; also the output tokens/s of
 --concurrency requests at once.
 
     .venv/bin/python benchmarks/tensor_parallel.py [--tokens 64] [--json PATH]
+        [--model llama|qwen3_5] [--configs one,tp2,...]
+
+--model qwen3_5 serves a random-weight hybrid Qwen3.5 of about the same size instead
+(QWEN3_5_SHAPE: 6 gated-delta-net + 2 full-attention layers; under TP each worker keeps
+half of both kinds of heads and of the recurrent state).
 """
 
 from __future__ import annotations
@@ -35,10 +40,23 @@ SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_
              num_key_value_heads=8, head_dim=64, vocab_size=8192, tie_word_embeddings=False)
 
 
-def checkpoint(out: Path) -> str:
-    from qwen3_5_checkpoint import write_tokenizer
+# hidden 1024, MLP 2816, vocab 8192 as SHAPE; attention 8 heads / 2 KV heads of 128 (q with
+# its output gate), linear attention 8 key heads of 128 and 16 value heads of 64
+QWEN3_5_SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                     num_attention_heads=8, num_key_value_heads=2, head_dim=128, vocab_size=8192,
+                     linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=128,
+                     linear_value_head_dim=64, full_attention_interval=4,
+                     layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2)
+
+
+def checkpoint(out: Path, model: str = "llama") -> str:
+    from qwen3_5_checkpoint import CONFIG, write_checkpoint, write_tokenizer
     from vllm_metal.models.testing import tiny_config, write_random_checkpoint
 
+    if model == "qwen3_5":  # float32 on disk, served as float16 (--dtype)
+        rope = dict(CONFIG["rope_parameters"], mrope_section=[6, 5, 5])  # rotary 32 of 128
+        return str(write_checkpoint(out, seed=1, config=dict(CONFIG, **QWEN3_5_SHAPE,
+                                                              rope_parameters=rope)))
     path = write_random_checkpoint(tiny_config("llama", **SHAPE), out, seed=1, dtype="float16")
     write_tokenizer(path, SHAPE["vocab_size"])
     return str(path)
@@ -59,7 +77,7 @@ def peer(model: str, port: int, name: str) -> Peer:
     return Peer(name=name,
                 argv=[str(vllm), "serve", model, "--served-model-name", "m", "--host", "127.0.0.1",
                       "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "8",
-                      "--kv-cache-memory-bytes", str(128 << 20), *extra],
+                      "--kv-cache-memory-bytes", str(128 << 20), "--dtype", "float16", *extra],
                 model="m", no_eos={"ignore_eos": True},
                 env={"VLLM_METAL_NUM_THREADS": str(2 // workers), "VLLM_WORKER_MULTIPROC_METHOD": "fork"})
 
@@ -104,16 +122,18 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--port", type=int, default=18250)
     ap.add_argument("--json")
+    ap.add_argument("--model", choices=["llama", "qwen3_5"], default="llama")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = checkpoint(Path(tmp) / "llama")
+        model = checkpoint(Path(tmp) / args.model, args.model)
         results = []
-        order = list(CONFIGS)
+        order = args.configs.split(",")
         for name in order + order[::-1]:
             r = run_one(model, args.port, name, args)
             print(json.dumps(r), flush=True)
             results.append(r)
-    for name in CONFIGS:
+    for name in order:
         rows = [r for r in results if r["config"] == name]
         print(f"{name}: TPOT {statistics.mean(r['tpot_ms'] for r in rows):.1f} ms, concurrency "
               f"{args.concurrency} {statistics.mean(r['concurrent_tok_s'] for r in rows):.1f} tok/s")

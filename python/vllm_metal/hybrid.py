@@ -49,16 +49,18 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def config_layer_specs(hf_text_config, dtype: str) -> list:
+def config_layer_specs(hf_text_config, dtype: str, tensor_parallel_size: int = 1) -> list:
     """One attention and one linear-attention layer of the model as _core.KvLayerSpecs,
-    from the HF config (no model is loaded yet when the platform aligns the block size)."""
+    from the HF config (no model is loaded yet when the platform aligns the block size);
+    with tensor parallelism, one rank's: its share of the KV and linear-attention heads."""
     from vllm_metal import _core, kv_plan
     from vllm_metal.models.qwen3_5_paged import state_shapes_of
 
     cfg = hf_text_config.to_dict() if hasattr(hf_text_config, "to_dict") else dict(hf_text_config)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return [_core.KvLayerSpec.full_attention(cfg["num_key_value_heads"], head_dim, dtype=dtype),
-            kv_plan.linear_attention(state_shapes_of(cfg), dtype)]
+    kv_heads = cfg["num_key_value_heads"] // tensor_parallel_size
+    return [_core.KvLayerSpec.full_attention(kv_heads, head_dim, dtype=dtype),
+            kv_plan.linear_attention(state_shapes_of(cfg, tensor_parallel_size), dtype)]
 
 
 def align_block_size(vllm_config) -> None:
@@ -70,7 +72,8 @@ def align_block_size(vllm_config) -> None:
 
     cache = vllm_config.cache_config
     model = vllm_config.model_config
-    layers = config_layer_specs(model.hf_text_config, _dtype_name(model.dtype))
+    layers = config_layer_specs(model.hf_text_config, _dtype_name(model.dtype),
+                                vllm_config.parallel_config.tensor_parallel_size)
     pages = _core.align_kv_pages(layers, cache.block_size or 16)
     if pages.block_size != cache.block_size:
         logger.info("vllm-metal: hybrid model: attention block size %d tokens, so that a "

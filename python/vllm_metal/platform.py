@@ -46,6 +46,7 @@ SUPPORTED_ARCHITECTURES = {
 # hybrid (per-request state): generate runner only
 HYBRID_ARCHITECTURES = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
                         "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"}
+HYBRID_MOE_ARCHITECTURES = {"Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"}
 
 # --additional-config moe_expert_offload: MoE models whose experts stream (models/expert_offload.py)
 STREAMED_MOE_ARCHITECTURES = {"Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM",
@@ -339,17 +340,21 @@ def _refuse_unsupported_tensor_parallel(vllm_config: VllmConfig) -> None:
     if model is None:
         return
     archs = set(getattr(model.hf_config, "architectures", None) or [])
-    if archs & HYBRID_ARCHITECTURES:  # pipeline parallelism splits them by layers
-        _refuse(f"{what} with the hybrid {sorted(archs)} (its linear-attention heads are not "
+    if archs & HYBRID_MOE_ARCHITECTURES:  # pipeline parallelism splits them by layers
+        _refuse(f"{what} with the mixture-of-experts {sorted(archs)} (its experts are not "
                 "split yet)", "use --pipeline-parallel-size")
     text = model.hf_text_config
     heads = getattr(text, "num_attention_heads", None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    for n, name in ((heads, "attention heads"), (kv_heads, "KV heads")):
-        if n and n % size:
+    # hybrid (Qwen3.5): each rank also keeps whole linear-attention key and value heads
+    counts = [(heads, "attention heads"), (kv_heads, "KV heads"),
+              (getattr(text, "linear_num_key_heads", None), "linear-attention key heads"),
+              (getattr(text, "linear_num_value_heads", None), "linear-attention value heads")]
+    for n, name in counts:
+        if isinstance(n, int) and n % size:
             raise UnsupportedConfiguration(
                 f"[vllm-metal] {what} does not divide the model's {n} {name}: each rank keeps "
-                "whole heads; choose a size that divides both the attention and the KV heads")
+                "whole heads; choose a size that divides every kind of head")
 
 
 def _refuse_unsupported(vllm_config: VllmConfig) -> None:

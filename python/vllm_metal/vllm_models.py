@@ -56,7 +56,8 @@ class Qwen3_5ForCausalLM(_DescribedOnly):
     def get_mamba_state_shape_from_config(cls, vllm_config):
         from vllm_metal.models.qwen3_5_paged import state_shapes_of
 
-        shapes = state_shapes_of(vllm_config.model_config.hf_text_config.to_dict())
+        shapes = state_shapes_of(vllm_config.model_config.hf_text_config.to_dict(),
+                                 vllm_config.parallel_config.tensor_parallel_size)
         return shapes.conv, shapes.ssm
 
     @classmethod

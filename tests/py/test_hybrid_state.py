@@ -20,7 +20,7 @@ def loaded(tmp_path_factory):
     return load_model(str(write_checkpoint(tmp_path_factory.mktemp("q"), seed=0)), "float32")
 
 
-def vllm_config(block_size=16, dtype="float32", max_model_len=128):
+def vllm_config(block_size=16, dtype="float32", max_model_len=128, tensor_parallel_size=1):
     import torch
     from transformers import Qwen3_5TextConfig
 
@@ -29,7 +29,8 @@ def vllm_config(block_size=16, dtype="float32", max_model_len=128):
     model = SimpleNamespace(hf_text_config=Qwen3_5TextConfig(**{k: v for k, v in CONFIG.items()
                                                                   if k != "architectures"}),
                             dtype=getattr(torch, dtype), max_model_len=max_model_len)
-    return SimpleNamespace(cache_config=cache, model_config=model)
+    return SimpleNamespace(cache_config=cache, model_config=model,
+                           parallel_config=SimpleNamespace(tensor_parallel_size=tensor_parallel_size))
 
 
 def test_block_size_alignment_makes_one_page_size():
@@ -42,6 +43,12 @@ def test_block_size_alignment_makes_one_page_size():
     half = vllm_config(dtype="bfloat16")
     hybrid.align_block_size(half)  # conv state in bfloat16, ssm float32: 9344 B vs 256 B/token
     assert half.cache_config.block_size == 48
+    # one tensor-parallel rank of 2: half the KV heads and half the linear-attention heads,
+    # conv [96, 3] + ssm [2, 16, 32] float32 = 5248 B vs 1 KV head: 256 B per token
+    rank = vllm_config(tensor_parallel_size=2)
+    hybrid.align_block_size(rank)
+    assert rank.cache_config.block_size == 32
+    assert rank.cache_config.mamba_page_size_padded == 32 * 256
 
 
 def test_prefix_caching_stays_as_asked_with_one_state_block_per_request():

@@ -4,7 +4,8 @@ checkpoint served by one process (parallel_reference.py, shared with the pipelin
 greedy tokens must match exactly. One TP server serves the comparison and then has a
 worker killed; the two-node form runs sync scheduling, the first server async (vLLM's
 default), so both schedulings are compared. A size that does not divide the heads is
-refused by the platform before any process starts (test_tensor_parallel.py)."""
+refused by the platform before any process starts (test_tensor_parallel.py). The hybrid
+Qwen3.5 is compared with mlx-lm's own model on the same checkpoint."""
 
 from __future__ import annotations
 
@@ -42,6 +43,25 @@ def test_tensor_parallel_greedy_matches_one_process(tp2):
     assert "fused layers      no: tensor parallel" in log
     # the all-sum adds the two halves of each projection in another order
     assert_same_greedy(one, two, atol=1e-3)
+
+
+def test_tensor_parallel_hybrid_qwen3_5_matches_mlx_lm(tmp_path):
+    """The hybrid Qwen3.5 with each rank holding half the attention heads, half the
+    linear-attention heads (and their state slots) and half the MLP columns, concurrent
+    requests with chunked prefills beside decodes, async scheduling (vLLM's default).
+    Reference: mlx-lm's own model on the same files, request by request."""
+    import numpy as np
+    from qwen3_5_checkpoint import CONFIG, greedy, reference_model, write_checkpoint
+
+    checkpoint = write_checkpoint(tmp_path / "qwen3_5", config=dict(
+        CONFIG, full_attention_interval=2, layer_types=["linear_attention", "full_attention"] * 2))
+    rng = np.random.default_rng(7)
+    jobs = [(rng.integers(3, 320, n).tolist(), m) for n, m in [(5, 12), (45, 8), (20, 10), (33, 6)]]
+    two, server = serve_jobs(checkpoint, ["--tensor-parallel-size", "2"], jobs=jobs)
+    assert "rank 1 joined the MLX ring" in server.log_path.read_text()
+    reference = reference_model(checkpoint)
+    for (tokens, _), (prompt, n) in zip(two, jobs, strict=True):
+        assert tokens == greedy(reference, prompt, n)
 
 
 def test_two_nodes_as_documented_for_two_macs(tmp_path):

@@ -2,7 +2,8 @@
 
 The shard test runs two processes joined by MLX's ring on loopback (tensor_parallel_rank.py),
 each holding half the heads and MLP columns; reference: the same model unsharded in this
-process. Dense safetensors and GGUF blocks (Q8_0: the splits fall on whole blocks)."""
+process. Dense safetensors and GGUF blocks (Q8_0: the splits fall on whole blocks), both in one
+pair of rank processes. Qwen3.5's split: test_tensor_parallel_qwen3_5.py."""
 
 from __future__ import annotations
 
@@ -34,11 +35,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_ranks(model: str, tmp_path: Path) -> list[np.ndarray]:
+def run_two_ranks(models: list[str], tmp_path: Path) -> list[list[np.ndarray]]:
+    """Per model: each sequence's logits from two ranks (one pair of processes for all)."""
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{_free_port()}"], [f"127.0.0.1:{_free_port()}"]]))
     out = tmp_path / "logits.npz"
-    procs = [subprocess.Popen([sys.executable, str(HERE / "tensor_parallel_rank.py"), model, str(out)],
+    procs = [subprocess.Popen([sys.executable, str(HERE / "tensor_parallel_rank.py"), str(out), *models],
                               env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in (0, 1)]
@@ -52,7 +54,8 @@ def run_two_ranks(model: str, tmp_path: Path) -> list[np.ndarray]:
                 p.kill()
                 p.wait()
     data = np.load(out)
-    return [data[f"arr_{i}"] for i in range(len(data.files))]
+    return [[data[f"m{j}_{i}"] for i in range(sum(k.startswith(f"m{j}_") for k in data.files))]
+            for j in range(len(models))]
 
 
 def reference(model: str) -> list[np.ndarray]:
@@ -62,17 +65,13 @@ def reference(model: str) -> list[np.ndarray]:
     return run_packed(load_model(model, "float32"), SEQUENCES)
 
 
-@pytest.mark.parametrize("kind", ["safetensors", "gguf_q8_0"])
-def test_two_ranks_give_the_unsharded_logits(tmp_path, kind):
+def test_two_ranks_give_the_unsharded_logits(tmp_path):
     cfg = tiny_config("llama", **SHAPE)
-    if kind == "safetensors":
-        model = str(write_random_checkpoint(cfg, tmp_path / "ckpt", seed=5))
-    else:
-        model = str(tmp_path / "m.gguf")
-        write_tiny_gguf(cfg, model, seed=5, qtype="Q8_0")
-    sharded = run_two_ranks(model, tmp_path)
-    for got, want in zip(sharded, reference(model), strict=True):
-        np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
+    models = [str(write_random_checkpoint(cfg, tmp_path / "ckpt", seed=5)), str(tmp_path / "m.gguf")]
+    write_tiny_gguf(cfg, models[1], seed=5, qtype="Q8_0")
+    for model, sharded in zip(models, run_two_ranks(models, tmp_path), strict=True):
+        for got, want in zip(sharded, reference(model), strict=True):
+            np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
 
 
 def test_a_split_through_gguf_blocks_is_refused(tmp_path):
@@ -92,8 +91,10 @@ def test_heads_the_size_does_not_divide_are_refused_at_load(tmp_path):
 
 
 def _config(size=2, *, archs=("LlamaForCausalLM",), heads=4, kv_heads=2, speculative=None, lora=None,
-            runner="generate"):
+            runner="generate", linear_heads=None):
     text = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads)
+    if linear_heads is not None:  # Qwen3.5's linear attention: (key heads, value heads)
+        text.linear_num_key_heads, text.linear_num_value_heads = linear_heads
     model = SimpleNamespace(runner_type=runner, hf_config=SimpleNamespace(architectures=list(archs)),
                             hf_text_config=text)
     return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=size),
@@ -103,6 +104,7 @@ def _config(size=2, *, archs=("LlamaForCausalLM",), heads=4, kv_heads=2, specula
 def test_tensor_parallel_configurations_pass():
     _refuse_unsupported_tensor_parallel(_config())
     _refuse_unsupported_tensor_parallel(_config(4, heads=8, kv_heads=4))
+    _refuse_unsupported_tensor_parallel(_config(archs=("Qwen3_5ForCausalLM",), linear_heads=(16, 32)))
 
 
 @pytest.mark.parametrize("kw, words", [
@@ -112,7 +114,10 @@ def test_tensor_parallel_configurations_pass():
     (dict(speculative=object()), "with speculative decoding"),
     (dict(lora=object()), "with LoRA"),
     (dict(runner="pooling"), "with --runner pooling"),
-    (dict(archs=("Qwen3_5ForCausalLM",)), "hybrid.*linear-attention heads are not split yet.*use --pipeline-parallel-size"),
+    (dict(archs=("Qwen3_5MoeForCausalLM",)), "mixture-of-experts.*experts are not split yet.*use --pipeline-parallel-size"),
+    # Qwen3.5: each rank keeps whole linear-attention heads too
+    (dict(archs=("Qwen3_5ForCausalLM",), linear_heads=(3, 6)),
+     "does not divide the model's 3 linear-attention key heads"),
 ])
 def test_unsupported_tensor_parallel_configurations_are_refused(kw, words):
     with pytest.raises(UnsupportedConfiguration, match=words):

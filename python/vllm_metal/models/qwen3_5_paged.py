@@ -68,15 +68,16 @@ class StateShapes:
         return c + self.ssm[0] * self.ssm[1] * self.ssm[2] * 4
 
 
-def state_shapes_of(config: dict) -> StateShapes:
-    """From an HF (text) config: the state one linear-attention layer keeps per request."""
+def state_shapes_of(config: dict, tensor_parallel_size: int = 1) -> StateShapes:
+    """From an HF (text) config: the state one linear-attention layer keeps per request
+    (on one rank of `tensor_parallel_size`: its share of the heads, tensor_parallel_qwen3_5)."""
     key_dim = config["linear_key_head_dim"] * config["linear_num_key_heads"]
     value_dim = config["linear_value_head_dim"] * config["linear_num_value_heads"]
     conv_dim = 2 * key_dim + value_dim
     return StateShapes(
-        conv=(conv_dim, config.get("linear_conv_kernel_dim", 4) - 1),
-        ssm=(config["linear_num_value_heads"], config["linear_value_head_dim"],
-             config["linear_key_head_dim"]))
+        conv=(conv_dim // tensor_parallel_size, config.get("linear_conv_kernel_dim", 4) - 1),
+        ssm=(config["linear_num_value_heads"] // tensor_parallel_size,
+             config["linear_value_head_dim"], config["linear_key_head_dim"]))
 
 
 def layer_is_linear(config: dict) -> list[bool]:

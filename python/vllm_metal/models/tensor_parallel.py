@@ -42,21 +42,32 @@ class AllSumLinear(nn.Module):
         return y + self.bias if "bias" in self else y
 
 
-def _row_slice(layer: nn.Module, start: int, stop: int, name: str) -> None:
+def row_slice(layer: nn.Module, start: int, stop: int, name: str) -> None:
     """Keep output rows [start, stop) of a projection (and of its bias)."""
+    row_ranges(layer, [(start, stop)], name)
+
+
+def row_ranges(layer: nn.Module, ranges: list[tuple[int, int]], name: str) -> None:
+    """Keep the output rows of each [start, stop) in `ranges`, in order (and of the
+    bias): a fused projection (Qwen3.5's in_proj_qkv) keeps one range per part."""
+
+    def keep(w: mx.array) -> mx.array:
+        parts = [w[a:b] for a, b in ranges]
+        return mx.contiguous(parts[0] if len(parts) == 1 else mx.concatenate(parts))
+
     if isinstance(layer, GGUFLinear):
-        layer.weight = mx.contiguous(layer.weight[start:stop])
-        layer.out_features = stop - start
+        layer.weight = keep(layer.weight)
+        layer.out_features = layer.weight.shape[0]
     elif type(layer) is nn.Linear:
-        layer.weight = mx.contiguous(layer.weight[start:stop])
+        layer.weight = keep(layer.weight)
     else:
         raise TensorParallelError(f"{name}: {type(layer).__name__} layers cannot be split yet "
                                   "(MLX-quantized checkpoints are not supported with tensor parallelism)")
     if "bias" in layer:
-        layer.bias = mx.contiguous(layer.bias[start:stop])
+        layer.bias = keep(layer.bias)
 
 
-def _column_slice(layer: nn.Module, start: int, stop: int, name: str) -> None:
+def column_slice(layer: nn.Module, start: int, stop: int, name: str) -> None:
     """Keep input columns [start, stop) of a projection; block-form GGUF weights only at
     whole blocks."""
     if isinstance(layer, GGUFLinear) and layer.is_blocks:
@@ -90,6 +101,21 @@ def check_divisible(num_heads: int, num_kv_heads: int, intermediate: int, size: 
                                       f"{n} {what}")
 
 
+def mlp_columns(mlp: nn.Module) -> int:
+    """The intermediate size of a gated MLP (down_proj's input columns)."""
+    down = mlp.down_proj
+    return down.in_features if hasattr(down, "in_features") else down.weight.shape[1]
+
+
+def shard_gated_mlp(mlp: nn.Module, inter: int, rank: int, size: int, group, where: str) -> None:
+    """gate/up keep the rank's MLP columns, down_proj its input columns and all-sums."""
+    cols = inter // size
+    row_slice(mlp.gate_proj, rank * cols, (rank + 1) * cols, f"{where} gate_proj")
+    row_slice(mlp.up_proj, rank * cols, (rank + 1) * cols, f"{where} up_proj")
+    column_slice(mlp.down_proj, rank * cols, (rank + 1) * cols, f"{where} down_proj")
+    mlp.down_proj = AllSumLinear(mlp.down_proj, group)
+
+
 def shard_model(model, rank: int, size: int, group) -> None:
     """Cuts a PagedCausalLM (llama family, weights loaded) down to rank `rank`'s shard of
     `size`, in place; o_proj and down_proj then all-sum over `group`."""
@@ -102,28 +128,28 @@ def shard_model(model, rank: int, size: int, group) -> None:
         if not all(n in mlp for n in ("gate_proj", "up_proj", "down_proj")):
             raise TensorParallelError(f"layer {i}: only gated MLPs split (mixture-of-experts "
                                       "models are not supported with tensor parallelism)")
-        inter = mlp.down_proj.in_features if hasattr(mlp.down_proj, "in_features") \
-            else mlp.down_proj.weight.shape[1]
+        inter = mlp_columns(mlp)
         check_divisible(attn.num_heads, attn.num_kv_heads, inter, size)
         hq, hkv, d = attn.num_heads // size, attn.num_kv_heads // size, attn.head_dim
-        _row_slice(attn.q_proj, rank * hq * d, (rank + 1) * hq * d, f"layer {i} q_proj")
-        _row_slice(attn.k_proj, rank * hkv * d, (rank + 1) * hkv * d, f"layer {i} k_proj")
-        _row_slice(attn.v_proj, rank * hkv * d, (rank + 1) * hkv * d, f"layer {i} v_proj")
-        _column_slice(attn.o_proj, rank * hq * d, (rank + 1) * hq * d, f"layer {i} o_proj")
+        row_slice(attn.q_proj, rank * hq * d, (rank + 1) * hq * d, f"layer {i} q_proj")
+        row_slice(attn.k_proj, rank * hkv * d, (rank + 1) * hkv * d, f"layer {i} k_proj")
+        row_slice(attn.v_proj, rank * hkv * d, (rank + 1) * hkv * d, f"layer {i} v_proj")
+        column_slice(attn.o_proj, rank * hq * d, (rank + 1) * hq * d, f"layer {i} o_proj")
         attn.o_proj = AllSumLinear(attn.o_proj, group)
         attn.num_heads, attn.num_kv_heads = hq, hkv
-        cols = inter // size
-        _row_slice(mlp.gate_proj, rank * cols, (rank + 1) * cols, f"layer {i} gate_proj")
-        _row_slice(mlp.up_proj, rank * cols, (rank + 1) * cols, f"layer {i} up_proj")
-        _column_slice(mlp.down_proj, rank * cols, (rank + 1) * cols, f"layer {i} down_proj")
-        mlp.down_proj = AllSumLinear(mlp.down_proj, group)
+        shard_gated_mlp(mlp, inter, rank, size, group, f"layer {i}")
     model.reset_fused_layers()
     object.__setattr__(model, "tensor_parallel_size", size)  # fused_layers.why_not_fused
     mx.eval(model.parameters())
 
 
 def shard_loaded(loaded, group) -> None:
-    """shard_model on a LoadedModel for rank group.rank() of group.size(), and its KV spec
-    cut to the rank's KV heads."""
-    shard_model(loaded.model, group.rank(), group.size(), group)
+    """shard_model (Qwen3.5: tensor_parallel_qwen3_5.shard_qwen3_5) on a LoadedModel for
+    rank group.rank() of group.size(), and its KV spec cut to the rank's KV heads."""
+    if loaded.hybrid is not None:
+        from vllm_metal.models.tensor_parallel_qwen3_5 import shard_qwen3_5
+
+        shard_qwen3_5(loaded, group.rank(), group.size(), group)
+    else:
+        shard_model(loaded.model, group.rank(), group.size(), group)
     loaded.spec.num_kv_heads //= group.size()
