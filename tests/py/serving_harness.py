@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -55,27 +57,60 @@ START_METHOD = {} if sys.platform == "darwin" else {"VLLM_WORKER_MULTIPROC_METHO
 HEALTH_POLL = 0.1
 
 
+# Ports for the servers of the tests. A port the kernel hands out (bind to 0) comes from
+# the ephemeral range, where it is free only until someone else's connection takes it; and
+# with several pytest workers (scripts/test), two of them could be handed the same port
+# before either server binds it. So each worker takes its own window below the ephemeral
+# range (32768 up on Linux, 49152 up on macOS), from a random start, skipping ports in use;
+# a server that still loses its port is restarted on another (Server).
+_PORT_BASE, _PORTS_PER_WORKER = 20000, 1500
+_port_offsets = itertools.count(random.randrange(_PORTS_PER_WORKER))
+
+
+def _worker_index() -> int:
+    name = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # gw0, gw1, ... under xdist
+    return int(name[2:]) % 8 if name[2:].isdigit() else 0
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    window = _PORT_BASE + _worker_index() * _PORTS_PER_WORKER
+    for _ in range(_PORTS_PER_WORKER):
+        port = window + next(_port_offsets) % _PORTS_PER_WORKER
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {window}..{window + _PORTS_PER_WORKER - 1}")
 
 
 class Server:
     def __init__(self, model: str, name: str, extra_args: list[str], env: dict | None = None,
                  startup_timeout: float = 600.0):
         self.name = name
+        for attempt in range(3):
+            self._start(model, extra_args, env)
+            try:
+                self._wait(startup_timeout)
+                return
+            except RuntimeError:
+                if attempt == 2 or "Address already in use" not in self.tail():
+                    raise
+                self.client.close()  # the port was taken before the server bound it
+                self.log.close()
+
+    def _start(self, model: str, extra_args: list[str], env: dict | None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-metal-serve-{self.port}.log"
         vllm = Path(sys.executable).with_name("vllm")
-        cmd = [str(vllm), "serve", model, "--served-model-name", name, "--host", "127.0.0.1",
+        cmd = [str(vllm), "serve", model, "--served-model-name", self.name, "--host", "127.0.0.1",
                "--port", str(self.port), *extra_args]
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**START_METHOD, **os.environ, **(env or {})}, start_new_session=True)
         self.client = httpx.Client(base_url=self.base, timeout=300.0)
-        self._wait(startup_timeout)
 
     def _wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -2,7 +2,6 @@
 something is broken, and the exit status and report say so."""
 
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -184,9 +183,9 @@ def test_serve_check_fails_with_the_server_log_when_vllm_dies(monkeypatch, tmp_p
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from serving_harness import free_port  # a port no other test worker takes
+
+    return free_port()
 
 
 @pytest.mark.slow

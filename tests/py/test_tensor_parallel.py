@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -30,9 +29,9 @@ SHAPE = dict(hidden_size=128, intermediate_size=192, num_attention_heads=4, num_
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from serving_harness import free_port  # a port no other test worker takes
+
+    return free_port()
 
 
 def run_two_ranks(models: list[str], tmp_path: Path) -> list[list[np.ndarray]]:
