@@ -477,8 +477,9 @@ def _refuse_unsupported_pooling(vllm_config: VllmConfig, archs: set[str]) -> Non
     if archs & ENCODER_ARCHITECTURES:
         _refuse_unsupported_encoder(vllm_config)
     if getattr(model.hf_config, "gguf_pooling_type", None) == "RANK":  # models/gguf_dir.py
-        _refuse("a GGUF reranker (pooling_type RANK, a cls.output head)",
-                "serve the safetensors reranker, or a GGUF embedding file (MEAN, CLS or LAST)")
+        _refuse("a GGUF reranker (pooling_type RANK) of an architecture other than llama.cpp's 'bert'",
+                "BERT rerankers (cls + cls.output head) are served; for others serve the safetensors "
+                "reranker, or a GGUF embedding file (MEAN, CLS or LAST)")
     if vllm_config.scheduler_config.async_scheduling:
         _refuse("--async-scheduling with --runner pooling", "pooling steps are synchronous")
     if vllm_config.speculative_config is not None:

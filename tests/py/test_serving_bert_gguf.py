@@ -3,7 +3,9 @@ models/bert_gguf.py): all-MiniLM-L6-v2's safetensors written here as llama.cpp's
 lays them out (phantom-space WordPiece vocabulary, separate q/k/v, pooling_type MEAN), in
 F32 and F16, against transformers on CPU torch on the safetensors (sentence-transformers'
 all-MiniLM: mean over the tokens, normalised). Text input goes through the tokenizer made
-from the file, so a wrong vocabulary conversion shows too."""
+from the file, so a wrong vocabulary conversion shows too. A reranker file (pooling_type RANK,
+llama.cpp's cls / cls.output head) written from a random BertForSequenceClassification is
+served on /score and /rerank against that cross-encoder in transformers."""
 
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ _TOP = {"embeddings.word_embeddings.weight": "token_embd.weight",
         "embeddings.token_type_embeddings.weight": "token_types.weight",
         "embeddings.LayerNorm.weight": "token_embd_norm.weight",
         "embeddings.LayerNorm.bias": "token_embd_norm.bias"}
+# BertForSequenceClassification's head -> llama.cpp's (written for RANK files only)
+_HEAD = {"pooler.dense.weight": "cls.weight", "pooler.dense.bias": "cls.bias",
+         "classifier.weight": "cls.output.weight", "classifier.bias": "cls.output.bias"}
 _BLOCK = {"attention.self.query": "attn_q", "attention.self.key": "attn_k",
           "attention.self.value": "attn_v", "attention.output.dense": "attn_output",
           "attention.output.LayerNorm": "attn_output_norm", "intermediate.dense": "ffn_up",
@@ -55,8 +60,10 @@ def _gguf_name(hf: str) -> str | None:
     return f"blk.{parts[2]}.{_BLOCK[module]}.{parts[-1]}" if module in _BLOCK else None
 
 
-def write_bert_gguf(model_dir, path, qtype: str) -> None:
-    """MiniLM's safetensors as a llama.cpp "bert" GGUF; matrices in `qtype` (F32 / F16)."""
+def write_bert_gguf(model_dir, path, qtype: str, pooling=None) -> None:
+    """A BERT directory's safetensors (config.json, vocab.txt) as a llama.cpp "bert" GGUF;
+    matrices in `qtype` (F32 / F16); pooling MEAN, or RANK with the classification head."""
+    pooling = gguf.PoolingType.MEAN if pooling is None else pooling
     from safetensors.numpy import load_file
 
     config = json.loads((model_dir / "config.json").read_text())
@@ -68,7 +75,7 @@ def write_bert_gguf(model_dir, path, qtype: str) -> None:
     w.add_head_count(config["num_attention_heads"])
     w.add_layer_norm_eps(config["layer_norm_eps"])
     w.add_causal_attention(False)
-    w.add_pooling_type(gguf.PoolingType.MEAN)
+    w.add_pooling_type(pooling)
     # the vocabulary in llama.cpp's phantom-space form
     words = (model_dir / "vocab.txt").read_text(encoding="utf-8").splitlines()
     control = {"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"}
@@ -89,6 +96,8 @@ def write_bert_gguf(model_dir, path, qtype: str) -> None:
     weights = load_file(str(model_dir / "model.safetensors"))
     for hf, value in weights.items():
         name = _gguf_name(hf.removeprefix("bert."))
+        if pooling == gguf.PoolingType.RANK:
+            name = name or _HEAD.get(hf.removeprefix("bert."))
         if name is None:
             continue
         value = value.astype(np.float32)
@@ -131,6 +140,57 @@ def test_served_bert_gguf_matches_transformers(tmp_path, qtype):
         r = server.client.post("/v1/embeddings", json={"model": server.name, "input": "word " * 600})
         assert r.status_code == 400, r.text
         r = server.client.post("/v1/embeddings", json={"model": server.name, "input": TEXTS[0]})
+        assert r.status_code == 200, r.text
+    finally:
+        server.stop()
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def test_served_bert_reranker_gguf_matches_cross_encoder(tmp_path):
+    import shutil
+
+    minilm = _minilm()
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=128,
+                                     max_position_embeddings=128, num_labels=1)
+    model = transformers.BertForSequenceClassification(config).eval()
+    with torch.no_grad():  # token type rows apart, so a wrong type shows in the score
+        model.bert.embeddings.token_type_embeddings.weight.normal_(0, 0.5)
+        model.bert.pooler.dense.weight.normal_(0, 0.3)
+        model.classifier.weight.normal_(0, 0.5)
+        model.classifier.bias.fill_(0.25)
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(minilm / name, tmp_path / "hf" / name)
+    path = tmp_path / "reranker-F32.gguf"
+    write_bert_gguf(tmp_path / "hf", path, "F32", pooling=gguf.PoolingType.RANK)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    query = "what is the capital of France"
+    docs = ["Paris is the capital of France", "hello world", "the capital of it is in Europe", "x"]
+    with torch.no_grad():
+        want = [float(_sigmoid(model(**tokenizer(query, d, return_tensors="pt")).logits[0, 0].item()))
+                for d in docs]
+    server = Server(str(path), "bert-reranker-gguf", ARGS)
+    try:
+        r = server.client.post("/score", json={"model": server.name, "queries": query, "documents": docs})
+        assert r.status_code == 200, r.text
+        scores = [d["score"] for d in sorted(r.json()["data"], key=lambda d: d["index"])]
+        np.testing.assert_allclose(scores, want, atol=1e-5)
+        r = server.client.post("/rerank", json={"model": server.name, "query": query, "documents": docs,
+                                                "top_n": 3})
+        assert r.status_code == 200, r.text
+        ranked = r.json()["results"]
+        assert [x["index"] for x in ranked] == list(np.argsort(want)[::-1][:3])
+        np.testing.assert_allclose([x["relevance_score"] for x in ranked],
+                                   sorted(want, reverse=True)[:3], atol=1e-5)
+        # a reranker serves no embeddings: a 4xx, and the engine lives on
+        r = server.client.post("/v1/embeddings", json={"model": server.name, "input": "x"})
+        assert 400 <= r.status_code < 500, r.text
+        r = server.client.post("/score", json={"model": server.name, "queries": query, "documents": docs[:1]})
         assert r.status_code == 200, r.text
     finally:
         server.stop()

@@ -18,7 +18,8 @@ CASES = [
     ((1,), 1, 1, 8),                 # one row
     ((5, 1, 13), 4, 4, 32),          # BERT-like: heads = kv heads
     ((3, 0, 9, 2), 6, 2, 20),        # grouped heads, an empty sequence, head_size not /32
-    ((17, 33), 2, 1, 64),            # rows past a query tile
+    ((17, 33), 2, 1, 64),            # rows past a (causal) query tile
+    ((150, 7), 2, 2, 40),            # rows past a bidirectional tile; 16 + 16 + 8 dims
     ((4,), 2, 2, 256),               # the widest head
 ]
 

@@ -6,6 +6,11 @@ token_embd_norm; per block attn_q / attn_k / attn_v (or a fused attn_qkv), attn_
 attn_output_norm, ffn_up, ffn_down, layer_output_norm, all with biases; post-LN as in HF.
 Its vocabulary is written in "phantom space" form: a word-initial piece carries a leading
 U+2581, a continuation piece drops BERT's "##", control tokens stay as they are.
+
+Rerankers (pooling_type RANK) add llama.cpp's classification head: `cls` (dense, then
+tanh) and `cls.output` (the label projection) on the first token, which is HF's
+BertForSequenceClassification pooler + classifier; the labels' names, if any, in
+`bert.classifier.output_labels`. They are served as that class (/score, /rerank).
 """
 
 from __future__ import annotations
@@ -17,10 +22,19 @@ import mlx.core as mx
 ARCHITECTURE = "bert"
 _PHANTOM = "\u2581"
 _CONTROL = 3  # gguf.TokenType.CONTROL
+_RANK_POOLING = 4  # gguf.PoolingType.RANK
+# ours (models/bert.py) <- llama.cpp's classification head
+_HEAD = {"classifier.pooler": "cls", "classifier.out": "cls.output"}
 
 
 def is_bert(ckpt) -> bool:
     return ckpt.architecture == ARCHITECTURE
+
+
+def is_reranker(ckpt) -> bool:
+    """A RANK file: a cross-encoder whose scores come from the classification head."""
+    value = ckpt.metadata.get(f"{ARCHITECTURE}.pooling_type")
+    return value is not None and int(value) == _RANK_POOLING
 
 
 def hf_config(ckpt) -> dict:
@@ -54,7 +68,31 @@ def hf_config(ckpt) -> dict:
         "pad_token_id": int(meta.get("tokenizer.ggml.padding_token_id", 0)),
         "dtype": "float32",  # small encoders: weights dequantize to float32 (bert.load_encoder)
     }
+    if is_reranker(ckpt):
+        cfg.update(_classifier_config(ckpt, int(words[1])))
     return cfg
+
+
+def _classifier_config(ckpt, hidden: int) -> dict:
+    """BertForSequenceClassification's fields for a RANK file, from its head's shapes."""
+    missing = [f"{t}.{k}" for t in _HEAD.values() for k in ("weight", "bias")
+               if f"{t}.{k}" not in ckpt.tensors]
+    if missing:  # llama.cpp also knows heads without the dense + tanh (jina v1): not served
+        raise ValueError(f"[vllm-metal] a 'bert' reranker GGUF (pooling_type RANK) without "
+                         f"{', '.join(missing)}: served heads are cls (dense + tanh) then cls.output")
+    dense = tuple(ckpt.tensors["cls.weight"].shape)
+    out = tuple(ckpt.tensors["cls.output.weight"].shape)  # [labels, hidden]
+    if dense != (hidden, hidden) or len(out) != 2 or out[1] != hidden:
+        raise ValueError(f"[vllm-metal] reranker head shapes cls {list(dense)}, cls.output "
+                         f"{list(out)} do not fit hidden size {hidden}")
+    labels = list(ckpt.metadata.get(f"{ARCHITECTURE}.classifier.output_labels") or [])
+    if labels and len(labels) != out[0]:
+        raise ValueError(f"[vllm-metal] {len(labels)} classifier.output_labels for a cls.output "
+                         f"of {out[0]} rows")
+    labels = labels or [f"LABEL_{i}" for i in range(out[0])]
+    return {"architectures": ["BertForSequenceClassification"],
+            "id2label": {str(i): str(name) for i, name in enumerate(labels)},
+            "label2id": {str(name): i for i, name in enumerate(labels)}}
 
 
 def vocab(ckpt) -> list[str]:
@@ -126,6 +164,10 @@ def weights(ckpt, num_layers: int, dtype=mx.float32) -> dict[str, mx.array]:
                     [ckpt.dense(blk + f"attn_{p}.{kind}", dtype) for p in "qkv"], axis=0)
             for ours, name in _BLOCK.items():
                 out[f"layers.{i}.{ours}.{kind}"] = ckpt.dense(blk + f"{name}.{kind}", dtype)
+    if is_reranker(ckpt):
+        for ours, name in _HEAD.items():
+            for kind in ("weight", "bias"):
+                out[f"{ours}.{kind}"] = ckpt.dense(f"{name}.{kind}", dtype)
     return out
 
 

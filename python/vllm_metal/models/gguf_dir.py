@@ -33,7 +33,8 @@ from pathlib import Path
 from vllm_metal.models import bert_gguf
 from vllm_metal.models.gguf_loader import GGUF_FILE_IN_DIR
 
-LAYOUT_VERSION = 8  # 7: pooling_type -> sentence-transformers modules; 8: bert files
+LAYOUT_VERSION = 9  # 7: pooling_type -> sentence-transformers modules; 8: bert files;
+# 9: bert RANK files as BertForSequenceClassification
 _DONE_MARKER = ".vllm_metal_prepared"
 
 # Used when a Gemma 3 GGUF carries no chat template (HF's Gemma turn format:
@@ -145,9 +146,8 @@ def _write_dir(src: Path, out: Path) -> None:
 def _write_bert_dir(src: Path, out: Path, ckpt) -> None:
     import transformers
 
+    # a RANK file comes out as BertForSequenceClassification (its cls / cls.output head)
     config = dict(bert_gguf.hf_config(ckpt), transformers_version=transformers.__version__)
-    if pooling_type_of(ckpt) == _RANK_POOLING:
-        config["gguf_pooling_type"] = "RANK"
     os.symlink(src, out / GGUF_FILE_IN_DIR)
     with contextlib.redirect_stdout(sys.stderr):
         bert_gguf.write_tokenizer(out, ckpt)
@@ -169,8 +169,8 @@ def pooling_type_of(ckpt) -> int | None:
 def _write_pooling_modules(out: Path, ckpt) -> None:
     """An embedding GGUF's pooling, as vLLM reads it from a sentence-transformers model:
     Transformer -> Pooling -> Normalize (llama.cpp's server normalises embeddings too).
-    RANK files (rerankers with a cls.output head) are marked in config.json instead, and
-    the platform refuses them."""
+    RANK files (rerankers with a cls.output head) have none: a BERT one is served as a
+    sequence classifier (bert_gguf), the others are marked in config.json and refused."""
     mode = _POOLING_MODES.get(pooling_type_of(ckpt))
     if mode is None:
         return

@@ -373,41 +373,86 @@ void round_through_q8(const GgufKernels& kern, const float* x, int64_t m, int64_
 
 // ---- prefill: m > kGgufMatvecMaxRows ----------------------------------------------------------
 
-// Blocking: a task owns up to kTaskRows weight rows; per chunk of kChunkK input features
-// it decodes that chunk of its rows to float once (<= 96 KB, L2) and multiplies it with
-// every x panel, whose chunk (16 x 256 floats, 16 KB) stays in L1 across the task's
-// strips of panel_rows weight rows. Sums accumulate in the task's [m, rows] tile.
+// Blocking (GotoBLAS-style, for every row count): a task owns a block of up to kBlockRows
+// x rows and up to kTaskRows weight rows. Its x rows are packed into panels of 16 (once per
+// thread and block, below); per chunk of kChunkK input features it decodes its weight rows
+// to float once (96 KB); each strip of panel_rows weight rows then stays in L1 while the x panels
+// stream from L2. Sums accumulate in the task's [kBlockRows, kTaskRows] tile (48 KB).
+// Before, a task owned weight rows only and streamed all of x and an [m, 96] tile per
+// chunk: at 16384 rows that left L2, and the float32 GEMM ran at half speed
+// (docs/benchmarks.md, encoder embeddings). A row's sums keep the same order whatever
+// block it falls in, so results do not depend on the batch.
 constexpr int64_t kTaskRows = 96;
 constexpr int64_t kChunkK = 256;  // a multiple of every block size
+// float32 weights need no decode buffer: longer chunks store the tile half as often
+// (a whole MiniLM row of 384 in one chunk)
+constexpr int64_t kChunkKF32 = 512;
+constexpr int64_t kBlockRows = 128;  // x rows per task: a multiple of kGgufPanelWidth
+
+// Rows i0 .. i0 + rows of x, features c0 .. c0 + kc, as panels of W rows ([panel][kc][W],
+// zero rows after the last).
+void pack_x_panels(const float* xf, int64_t k, int64_t i0, int64_t rows, int64_t c0, int64_t kc,
+                   float* xp) {
+  constexpr int64_t W = kGgufPanelWidth;
+  const int64_t panels = (rows + W - 1) / W;
+  for (int64_t g = 0; g < panels; ++g) {
+    float* dst = xp + g * kc * W;
+    const int64_t n_in = std::min(W, rows - g * W);
+    for (int64_t i = 0; i < n_in; ++i) {
+      const float* src = xf + (i0 + g * W + i) * k + c0;
+      for (int64_t p = 0; p < kc; ++p) dst[p * W + i] = src[p];
+    }
+    for (int64_t i = n_in; i < W; ++i) {
+      for (int64_t p = 0; p < kc; ++p) dst[p * W + i] = 0.0f;
+    }
+  }
+}
+
+// Calls of prefill, so that a thread's packed x block is known to belong to this call.
+std::atomic<uint64_t> g_prefill_calls{0};
 
 void prefill(const GgufKernels& kern, const GgufMatmul& a, const float* xf) {
   const int64_t m = a.m, n = a.n, k = a.k;
   constexpr int64_t W = kGgufPanelWidth;
-  // x as panels of 16 rows, [panel][k][16], zero rows at the end
-  const int64_t panels = (m + W - 1) / W;
-  std::vector<float> xp(panels * k * W, 0.0f);
-  for (int64_t i = 0; i < m; ++i) {
-    float* dst = xp.data() + (i / W) * k * W + (i % W);
-    const float* src = xf + i * k;
-    for (int64_t p = 0; p < k; ++p) dst[p * W] = src[p];
-  }
   const gguf::TypeInfo ti = gguf::type_info(a.type);
   const int64_t rb = gguf::row_bytes(a.type, k);
   const auto* w = static_cast<const uint8_t*>(a.w);
   const bool w_is_f32 = a.type == GGMLType::kF32;
   const int64_t pr = kern.panel_rows;
-  // rows per task: at most kTaskRows, and about two tasks per thread
-  const int64_t per_thread = (n + 2 * num_threads() - 1) / (2 * num_threads());
-  const int64_t group = std::min(kTaskRows, std::max(pr, (per_thread + pr - 1) / pr * pr));
-  const int64_t tasks = (n + group - 1) / group;
-  gguf_parallel_for(tasks, 1, [&](int64_t begin, int64_t end) {
-    static thread_local std::vector<float> wbuf, acc_buf;
-    float* acc = scratch_floats(acc_buf, panels * W * group);  // [panels * 16, group]
+  const int64_t chunk = w_is_f32 ? kChunkKF32 : kChunkK;
+  const int64_t blocks = (m + kBlockRows - 1) / kBlockRows;
+  // weight rows per task: at most kTaskRows, and about two tasks per thread overall
+  const int64_t want = (2 * num_threads() + blocks - 1) / blocks;  // weight groups wanted
+  const int64_t per_group = (n + want - 1) / want;
+  const int64_t group = std::min(kTaskRows, std::max(pr, (per_group + pr - 1) / pr * pr));
+  const int64_t groups = (n + group - 1) / group;
+  const uint64_t call = g_prefill_calls.fetch_add(1, std::memory_order_relaxed) + 1;
+  // task t: x block t / groups, weight group t % groups. A thread packs its x block (all
+  // chunks, [chunk][panel][kc][16]) once for the run of tasks it takes on that block:
+  // packing it per task cost ~15% of a MiniLM projection at 16 weight groups.
+  gguf_parallel_for(blocks * groups, 1, [&](int64_t begin, int64_t end) {
+    static thread_local std::vector<float> wbuf, acc_buf, xbuf;
+    static thread_local uint64_t packed_call = 0;
+    static thread_local int64_t packed_block = -1;
+    float* acc = scratch_floats(acc_buf, kBlockRows * group);  // [block rows, group]
+    if (static_cast<int64_t>(xbuf.size()) < kBlockRows * k) packed_call = 0;
+    float* xp = scratch_floats(xbuf, kBlockRows * k);
     float* wc = w_is_f32 ? nullptr : scratch_floats(wbuf, group * kChunkK);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t r0 = t * group, nr = std::min(group, n - r0);
-      for (int64_t c0 = 0; c0 < k; c0 += kChunkK) {
-        const int64_t kc = std::min(kChunkK, k - c0);
+      const int64_t block = t / groups;
+      const int64_t i0 = block * kBlockRows, rows = std::min(kBlockRows, m - i0);
+      const int64_t panels = (rows + W - 1) / W;
+      const int64_t r0 = (t % groups) * group, nr = std::min(group, n - r0);
+      if (packed_call != call || packed_block != block) {
+        for (int64_t c0 = 0; c0 < k; c0 += chunk) {
+          pack_x_panels(xf, k, i0, rows, c0, std::min(chunk, k - c0), xp + c0 * kBlockRows);
+        }
+        packed_call = call;
+        packed_block = block;
+      }
+      for (int64_t c0 = 0; c0 < k; c0 += chunk) {
+        const int64_t kc = std::min(chunk, k - c0);
+        const float* xc = xp + c0 * kBlockRows;  // this chunk's panels
         const float* wf;  // this chunk of the task's rows
         int64_t ldw;
         if (w_is_f32) {
@@ -419,15 +464,15 @@ void prefill(const GgufKernels& kern, const GgufMatmul& a, const float* xf) {
           wf = wc;
           ldw = kc;
         }
-        for (int64_t g = 0; g < panels; ++g) {
-          for (int64_t j = 0; j < nr; j += pr) {
-            kern.panel(xp.data() + (g * k + c0) * W, wf + j * ldw, ldw,
-                       static_cast<int>(std::min(pr, nr - j)), kc, acc + g * W * group + j, group,
-                       c0 > 0);
+        for (int64_t j = 0; j < nr; j += pr) {
+          for (int64_t g = 0; g < panels; ++g) {
+            kern.panel(xc + g * kc * W, wf + j * ldw, ldw, static_cast<int>(std::min(pr, nr - j)),
+                       kc, acc + g * W * group + j, group, c0 > 0);
           }
         }
       }
-      store_block(a.elt, acc, group, m, nr, a.y, n, r0);
+      store_block(a.elt, acc, group, rows, nr,
+                  static_cast<char*>(a.y) + i0 * n * (a.elt == Elt::kF32 ? 4 : 2), n, r0);
     }
   });
 }
