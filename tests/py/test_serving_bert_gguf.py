@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from serving_harness import Server
+from test_serving_encoder import check_score_and_rerank
 
 pytestmark = [pytest.mark.slow, pytest.mark.serving]
 
@@ -145,10 +146,6 @@ def test_served_bert_gguf_matches_transformers(tmp_path, qtype):
         server.stop()
 
 
-def _sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-x))
-
-
 def test_served_bert_reranker_gguf_matches_cross_encoder(tmp_path):
     import shutil
 
@@ -169,28 +166,13 @@ def test_served_bert_reranker_gguf_matches_cross_encoder(tmp_path):
     path = tmp_path / "reranker-F32.gguf"
     write_bert_gguf(tmp_path / "hf", path, "F32", pooling=gguf.PoolingType.RANK)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
-    query = "what is the capital of France"
-    docs = ["Paris is the capital of France", "hello world", "the capital of it is in Europe", "x"]
-    with torch.no_grad():
-        want = [float(_sigmoid(model(**tokenizer(query, d, return_tensors="pt")).logits[0, 0].item()))
-                for d in docs]
     server = Server(str(path), "bert-reranker-gguf", ARGS)
     try:
-        r = server.client.post("/score", json={"model": server.name, "queries": query, "documents": docs})
-        assert r.status_code == 200, r.text
-        scores = [d["score"] for d in sorted(r.json()["data"], key=lambda d: d["index"])]
-        np.testing.assert_allclose(scores, want, atol=1e-5)
-        r = server.client.post("/rerank", json={"model": server.name, "query": query, "documents": docs,
-                                                "top_n": 3})
-        assert r.status_code == 200, r.text
-        ranked = r.json()["results"]
-        assert [x["index"] for x in ranked] == list(np.argsort(want)[::-1][:3])
-        np.testing.assert_allclose([x["relevance_score"] for x in ranked],
-                                   sorted(want, reverse=True)[:3], atol=1e-5)
+        check_score_and_rerank(server, model, tokenizer)
         # a reranker serves no embeddings: a 4xx, and the engine lives on
         r = server.client.post("/v1/embeddings", json={"model": server.name, "input": "x"})
         assert 400 <= r.status_code < 500, r.text
-        r = server.client.post("/score", json={"model": server.name, "queries": query, "documents": docs[:1]})
+        r = server.client.post("/score", json={"model": server.name, "queries": "q", "documents": ["d"]})
         assert r.status_code == 200, r.text
     finally:
         server.stop()

@@ -136,24 +136,33 @@ def _sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
 
-def test_cross_encoder_score_and_rerank_match_transformers(cross_encoder):
-    server, model, tokenizer = cross_encoder
-    query = "what is the capital of France"
-    docs = ["Paris is the capital of France", "hello world", "the capital of it is in Europe", "x"]
+QUERY = "what is the capital of France"
+DOCS = ["Paris is the capital of France", "hello world", "the capital of it is in Europe", "x"]
+
+
+def check_score_and_rerank(server, model, tokenizer) -> None:
+    """/score and /rerank of a served cross-encoder against the transformers model's
+    sigmoid(logit) of each (QUERY, doc) pair (also test_serving_bert_gguf.py)."""
+    import torch
+
     with torch.no_grad():
-        want = [float(_sigmoid(model(**tokenizer(query, d, return_tensors="pt")).logits[0, 0].item()))
-                for d in docs]
-    r = server.client.post("/score", json={"model": server.name, "queries": query, "documents": docs})
+        want = [float(_sigmoid(model(**tokenizer(QUERY, d, return_tensors="pt")).logits[0, 0].item()))
+                for d in DOCS]
+    r = server.client.post("/score", json={"model": server.name, "queries": QUERY, "documents": DOCS})
     assert r.status_code == 200, r.text
     scores = [d["score"] for d in sorted(r.json()["data"], key=lambda d: d["index"])]
     np.testing.assert_allclose(scores, want, atol=1e-5)
-    r = server.client.post("/rerank", json={"model": server.name, "query": query, "documents": docs,
+    r = server.client.post("/rerank", json={"model": server.name, "query": QUERY, "documents": DOCS,
                                             "top_n": 3})
     assert r.status_code == 200, r.text
     ranked = r.json()["results"]
     assert [x["index"] for x in ranked] == list(np.argsort(want)[::-1][:3])
     np.testing.assert_allclose([x["relevance_score"] for x in ranked], sorted(want, reverse=True)[:3],
                                atol=1e-5)
+
+
+def test_cross_encoder_score_and_rerank_match_transformers(cross_encoder):
+    check_score_and_rerank(*cross_encoder)
 
 
 def test_cross_encoder_token_types_matter(cross_encoder):
