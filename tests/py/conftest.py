@@ -39,3 +39,14 @@ def _cpu_stream():
     # The Linux build has no GPU; on Apple these tests exercise the CPU path too.
     with mx.stream(mx.cpu):
         yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules holding slow tests run first, each kept whole and in its own order: with
+    several workers (scripts/test, --dist loadfile) a long module left for the end keeps
+    one worker busy while the others are done."""
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    slow = {m for m, its in modules.items() if any(i.get_closest_marker("slow") for i in its)}
+    items[:] = [i for m in sorted(modules, key=lambda m: m not in slow) for i in modules[m]]
