@@ -33,6 +33,7 @@ ARGS = ["--max-model-len", "256", "--max-num-seqs", "16", "--num-gpu-blocks-over
 INVARIANT = {"VLLM_BATCH_INVARIANT": "1"}
 PROMPTS = [f"Write the number {i} in words, then count from {i} to {i + 3}:" for i in range(64)]
 MAX_TOKENS = 8
+FULL_ANSWER = 230  # the killed-replica test's requests: a prompt of ~17 tokens + 230 < 256
 
 
 def smollm2_gguf() -> str:
@@ -151,23 +152,29 @@ def test_a_replica_killed_mid_serve_fails_the_server_fast_and_leaves_no_process(
         victim = [p for p in children if "EngineCore_DP1" in p.name()]
         assert len(victim) == 1, [p.name() for p in children]
         results: dict[int, tuple] = {}
+        decoding = threading.Event()  # a streamed request has its first tokens
 
         def one(i):
-            body = {"model": "smollm2", "prompt": PROMPTS[i], "max_tokens": 150, "ignore_eos": True,
-                    "temperature": 0, "stream": i % 2 == 1}
+            # as many tokens as --max-model-len leaves: none can finish before the kill, however
+            # fast the machine
+            body = {"model": "smollm2", "prompt": PROMPTS[i], "max_tokens": FULL_ANSWER,
+                    "ignore_eos": True, "temperature": 0, "stream": i % 2 == 1}
             try:
                 with httpx.stream("POST", f"{s.base}/v1/completions", json=body, timeout=120) as r:
-                    results[i] = (r.status_code, "".join(r.iter_lines()))
+                    lines = []
+                    for line in r.iter_lines():
+                        lines.append(line)
+                        if line.startswith("data: {"):
+                            decoding.set()
+                    results[i] = (r.status_code, "".join(lines))
             except httpx.HTTPError as e:
                 results[i] = ("closed", repr(e))
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 60
-        while successes_per_engine(s) == {} and time.monotonic() < deadline:
-            time.sleep(0.2)  # until the metrics exist; then let both replicas decode a little
-        time.sleep(2)
+        assert decoding.wait(60), "no request started decoding"
+        time.sleep(0.5)  # both replicas mid-decode
         victim[0].kill()
         killed = time.monotonic()
         s.proc.wait(timeout=60)
@@ -177,7 +184,7 @@ def test_a_replica_killed_mid_serve_fails_the_server_fast_and_leaves_no_process(
         assert len(results) == 8, results
         errors = 0
         for status, text in results.values():
-            assert '"completion_tokens":150' not in text.replace(" ", ""), text[-300:]
+            assert f'"completion_tokens":{FULL_ANSWER}' not in text.replace(" ", ""), text[-300:]
             errors += status == "closed" or status >= 500 or '"error"' in text
         assert errors >= 1, results
         assert "EngineCore_DP1 died unexpectedly" in Path(s.log_path).read_text() or \
