@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from serving_harness import Server
-from test_serving_encoder import check_score_and_rerank
+from test_serving_encoder import check_score_and_rerank, write_random_cross_encoder
 
 pytestmark = [pytest.mark.slow, pytest.mark.serving]
 
@@ -147,22 +147,7 @@ def test_served_bert_gguf_matches_transformers(tmp_path, qtype):
 
 
 def test_served_bert_reranker_gguf_matches_cross_encoder(tmp_path):
-    import shutil
-
-    minilm = _minilm()
-    torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, intermediate_size=128,
-                                     max_position_embeddings=128, num_labels=1)
-    model = transformers.BertForSequenceClassification(config).eval()
-    with torch.no_grad():  # token type rows apart, so a wrong type shows in the score
-        model.bert.embeddings.token_type_embeddings.weight.normal_(0, 0.5)
-        model.bert.pooler.dense.weight.normal_(0, 0.3)
-        model.classifier.weight.normal_(0, 0.5)
-        model.classifier.bias.fill_(0.25)
-    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
-    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(minilm / name, tmp_path / "hf" / name)
+    model = write_random_cross_encoder(tmp_path / "hf")
     path = tmp_path / "reranker-F32.gguf"
     write_bert_gguf(tmp_path / "hf", path, "F32", pooling=gguf.PoolingType.RANK)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))

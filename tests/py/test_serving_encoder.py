@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -43,10 +44,9 @@ def minilm():
     s.stop()
 
 
-@pytest.fixture(scope="module")
-def cross_encoder(tmp_path_factory):
-    """A random BertForSequenceClassification (one label) with MiniLM's tokenizer."""
-    out = tmp_path_factory.mktemp("cross-encoder")
+def write_random_cross_encoder(out):
+    """A random BertForSequenceClassification (one label) saved with MiniLM's tokenizer
+    files into `out`; returns the transformers model (also test_serving_bert_gguf.py)."""
     torch.manual_seed(0)
     config = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2,
                                      num_attention_heads=4, intermediate_size=128,
@@ -54,10 +54,20 @@ def cross_encoder(tmp_path_factory):
     model = transformers.BertForSequenceClassification(config).eval()
     with torch.no_grad():  # token type rows apart, so a wrong type shows in the score
         model.bert.embeddings.token_type_embeddings.weight.normal_(0, 0.5)
+        model.bert.pooler.dense.weight.normal_(0, 0.3)
         model.classifier.weight.normal_(0, 0.5)
+        model.classifier.bias.fill_(0.25)  # a head loaded without its bias shows
     model.save_pretrained(out, safe_serialization=True)
     for name in TOKENIZER_FILES:
-        shutil.copy(_minilm() / name, out / name)
+        shutil.copy(_minilm() / name, Path(out) / name)
+    return model
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory):
+    """A random BertForSequenceClassification (one label) with MiniLM's tokenizer."""
+    out = tmp_path_factory.mktemp("cross-encoder")
+    model = write_random_cross_encoder(out)
     s = Server(str(out), "reranker", ARGS)
     yield s, model, transformers.AutoTokenizer.from_pretrained(str(out))
     s.stop()
