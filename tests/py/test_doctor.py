@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from serving_harness import free_port  # a port no other test worker takes
 from vllm_metal import doctor, doctor_ops, ops
 
 GIB = 2**30
@@ -176,16 +177,10 @@ def test_serve_check_fails_with_the_server_log_when_vllm_dies(monkeypatch, tmp_p
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the kept server log
-    results = doctor.serve_checks(port=_free_port(), timeout=30)
+    results = doctor.serve_checks(port=free_port(), timeout=30)
     assert [r.name for r in results] == ["serve"]  # no decode timing without a server
     assert not results[0].ok and "exited with code 3" in results[0].detail
     assert any("no module named vllm_metal._core" in n for n in results[0].notes)
-
-
-def _free_port() -> int:
-    from serving_harness import free_port  # a port no other test worker takes
-
-    return free_port()
 
 
 @pytest.mark.slow
@@ -195,7 +190,7 @@ def test_full_doctor_run_passes_here(tmp_path):
     report = tmp_path / "doctor.md"
     run = subprocess.run(
         [sys.executable, "-m", "vllm_metal.doctor", "--report", str(report),
-         "--port", str(_free_port())],
+         "--port", str(free_port())],
         capture_output=True, text=True, cwd=tmp_path, timeout=900,
         env={k: v for k, v in os.environ.items() if k != "VLLM_METAL_KERNELS"})
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]

@@ -67,6 +67,15 @@ def prefill_logits(loaded, prompts, lora=None, loras=None):
     return out
 
 
+def _with_adapters(base, tmp_path, deltas):
+    """The base loaded, and a LoraManager holding the adapters tmp_path/a<id> of `deltas`."""
+    loaded = load_model(str(base), "float32")
+    lora = LoraManager(loaded.model, SimpleNamespace(max_loras=2, max_lora_rank=8, max_cpu_loras=2))
+    for lid in deltas:
+        lora.add(request(lid, tmp_path / f"a{lid}"))
+    return loaded, lora
+
+
 def test_mixed_batch_on_qwen3_5_equals_merged_checkpoints(tmp_path):
     base = write_checkpoint(tmp_path / "base", seed=0)
     w = base_weights(base)
@@ -78,11 +87,8 @@ def test_mixed_batch_on_qwen3_5_equals_merged_checkpoints(tmp_path):
                          targets=("in_proj_qkv", "in_proj_z", "out_proj"), magnitude=2.0),
     }
     assert any("linear_attn" in m for m in deltas[1]) and any("self_attn" in m for m in deltas[1])
-    loaded = load_model(str(base), "float32")
+    loaded, lora = _with_adapters(base, tmp_path, deltas)
     assert loaded.hybrid is not None
-    lora = LoraManager(loaded.model, SimpleNamespace(max_loras=2, max_lora_rank=8, max_cpu_loras=2))
-    for lid in deltas:
-        lora.add(request(lid, tmp_path / f"a{lid}"))
     loras = [1, 0, 2]
     got = prefill_logits(loaded, PROMPTS, lora, loras)
     base_logits = prefill_logits(load_model(str(base), "float32"), PROMPTS)
@@ -257,10 +263,7 @@ def test_qwen3_5_moe_experts_and_shared_expert_equal_merged_checkpoints(tmp_path
                          modules=shared + routed[:24]),
     }
     assert all(len(d) > 0 for d in deltas.values()) and all(m + ".weight" in w for m in shared)
-    loaded = load_model(str(base), "float32")
-    lora = LoraManager(loaded.model, SimpleNamespace(max_loras=2, max_lora_rank=8, max_cpu_loras=2))
-    for lid in deltas:
-        lora.add(request(lid, tmp_path / f"a{lid}"))
+    loaded, lora = _with_adapters(base, tmp_path, deltas)
     loras = [2, 0, 1]
     got = prefill_logits(loaded, PROMPTS, lora, loras)
     base_logits = prefill_logits(load_model(str(base), "float32"), PROMPTS)

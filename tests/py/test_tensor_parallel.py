@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from serving_harness import free_port  # a port no other test worker takes
 from vllm_metal.models import load_model
 from vllm_metal.models.tensor_parallel import TensorParallelError, shard_model
 from vllm_metal.models.testing import run_packed, tiny_config, write_random_checkpoint, write_tiny_gguf
@@ -28,16 +29,10 @@ SHAPE = dict(hidden_size=128, intermediate_size=192, num_attention_heads=4, num_
              head_dim=32, tie_word_embeddings=False)
 
 
-def _free_port() -> int:
-    from serving_harness import free_port  # a port no other test worker takes
-
-    return free_port()
-
-
 def run_two_ranks(models: list[str], tmp_path: Path) -> list[list[np.ndarray]]:
     """Per model: each sequence's logits from two ranks (one pair of processes for all)."""
     hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{_free_port()}"], [f"127.0.0.1:{_free_port()}"]]))
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
     out = tmp_path / "logits.npz"
     procs = [subprocess.Popen([sys.executable, str(HERE / "tensor_parallel_rank.py"), str(out), *models],
                               env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)},
