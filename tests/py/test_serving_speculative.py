@@ -30,6 +30,9 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 # preempted with drafts in flight and recomputed
 COMMON = ["--max-model-len", "256", "--max-num-seqs", "8", "--num-gpu-blocks-override", "24"]
 ENV = {"VLLM_BATCH_INVARIANT": "1"}
+# 6 such requests need ~48 blocks together, twice the pool: preemption happens even
+# when a loaded machine staggers their arrival (48 tokens each overflowed it by 1 block)
+OVERFLOWING = dict(max_tokens=96)
 
 # prompts whose continuations repeat what they contain (drafts get accepted), and one
 # free-text prompt
@@ -100,17 +103,18 @@ def test_greedy_output_is_the_same_with_and_without_speculation(reference, any_s
     speculative = any_speculative
     drafts_before = _counter(speculative, "vllm:spec_decode_num_draft_tokens_total")
     accepted_before = _counter(speculative, "vllm:spec_decode_num_accepted_tokens_total")
-    want = _all(reference, PROMPTS)
-    got = _all(speculative, PROMPTS)  # concurrent: one batch of several drafting requests
+    preempted_before = _counter(speculative, "vllm:num_preemptions_total")
+    want = _all(reference, PROMPTS, **OVERFLOWING)
+    got = _all(speculative, PROMPTS, **OVERFLOWING)  # concurrent: drafting requests preempted
     for p, w, g in zip(PROMPTS, want, got):
         assert (g["text"], g["finish_reason"]) == (w["text"], w["finish_reason"]), p
-    alone = _complete(speculative, PROMPTS[0])
+    alone = _complete(speculative, PROMPTS[0], **OVERFLOWING)
     assert alone["text"] == want[0]["text"]
     drafts = _counter(speculative, "vllm:spec_decode_num_draft_tokens_total") - drafts_before
     accepted = _counter(speculative, "vllm:spec_decode_num_accepted_tokens_total") - accepted_before
     assert drafts > 0 and 0 < accepted <= drafts, (drafts, accepted)
     assert _counter(speculative, "vllm:spec_decode_num_accepted_tokens_per_pos_total") > 0
-    assert _counter(speculative, "vllm:num_preemptions_total") > 0
+    assert _counter(speculative, "vllm:num_preemptions_total") > preempted_before
 
 
 @pytest.mark.slow
@@ -248,8 +252,8 @@ def test_a_self_drafting_model_keeps_every_draft_and_the_reference_output(refere
     drafts_before = _counter(self_draft, "vllm:spec_decode_num_draft_tokens_total")
     accepted_before = _counter(self_draft, "vllm:spec_decode_num_accepted_tokens_total")
     preempted_before = _counter(self_draft, "vllm:num_preemptions_total")
-    want = _all(reference, PROMPTS)
-    got = _all(self_draft, PROMPTS)  # concurrent, overflowing the pool: preempted with drafts
+    want = _all(reference, PROMPTS, **OVERFLOWING)
+    got = _all(self_draft, PROMPTS, **OVERFLOWING)  # concurrent, overflowing the pool: preempted with drafts
     for p, w, g in zip(PROMPTS, want, got):
         assert (g["text"], g["finish_reason"]) == (w["text"], w["finish_reason"]), p
     drafts = _counter(self_draft, "vllm:spec_decode_num_draft_tokens_total") - drafts_before
