@@ -9,7 +9,9 @@ budget; the runner owns the model, the KV pool and the batch.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import socket
 import time
 from dataclasses import dataclass
 
@@ -80,10 +82,33 @@ class DeviceMemory:
                 "raise it or set --kv-cache-memory-bytes")
         return budget
 
+    def shared_by(self, workers: int) -> "DeviceMemory":
+        """This worker's part when `workers` workers of one engine (tensor or pipeline
+        ranks) run on this host: a Mac has one memory for all of them, where a GPU server
+        gives each its own device. Each worker then measures the same limit and free RAM,
+        and would budget all of it; each gets an equal part instead, and pays its own
+        weights (in_use) and margin from it."""
+        if workers <= 1:
+            return self
+        return dataclasses.replace(self, limit=self.limit // workers, available=self.available // workers,
+                                   source=f"{self.source} / {workers} workers on this host")
+
     def __str__(self) -> str:
         gib = 2**30
         return (f"{self.source} {self.limit / gib:.2f} GiB, in use {self.in_use / gib:.2f} GiB, "
                 f"RAM available {self.available / gib:.2f} GiB, margin {self.margin / gib:.2f} GiB")
+
+
+def _workers_on_this_host(cpu_group) -> int:
+    """Workers of this engine (its torch.distributed world, gloo) on the same host as
+    this one, by host name: every rank on one machine under the mp executor, one per Mac
+    across Macs."""
+    import torch.distributed as dist
+
+    me = socket.gethostname()
+    hosts: list[str | None] = [None] * dist.get_world_size(group=cpu_group)
+    dist.all_gather_object(hosts, me, group=cpu_group)
+    return hosts.count(me)
 
 
 def _forget_inherited_signal_wakeup() -> None:
@@ -127,6 +152,7 @@ class MetalWorker(WorkerBase):
 
         self.device = torch.device("cpu")
         self._kv_budget = "not measured"  # determine_available_memory fills it in
+        self._workers_on_this_host = 1  # _init_distributed counts them
         self.mlx_group = self._init_distributed()
         self.model_runner = MetalModelRunner(self.vllm_config, self.mlx_group)
         self._fail_at_step = envs.VLLM_METAL_TEST_FAIL_FORWARD_AT_STEP  # tests only; 0: never
@@ -156,6 +182,7 @@ class MetalWorker(WorkerBase):
         if parallel.world_size == 1:
             return None
         _exit_with_parent()
+        self._workers_on_this_host = _workers_on_this_host(get_world_group().cpu_group)
         from vllm_metal.mlx_ring import join_ring, ring_address
 
         address = ring_address(self.local_rank, getattr(parallel, "nnodes", 1) > 1)
@@ -186,7 +213,7 @@ class MetalWorker(WorkerBase):
         state = self.model_runner.state_memory_bytes()
         if state:
             logger.info("vllm-metal: %d bytes of the KV-cache budget go to state slots", state)
-        memory = DeviceMemory.measure()
+        memory = DeviceMemory.measure().shared_by(self._workers_on_this_host)
         budget = memory.kv_cache_budget(cache.gpu_memory_utilization, cache.kv_cache_memory_bytes, state)
         source = "--kv-cache-memory-bytes" if cache.kv_cache_memory_bytes else (
             f"--gpu-memory-utilization {cache.gpu_memory_utilization} of {memory}")

@@ -40,8 +40,9 @@ def fake_ram(monkeypatch, *, total, available, rss):
         memory_info=lambda: SimpleNamespace(rss=rss)))
 
 
-def budget(utilization=0.9, kv_cache_memory_bytes=None, state=0, share=1.0):
+def budget(utilization=0.9, kv_cache_memory_bytes=None, state=0, share=1.0, workers=1):
     worker = SimpleNamespace(
+        _workers_on_this_host=workers,
         cache_config=SimpleNamespace(gpu_memory_utilization=utilization,
                                      kv_cache_memory_bytes=kv_cache_memory_bytes),
         model_runner=SimpleNamespace(state_memory_bytes=lambda: state, kv_budget_share=lambda: share))
@@ -93,6 +94,19 @@ def test_explicit_kv_cache_bytes_must_fit_beside_the_weights(monkeypatch):
     fake_mac(monkeypatch, available=12 * GiB)
     with pytest.raises(ValueError, match=r"--kv-cache-memory-bytes 9663676416 exceeds the 9305767936 bytes"):
         budget(kv_cache_memory_bytes=9 * GiB)  # 9 + 2 GiB of weights > the working set
+
+
+def test_tensor_or_pipeline_ranks_on_one_mac_split_its_memory(monkeypatch):
+    """Two workers of one engine on one Mac (TP=2 or PP=2 under the mp executor) each
+    measure the whole working set and free RAM: each gets half, less its own weights."""
+    fake_mac(monkeypatch, available=12 * GiB)
+    half = int(0.9 * (WORKING_SET // 2)) - WEIGHTS - APPLE_MARGIN_BYTES
+    assert budget(workers=2) == half
+    assert 2 * (budget(workers=2) + WEIGHTS) <= 0.9 * WORKING_SET
+    fake_mac(monkeypatch, available=4 * GiB)  # free RAM is split too
+    assert budget(workers=2) == 2 * GiB - APPLE_MARGIN_BYTES
+    with pytest.raises(ValueError, match=r"/ 2 workers on this host"):
+        budget(kv_cache_memory_bytes=3 * GiB, workers=2)  # per worker, as in vLLM: > 2 GiB free each
 
 
 def test_device_total_memory_is_the_working_set(monkeypatch):

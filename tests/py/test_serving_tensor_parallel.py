@@ -41,6 +41,7 @@ def test_tensor_parallel_greedy_matches_one_process(tp2):
     log = tp2.log_path.read_text()
     assert "rank 1 joined the MLX ring" in log
     assert "fused layers      no: tensor parallel" in log
+    assert "/ 2 workers on this host" in log  # each rank budgets half of the host's memory
     # the all-sum adds the two halves of each projection in another order
     assert_same_greedy(one, two, atol=1e-3)
 
