@@ -5,6 +5,8 @@ prompt the logits of the checkpoint with its adapter merged in NumPy (W + scale 
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import fields
 from types import SimpleNamespace
 
@@ -168,15 +170,18 @@ def test_llama_cpp_gguf_adapter_on_qwen3_5_equals_the_merged_checkpoint(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.serving
-def test_served_qwen3_5_with_adapters_matches_mlx_lm_on_the_merged_checkpoint(tmp_path):
+@pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp"])
+def test_served_qwen3_5_with_adapters_matches_mlx_lm_on_the_merged_checkpoint(tmp_path, mtp):
     """`vllm serve --enable-lora` on Qwen3.5: concurrent requests with an adapter and
-    without get mlx-lm's greedy tokens of the merged / base checkpoint."""
+    without get mlx-lm's greedy tokens of the merged / base checkpoint. mtp: with MTP
+    speculation (a random MTP block, which no adapter targets): the verify rows carry their
+    request's adapter, so the tokens stay the merged model's whatever the head drafts."""
     import concurrent.futures
 
     from qwen3_5_checkpoint import greedy, reference_model
     from serving_harness import Server
 
-    base = write_checkpoint(tmp_path / "base", seed=0)
+    base = write_checkpoint(tmp_path / "base", seed=0, mtp=mtp)
     deltas = write_adapter(tmp_path / "a1", base_weights(base), LAYERS, r=8, alpha=16, seed=33,
                            targets=ALL, magnitude=2.0)
     merged = write_merged(base, tmp_path / "m1", deltas)
@@ -187,7 +192,9 @@ def test_served_qwen3_5_with_adapters_matches_mlx_lm_on_the_merged_checkpoint(tm
     server = Server(str(base), "qwen3_5-tiny", [
         "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "8",
         "--num-gpu-blocks-override", "32", "--enable-lora", "--max-lora-rank", "8",
-        "--lora-modules", f"a1={tmp_path / 'a1'}"])
+        "--lora-modules", f"a1={tmp_path / 'a1'}",
+        *(["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
+          if mtp else [])])
     try:
         def run(job):
             model, i = job
@@ -202,6 +209,10 @@ def test_served_qwen3_5_with_adapters_matches_mlx_lm_on_the_merged_checkpoint(tm
             got = list(pool.map(run, jobs))
         for (m, i), g in zip(jobs, got):
             assert g == want[m][i], (m, i)
+        if mtp:
+            drafted = re.search(r"^vllm:spec_decode_num_draft_tokens_total(?:{[^}]*})? ([0-9.e+]+)$",
+                                server.client.get("/metrics").text, re.M)
+            assert drafted and float(drafted.group(1)) > 0  # the head drafted; rows verified
     finally:
         server.stop()
 
