@@ -1,7 +1,7 @@
 """A pipeline stage loads only its layers (models/stage_loading.py): the peak memory of
 loading stage 0 of 2 of a model whose layers hold almost all its bytes, measured in a fresh
 process, is about half of a whole load's; from safetensors and from GGUF files (F32 and
-Q8_0). (That the stages still serve the one-process tokens: test_serving_pipeline_parallel.py.)"""
+Q8_0), the hybrid Qwen3.5's included. (That the stages still serve the one-process tokens: test_serving_pipeline_parallel.py.)"""
 
 from __future__ import annotations
 
@@ -75,6 +75,21 @@ def test_a_stage_reads_only_its_layers_from_gguf(checkpoint, tmp_path, qtype):
     path = tmp_path / f"stage-{qtype}.gguf"
     write_tiny_gguf(config, path, qtype=qtype)
     _check(path, LAYER_BYTES * (1 if qtype == "F32" else 34 / 128))  # Q8_0: 34 bytes per 32
+
+
+def test_a_stage_reads_only_its_layers_from_a_hybrid_qwen3_5_gguf(tmp_path):
+    """The hybrid Qwen3.5 GGUF loader (gguf_qwen35.py: value heads reordered, conv and A
+    rewritten) skips other stages' tensors too: 8 layers, 3 linear-attention to 1 full."""
+    from qwen3_5_checkpoint import CONFIG, random_model, write_gguf
+
+    config = dict(CONFIG, hidden_size=512, intermediate_size=2048, num_hidden_layers=LAYERS,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=32,  # CONFIG's rope
+                  linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+                  linear_value_head_dim=64, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2)
+    path = tmp_path / "stage-qwen35.gguf"
+    write_gguf(random_model(seed=0, config=config), path, config)
+    # a layer's MLP alone is 12 MB float32; attention or the gated delta net add 2-4 MB
+    _check(path, 4 * 3 * 512 * 2048)
 
 
 def test_which_names_lie_outside_a_stage():

@@ -27,6 +27,8 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from vllm_metal.models.stage_loading import outside_stage
+
 ARCH = "qwen35"
 MOE_ARCH = "qwen35moe"
 
@@ -220,8 +222,12 @@ def load_weights(ckpt, config: dict, dtype: mx.Dtype, *, blocks: bool = False) -
         if target is None:
             continue
         kind = name.split(".")[2] if name.startswith("blk.") else name.split(".")[0]
+        # another pipeline stage's layer: a lazy dense placeholder, never read from the file
+        # and never evaluated (stage_loading.py); the stage drops the layer after the build
+        outside = outside_stage(name)
         # ssm_out's value heads are its columns: reordered dense (they split blocks)
-        as_blocks = blocks and kind in _LINEAR and not (perm is not None and kind == "ssm_out")
+        as_blocks = (blocks and not outside and kind in _LINEAR
+                     and not (perm is not None and kind == "ssm_out"))
         w = ckpt.blocks(name) if as_blocks else None
         if w is not None:
             if perm is not None and kind in ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta"):
@@ -231,7 +237,7 @@ def load_weights(ckpt, config: dict, dtype: mx.Dtype, *, blocks: bool = False) -
                                w.type_id, w.shape)
             out[target] = w
             continue
-        w = ckpt.dense(name, mx.float32)
+        w = mx.zeros(ckpt.tensors[name].shape, mx.float32) if outside else ckpt.dense(name, mx.float32)
         if kind == "ssm_a":  # -exp(A_log) -> A_log, kept float32 (mlx-lm does not cast it)
             w = mx.log(-w)
         if perm is not None:
