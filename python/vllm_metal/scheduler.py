@@ -57,6 +57,13 @@ class _CoreBlocks:
             out.state_checkpoints = table.plan(out, self.requests)
         return out
 
+    def update_from_output(self, scheduler_output, model_runner_output):
+        out = super().update_from_output(scheduler_output, model_runner_output)
+        table = self.kv_cache_manager.state_table
+        if table is not None:
+            table.outputs_read(scheduler_output)
+        return out
+
     def shutdown(self) -> None:
         stats = self.kv_cache_manager.pool.stats
         logger.info("vllm-metal: the C++ block pool allocated %d blocks, cached %d, evicted %d; "

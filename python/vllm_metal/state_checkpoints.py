@@ -18,7 +18,10 @@ SchedulerOutput carries (``state_checkpoints``), so both sides agree by construc
   so a conversation's next turn finds its reply), and the "junction" of a request whose
   attention hit went further than the checkpointed one: the boundary where its prompt
   leaves a cached one, where the next request sharing that prefix will look. The runner
-  splits the chunk there (models/qwen3_5_paged.py). Never inside speculative drafts.
+  splits the chunk there (models/qwen3_5_paged.py). Never inside speculative drafts, and
+  none for a request whose earlier drafts are still being verified (async scheduling):
+  vLLM counts them as computed until their rejections come back, so where this chunk
+  starts is not known yet.
 - A write whose block hash is not known yet (async scheduling: the chunk's last token is
   still being sampled) holds its slot until the hash appears, then enters the table.
 - Eviction: least recently used. Loads are applied before a step's writes, so a slot
@@ -67,6 +70,7 @@ class StateCheckpointTable:
         self._hit: dict[str, int] = {}         # request -> tokens its adopted hit covers
         self._attention_hit: dict[str, int] = {}  # request -> tokens of its last attention hit
         self._junction: dict[str, int] = {}    # request -> boundary to checkpoint
+        self._drafting: dict[str, int] = {}    # request -> its steps with drafts not yet read back
         self._step = 0
         self.stats = {"writes": 0, "loads": 0, "evictions": 0, "dropped": 0}
 
@@ -96,6 +100,16 @@ class StateCheckpointTable:
         self._hit.pop(request_id, None)
         self._attention_hit.pop(request_id, None)
         self._junction.pop(request_id, None)
+        self._drafting.pop(request_id, None)
+
+    def outputs_read(self, scheduler_output) -> None:
+        """The scheduler read the outputs of the step `scheduler_output` planned: its
+        requests' drafts are settled (kept or rolled back)."""
+        for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            if drafts and rid in self._drafting:
+                self._drafting[rid] -= 1
+                if not self._drafting[rid]:
+                    del self._drafting[rid]
 
     def clear(self) -> None:
         """reset_prefix_cache: no checkpoint is found again (pending writes still land)."""
@@ -120,6 +134,11 @@ class StateCheckpointTable:
         for rid, n in scheduled.items():
             request = requests.get(rid)
             if request is None:
+                continue
+            unsettled = rid in self._drafting  # this chunk's start may still move back
+            if drafts.get(rid):
+                self._drafting[rid] = self._drafting.get(rid, 0) + 1
+            if unsettled:
                 continue
             end = request.num_computed_tokens - len(drafts.get(rid, ()))  # final tokens only
             start = request.num_computed_tokens - n

@@ -74,6 +74,28 @@ def test_writes_wait_for_unknown_hashes_and_never_cover_drafts():
     assert not t.plan(output({"d2": 4}, {"d2": [1, 2, 3]}), {"d2": d2}).writes  # ends at 63
 
 
+def test_no_write_while_a_requests_drafts_are_unverified():
+    """Async scheduling: step 2 is planned before step 1's drafts come back, with vLLM
+    counting them as computed. Where step 2's chunk starts is unknown until then (the
+    case a served hybrid model with n-gram drafts failed on: a write after 32 tokens
+    planned for a chunk that was [28, 29))."""
+    t = StateCheckpointTable(num_slots=2, block_size=B)
+    a = request("a", 27, computed=28)  # step 1: [27, 28) and 3 drafts, as vLLM counts: 31
+    a.num_computed_tokens = 31
+    step1 = output({"a": 4}, {"a": [-1, -1, -1]})
+    assert not t.plan(step1, {"a": a}).writes
+    a.num_computed_tokens = 35             # step 2 planned: [31, 35) if every draft is kept
+    step2 = output({"a": 4}, {"a": [-1, -1, -1]})
+    assert not t.plan(step2, {"a": a}).writes  # 32 would be a boundary, if kept
+    t.outputs_read(step1)                  # all three rejected: vLLM rolls back to 32
+    t.outputs_read(step2)
+    a.num_computed_tokens = 33 + 1         # step 3: [32, 33) plus one draft
+    assert t.plan(output({"a": 2}, {"a": [-1]}), {"a": a}).writes == {}
+    t.outputs_read(output({"a": 2}, {"a": [-1]}))
+    a.num_computed_tokens = 65             # a prompt-like chunk, no drafts in flight: written
+    assert t.plan(output({"a": 31}), {"a": a}).writes == {"a": [(64, 0)]}
+
+
 def test_pending_writes_of_vanished_tokens_give_their_slot_back():
     t = StateCheckpointTable(num_slots=1, block_size=B)
     t.plan(output({"a": 1}), {"a": request("a", 31, computed=32)})
