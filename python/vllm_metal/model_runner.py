@@ -614,6 +614,8 @@ class MetalModelRunner(DeltaHooks):
         result = self.sampler(logits, u.batch)
         if self.tensor_parallel_size > 1:
             result.tokens = tokens_of_rank_zero(result.tokens, self.mlx_group)
+            if result.kept is not None:  # which drafts rank 0 kept, for every rank's next step
+                result.kept = tokens_of_rank_zero(result.kept, self.mlx_group).astype(mx.bool_)
         prompt_scores = u.prompt_scores
         # the caches too: fused layers hand them on as lazy arrays that depend on the step
         # (models/fused_layers.py); evaluated now, they hold their buffers alone next step

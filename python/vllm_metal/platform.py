@@ -301,10 +301,13 @@ def _refuse_unsupported_lora(vllm_config: VllmConfig) -> None:
         _refuse("--fully-sharded-loras")
 
 
-def _refuse_parallel_features(vllm_config: VllmConfig, what: str) -> None:
-    """Features neither tensor nor pipeline parallelism carries yet."""
-    if vllm_config.speculative_config is not None:
-        _refuse(f"{what} with speculative decoding")
+def _refuse_parallel_features(vllm_config: VllmConfig, what: str, speculation=()) -> None:
+    """Features neither tensor nor pipeline parallelism carries yet; `speculation`: the
+    speculative methods `what` does carry."""
+    spec = vllm_config.speculative_config
+    if spec is not None and spec.method not in speculation:
+        _refuse(f"{what} with speculative decoding ({spec.method})",
+                f"supported: {', '.join(speculation)}" if speculation else "")
     if vllm_config.lora_config is not None:
         _refuse(f"{what} with LoRA (--enable-lora)")
     model = vllm_config.model_config
@@ -335,7 +338,9 @@ def _refuse_unsupported_tensor_parallel(vllm_config: VllmConfig) -> None:
     heads or MLP columns the size does not divide is refused when the workers load it."""
     size = vllm_config.parallel_config.tensor_parallel_size
     what = f"--tensor-parallel-size {size}"
-    _refuse_parallel_features(vllm_config, what)
+    # n-gram drafts come from the tokens alone, the same on every rank; the verify step is
+    # a packed step like any other (rank 0's tokens and kept drafts: tokens_of_rank_zero)
+    _refuse_parallel_features(vllm_config, what, speculation=("ngram",))
     model = vllm_config.model_config
     if model is None:
         return

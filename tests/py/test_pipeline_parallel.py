@@ -82,7 +82,7 @@ def test_pipeline_parallel_configuration_passes():
 @pytest.mark.parametrize("kw, words", [
     (dict(async_scheduling=True), "with async scheduling is not supported; pass --no-async-scheduling"),
     (dict(layers=1), "exceeds the model's 1 layers"),
-    (dict(speculative=object()), "with speculative decoding"),
+    (dict(speculative=SimpleNamespace(method="ngram")), r"with speculative decoding \(ngram\)"),
     (dict(lora=object()), "with LoRA"),
     (dict(runner="pooling"), "with --runner pooling"),
 ])

@@ -1,15 +1,17 @@
 """--tensor-parallel-size 2 served on loopback: two worker processes under vLLM's
 multiprocessing executor, the tensors on MLX's ring (mlx_ring.py). Reference: the same
 checkpoint served by one process (parallel_reference.py, shared with the pipeline tests);
-greedy tokens must match exactly. One TP server serves the comparison and then has a
-worker killed; the two-node form runs sync scheduling, the first server async (vLLM's
+greedy tokens must match exactly, with n-gram speculation on. One TP server serves the
+comparison and then has a worker killed; the two-node form runs sync scheduling, the first server async (vLLM's
 default), so both schedulings are compared. A size that does not divide the heads is
 refused by the platform before any process starts (test_tensor_parallel.py). The hybrid
 Qwen3.5 is compared with mlx-lm's own model on the same checkpoint."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,15 +29,32 @@ from serving_harness import START_METHOD, Server, free_port
 pytestmark = pytest.mark.slow
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+# prompts that repeat themselves: the n-gram proposer drafts from them
+REPEATING = [([5, 9, 30] * 8, 20), ([3, 8, 200, 3] * 6, 20), ([40, 41, 42, 43] * 6, 20)]
+
+
 @pytest.fixture(scope="module")
 def tp2():
-    """TP=2 with async scheduling; the last test of the module kills one of its workers."""
-    server = Server(str(shared_tiny_llama()), "tiny", ARGS + ["--tensor-parallel-size", "2"])
+    """TP=2 with async scheduling and n-gram speculation; the last test of the module kills
+    one of its workers."""
+    server = Server(str(shared_tiny_llama()), "tiny", ARGS + [
+        "--tensor-parallel-size", "2", "--speculative-config", json.dumps(NGRAM)])
     yield server
     server.stop()
 
 
+def _metric(server, name: str) -> float:
+    m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", server.client.get("/metrics").text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
 def test_tensor_parallel_greedy_matches_one_process(tp2):
+    """Random prompts (few drafts), then repeating ones (drafts kept and rejected): the
+    verify steps take rank 0's tokens and kept drafts on both ranks."""
+    from vllm_metal.models import load_model
+    from vllm_metal.models.generate import greedy_generate
+
     one = one_process_reference()
     two = run_jobs(tp2)
     log = tp2.log_path.read_text()
@@ -44,12 +63,19 @@ def test_tensor_parallel_greedy_matches_one_process(tp2):
     assert "/ 2 workers on this host" in log  # each rank budgets half of the host's memory
     # the all-sum adds the two halves of each projection in another order
     assert_same_greedy(one, two, atol=1e-3)
+    model = load_model(str(shared_tiny_llama()), "float32")
+    want = [greedy_generate(model, [prompt], n, stop_ids=[])[0] for prompt, n in REPEATING]
+    assert [tokens for tokens, _ in run_jobs(tp2, REPEATING)] == want
+    drafts = _metric(tp2, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = _metric(tp2, "vllm:spec_decode_num_accepted_tokens_total")
+    assert 0 < accepted < drafts, (accepted, drafts)
 
 
 def test_tensor_parallel_hybrid_qwen3_5_matches_mlx_lm(tmp_path):
     """The hybrid Qwen3.5 with each rank holding half the attention heads, half the
     linear-attention heads (and their state slots) and half the MLP columns, concurrent
-    requests with chunked prefills beside decodes, async scheduling (vLLM's default).
+    requests with chunked prefills beside decodes, async scheduling (vLLM's default),
+    n-gram speculation.
     Reference: mlx-lm's own model on the same files, request by request."""
     import numpy as np
     from qwen3_5_checkpoint import CONFIG, greedy, reference_model, write_checkpoint
@@ -58,7 +84,11 @@ def test_tensor_parallel_hybrid_qwen3_5_matches_mlx_lm(tmp_path):
         CONFIG, full_attention_interval=2, layer_types=["linear_attention", "full_attention"] * 2))
     rng = np.random.default_rng(7)
     jobs = [(rng.integers(3, 320, n).tolist(), m) for n, m in [(5, 12), (45, 8), (20, 10), (33, 6)]]
-    two, server = serve_jobs(checkpoint, ["--tensor-parallel-size", "2"], jobs=jobs)
+    # and n-gram drafts on prompts that repeat: rejected drafts take each rank's state back,
+    # and under async scheduling no prefix-cache checkpoint lands where they were
+    jobs += [(p, 16) for p, _ in REPEATING]
+    two, server = serve_jobs(checkpoint, ["--tensor-parallel-size", "2",
+                                          "--speculative-config", json.dumps(NGRAM)], jobs=jobs)
     assert "rank 1 joined the MLX ring" in server.log_path.read_text()
     reference = reference_model(checkpoint)
     for (tokens, _), (prompt, n) in zip(two, jobs, strict=True):

@@ -105,7 +105,8 @@ def test_tensor_parallel_configurations_pass():
     # SmolLM2-135M: 9 attention heads, 3 KV heads
     (dict(heads=9, kv_heads=3), "does not divide the model's 9 attention heads"),
     (dict(heads=4, kv_heads=1), "does not divide the model's 1 KV heads"),
-    (dict(speculative=object()), "with speculative decoding"),
+    (dict(speculative=SimpleNamespace(method="draft_model")),
+     r"with speculative decoding \(draft_model\) is not supported; supported: ngram"),
     (dict(lora=object()), "with LoRA"),
     (dict(runner="pooling"), "with --runner pooling"),
     (dict(archs=("Qwen3_5MoeForCausalLM",)), "mixture-of-experts.*experts are not split yet.*use --pipeline-parallel-size"),
