@@ -408,3 +408,14 @@ def test_forward_logits_independent_of_batch_and_chunking(metal, tmp_path, arch,
         alone = run_packed(model, [seq], [[len(seq)]], seed=i + 1)[0]
         differ = int((alone != packed[i]).sum())
         assert differ == 0, f"sequence {i}: {differ} of {alone.size} logits differ from alone"
+
+
+@pytest.mark.parametrize("experts, dtype", [("dense", "float16"), ("Q4_0", "float32")])
+def test_moe_forward_logits_independent_of_batch(metal, tmp_path, experts, dtype):
+    """A tiny Qwen3-MoE on the Metal kernels (ops.fused_moe / fused_moe_gguf): a sequence's
+    logits beside other sequences, chunked or decoding, equal its logits alone, bitwise."""
+    from test_batch_invariance import assert_moe_rows_independent_of_batch, moe_model
+
+    if metal == "metal":
+        pytest.skip("the model-level check runs in the emulator; the Mac runs the kernel tests")
+    assert_moe_rows_independent_of_batch(moe_model(tmp_path, experts, dtype))
