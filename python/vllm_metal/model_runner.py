@@ -173,6 +173,11 @@ class MetalModelRunner(DeltaHooks):
         # vLLM's multiprocessing executor reads async outputs on a thread of its own, while
         # the next step runs: the runner's state changes under this lock
         self._step_lock = threading.Lock()
+        # The stream the steps run on, this (the worker's) thread's. MLX streams belong to
+        # the thread that made them: what get_output builds on vLLM's output thread (a
+        # hybrid model's state restore after rejected drafts) must be built on this one,
+        # or the next step cannot evaluate it ("There is no Stream(cpu, 1) in current thread").
+        self._stream = mx.default_stream(mx.default_device())
 
     # ---- setup ------------------------------------------------------------------
     def load_model(self) -> None:
@@ -875,7 +880,9 @@ class MetalModelRunner(DeltaHooks):
 
 class _AsyncStepOutput(AsyncModelRunnerOutput):
     """What sample_tokens returns under async scheduling: the engine calls
-    get_output() when it needs the step, by which time the next step is submitted."""
+    get_output() when it needs the step, by which time the next step is submitted; on
+    another thread under the multiprocessing executor (the output rank's
+    WorkerAsyncOutputCopy thread)."""
 
     def __init__(self, runner: MetalModelRunner, step: _SubmittedStep):
         self._runner = runner
@@ -885,7 +892,7 @@ class _AsyncStepOutput(AsyncModelRunnerOutput):
         # wait for the step's forward without the lock (the next step is built meanwhile),
         # then record its tokens under it
         mx.eval(self._step.result.tokens)
-        with self._runner._step_lock:
+        with self._runner._step_lock, mx.stream(self._runner._stream):
             return self._runner._step_output(self._step)
 
     def get_kv_connector_output(self):
