@@ -344,10 +344,6 @@ def _refuse_unsupported_tensor_parallel(vllm_config: VllmConfig) -> None:
     model = vllm_config.model_config
     if model is None:
         return
-    archs = set(getattr(model.hf_config, "architectures", None) or [])
-    if archs & HYBRID_MOE_ARCHITECTURES:  # pipeline parallelism splits them by layers
-        _refuse(f"{what} with the mixture-of-experts {sorted(archs)} (its experts are not "
-                "split yet)", "use --pipeline-parallel-size")
     text = model.hf_text_config
     heads = getattr(text, "num_attention_heads", None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -424,6 +420,9 @@ def _refuse_unsupported_offload(vllm_config: VllmConfig, archs: set[str]) -> Non
     model = vllm_config.model_config
     if model.runner_type != "generate":
         _refuse("moe_expert_offload with --runner pooling")
+    if vllm_config.parallel_config.tensor_parallel_size > 1:
+        _refuse("moe_expert_offload with --tensor-parallel-size",
+                "streamed experts stay whole on one rank; use --pipeline-parallel-size")
     hf = model.hf_text_config
     num_experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None)
     if not archs & STREAMED_MOE_ARCHITECTURES:

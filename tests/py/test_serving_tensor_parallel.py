@@ -5,7 +5,7 @@ greedy tokens must match exactly, with n-gram speculation on. One TP server serv
 comparison and then has a worker killed; the two-node form runs sync scheduling, the first server async (vLLM's
 default), so both schedulings are compared. A size that does not divide the heads is
 refused by the platform before any process starts (test_tensor_parallel.py). The hybrid
-Qwen3.5 is compared with mlx-lm's own model on the same checkpoint."""
+Qwen3.5-MoE is compared with mlx-lm's own model on the same checkpoint."""
 
 from __future__ import annotations
 
@@ -71,17 +71,18 @@ def test_tensor_parallel_greedy_matches_one_process(tp2):
     assert 0 < accepted < drafts, (accepted, drafts)
 
 
-def test_tensor_parallel_hybrid_qwen3_5_matches_mlx_lm(tmp_path):
-    """The hybrid Qwen3.5 with each rank holding half the attention heads, half the
-    linear-attention heads (and their state slots) and half the MLP columns, concurrent
-    requests with chunked prefills beside decodes, async scheduling (vLLM's default),
-    n-gram speculation.
+def test_tensor_parallel_hybrid_qwen3_5_moe_matches_mlx_lm(tmp_path):
+    """The hybrid Qwen3.5-MoE with each rank holding half the attention heads, half the
+    linear-attention heads (and their state slots) and half the columns of every expert
+    and of the shared expert, concurrent requests with chunked prefills beside decodes,
+    async scheduling (vLLM's default), n-gram speculation. (The dense Qwen3.5's MLP split
+    is compared rank by rank in test_tensor_parallel_qwen3_5.py.)
     Reference: mlx-lm's own model on the same files, request by request."""
     import numpy as np
-    from qwen3_5_checkpoint import CONFIG, greedy, reference_model, write_checkpoint
+    from qwen3_5_checkpoint import greedy, reference_model, write_checkpoint
+    from test_tensor_parallel_qwen3_5 import MOE_SHAPE
 
-    checkpoint = write_checkpoint(tmp_path / "qwen3_5", config=dict(
-        CONFIG, full_attention_interval=2, layer_types=["linear_attention", "full_attention"] * 2))
+    checkpoint = write_checkpoint(tmp_path / "qwen3_5_moe", seed=6, config=MOE_SHAPE)
     rng = np.random.default_rng(7)
     jobs = [(rng.integers(3, 320, n).tolist(), m) for n, m in [(5, 12), (45, 8), (20, 10), (33, 6)]]
     # and n-gram drafts on prompts that repeat: rejected drafts take each rank's state back,

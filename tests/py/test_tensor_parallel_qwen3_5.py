@@ -8,7 +8,9 @@
 - In one process: the two ranks' gated delta nets (group of one, so the all-sum is the
   identity) add up to the unsplit layer, and each rank's state pool holds exactly its
   heads' part of the unsplit layer's state.
-- Refusals: a head count the size does not divide, a GGUF split through a block, MoE."""
+- Qwen3.5-MoE the same way (safetensors and Q8_0 GGUF in the same pair of processes).
+- Refusals: a head count or expert width the size does not divide, a GGUF split through a
+  block (of a dense MLP or of the experts)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,13 @@ SHAPE = dict(CONFIG, intermediate_size=128, full_attention_interval=2,
              layer_types=["linear_attention", "full_attention"] * 2)
 
 
+# Qwen3.5-MoE: 8 experts (top-2) of 64 columns and a shared expert of 64: 32 per rank, one
+# Q8_0 block
+MOE_SHAPE = dict(MOE_CONFIG, full_attention_interval=2, moe_intermediate_size=64,
+                 shared_expert_intermediate_size=64,
+                 layer_types=["linear_attention", "full_attention"] * 2)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("qwen35_tp") / "st", seed=4, config=SHAPE)
@@ -47,9 +56,14 @@ def reference(model: str) -> list[np.ndarray]:
 
 
 def test_two_ranks_give_the_unsharded_logits(tmp_path, checkpoint):
+    """The dense Qwen3.5 and Qwen3.5-MoE (every expert and the shared expert split by
+    columns, one all-sum per block), each from safetensors and a Q8_0 GGUF."""
     gguf = write_gguf(random_model(seed=4, config=SHAPE), tmp_path / "q8.gguf", config=SHAPE,
                       qtype="Q8_0")
-    models = [str(checkpoint), str(gguf)]
+    moe = write_checkpoint(tmp_path / "moe", seed=6, config=MOE_SHAPE)
+    moe_gguf = write_gguf(random_model(seed=6, config=MOE_SHAPE), tmp_path / "moe-q8.gguf",
+                          config=MOE_SHAPE, qtype="Q8_0")
+    models = [str(checkpoint), str(gguf), str(moe), str(moe_gguf)]
     for model, sharded in zip(models, run_two_ranks(models, tmp_path), strict=True):
         want = reference(model)
         assert [len(w) for w in want] == [6] * 4  # one logits row per greedy step
@@ -112,7 +126,17 @@ def test_a_split_through_gguf_blocks_is_refused(tmp_path):
         shard_qwen3_5(loaded, 0, 2, mx.distributed.init())
 
 
-def test_moe_is_refused_at_load(tmp_path):
-    loaded = load_model(str(write_checkpoint(tmp_path / "moe", config=MOE_CONFIG)), "float32")
-    with pytest.raises(TensorParallelError, match="mixture-of-experts Qwen3.5"):
+def test_a_moe_split_through_gguf_expert_blocks_is_refused(tmp_path):
+    # 32 expert columns: 16 per rank cut through the 32-column Q8_0 blocks of the experts' down
+    cfg = dict(MOE_SHAPE, moe_intermediate_size=32)
+    gguf = write_gguf(random_model(seed=1, config=cfg), tmp_path / "q8.gguf", config=cfg, qtype="Q8_0")
+    loaded = load_model(str(gguf), "float32")
+    with pytest.raises(TensorParallelError, match="layer 0 mlp experts down_proj: its Q8_0 blocks hold 32"):
+        shard_qwen3_5(loaded, 0, 2, mx.distributed.init())
+
+
+def test_expert_columns_the_size_does_not_divide_are_refused(tmp_path):
+    cfg = dict(MOE_SHAPE, shared_expert_intermediate_size=45)
+    loaded = load_model(str(write_checkpoint(tmp_path / "moe", config=cfg)), "float32")
+    with pytest.raises(TensorParallelError, match="does not divide the model's 45 shared-expert columns"):
         shard_qwen3_5(loaded, 0, 2, mx.distributed.init())

@@ -1,4 +1,5 @@
-"""Tensor parallelism: one rank's shard of a loaded decoder, with mx.distributed all-sums.
+"""Tensor parallelism: one rank's shard of a loaded decoder, with mx.distributed all-sums
+(mixture-of-experts blocks: tensor_parallel_moe.py).
 
 Megatron's split, as MLX's sharded linear layers do it (mlx.nn.layers.distributed):
 q/k/v and gate/up are split by output rows ("all-to-sharded": each rank keeps whole
@@ -92,11 +93,12 @@ def column_slice(layer: nn.Module, start: int, stop: int, name: str) -> None:
                                   "(MLX-quantized checkpoints are not supported with tensor parallelism)")
 
 
-def check_divisible(num_heads: int, num_kv_heads: int, intermediate: int, size: int) -> None:
-    """Refuses a world size that does not divide the heads or the MLP columns."""
+def check_divisible(num_heads: int, num_kv_heads: int, intermediate: int | None, size: int) -> None:
+    """Refuses a world size that does not divide the heads or the MLP columns (None: no
+    dense MLP)."""
     for what, n in (("attention heads", num_heads), ("KV heads", num_kv_heads),
                     ("MLP columns (intermediate_size)", intermediate)):
-        if n % size:
+        if n is not None and n % size:
             raise TensorParallelError(f"--tensor-parallel-size {size} does not divide the model's "
                                       f"{n} {what}")
 
@@ -120,15 +122,19 @@ def shard_model(model, rank: int, size: int, group) -> None:
     """Cuts a PagedCausalLM (llama family, weights loaded) down to rank `rank`'s shard of
     `size`, in place; o_proj and down_proj then all-sum over `group`."""
     from vllm_metal.models.layers import PagedAttention
+    from vllm_metal.models.moe import FusedMoeBlock
+    from vllm_metal.models.tensor_parallel_moe import shard_moe_block
 
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         if not isinstance(attn, PagedAttention):
             raise TensorParallelError(f"layer {i}: {type(attn).__name__} cannot be split")
-        if not all(n in mlp for n in ("gate_proj", "up_proj", "down_proj")):
-            raise TensorParallelError(f"layer {i}: only gated MLPs split (mixture-of-experts "
-                                      "models are not supported with tensor parallelism)")
-        inter = mlp_columns(mlp)
+        if attn.qk_norm_whole:  # OLMoE: one norm over every head's q (and k)
+            raise TensorParallelError(f"layer {i}: q/k norms over all heads together cannot be split")
+        moe = isinstance(mlp, FusedMoeBlock)
+        if not moe and not all(n in mlp for n in ("gate_proj", "up_proj", "down_proj")):
+            raise TensorParallelError(f"layer {i}: only gated MLPs and mixture-of-experts blocks split")
+        inter = None if moe else mlp_columns(mlp)  # a block's experts are checked when split
         check_divisible(attn.num_heads, attn.num_kv_heads, inter, size)
         hq, hkv, d = attn.num_heads // size, attn.num_kv_heads // size, attn.head_dim
         row_slice(attn.q_proj, rank * hq * d, (rank + 1) * hq * d, f"layer {i} q_proj")
@@ -137,7 +143,10 @@ def shard_model(model, rank: int, size: int, group) -> None:
         column_slice(attn.o_proj, rank * hq * d, (rank + 1) * hq * d, f"layer {i} o_proj")
         attn.o_proj = AllSumLinear(attn.o_proj, group)
         attn.num_heads, attn.num_kv_heads = hq, hkv
-        shard_gated_mlp(mlp, inter, rank, size, group, f"layer {i}")
+        if moe:
+            layer.mlp = shard_moe_block(mlp, rank, size, group, f"layer {i} mlp")
+        else:
+            shard_gated_mlp(mlp, inter, rank, size, group, f"layer {i}")
     model.reset_fused_layers()
     object.__setattr__(model, "tensor_parallel_size", size)  # fused_layers.why_not_fused
     mx.eval(model.parameters())

@@ -11,7 +11,8 @@ Each rank keeps whole heads, so every per-head op runs unchanged on fewer heads:
   in_proj_a, A_log and dt_bias one. The gated RMSNorm's weight is per head dim (whole);
   out_proj keeps the value heads' input columns and all-sums. The state pools the runner
   makes from the layer (StatePool) then hold only the rank's heads;
-- the dense MLP: gate/up columns and down_proj rows, as the llama family's.
+- the dense MLP: gate/up columns and down_proj rows, as the llama family's; Qwen3.5-MoE's
+  blocks: every expert's columns, the shared expert's too (tensor_parallel_moe.py).
 GGUF weights loaded in HF head order (gguf_qwen35.py) split the same way; a column split
 through a GGUF block is refused naming the tensor (tensor_parallel.column_slice).
 """
@@ -20,23 +21,24 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from vllm_metal.models.moe import FusedMoeBlock
 from vllm_metal.models.tensor_parallel import (AllSumLinear, TensorParallelError, column_slice,
                                                mlp_columns, row_ranges, row_slice,
                                                shard_gated_mlp)
+from vllm_metal.models.tensor_parallel_moe import shard_moe_block
 
 
 def check_divisible(loaded, size: int) -> None:
     """Refuses a size that does not divide every kind of head or the MLP columns."""
     args = loaded.model.lm.args
-    if getattr(args, "num_experts", 0):
-        raise TensorParallelError("mixture-of-experts Qwen3.5 (its experts are not split yet); "
-                                  "use --pipeline-parallel-size")
+    # Qwen3.5-MoE: its experts' columns are checked when each block is split
+    mlp = () if getattr(args, "num_experts", 0) else (("MLP columns (intermediate_size)",
+                                                       args.intermediate_size),)
     for what, n in (("attention heads", args.num_attention_heads),
                     ("KV heads", args.num_key_value_heads),
                     ("linear-attention key heads (linear_num_key_heads)", args.linear_num_key_heads),
                     ("linear-attention value heads (linear_num_value_heads)",
-                     args.linear_num_value_heads),
-                    ("MLP columns (intermediate_size)", args.intermediate_size)):
+                     args.linear_num_value_heads), *mlp):
         if n % size:
             raise TensorParallelError(f"--tensor-parallel-size {size} does not divide the model's "
                                       f"{n} {what}")
@@ -95,8 +97,11 @@ def shard_qwen3_5(loaded, rank: int, size: int, group) -> None:
         else:
             raise TensorParallelError(f"{where}: {type(layer.self_attn).__name__} cannot be split")
         mlp = layer.mlp
+        if isinstance(mlp, FusedMoeBlock):  # Qwen3.5-MoE (tensor_parallel_moe.py)
+            layer.mlp = shard_moe_block(mlp, rank, size, group, f"{where} mlp")
+            continue
         if not all(n in mlp for n in ("gate_proj", "up_proj", "down_proj")):
-            raise TensorParallelError(f"{where}: only gated MLPs split")
+            raise TensorParallelError(f"{where}: only gated MLPs and mixture-of-experts blocks split")
         shard_gated_mlp(mlp, mlp_columns(mlp), rank, size, group, where)
     old = model.state_shapes
     gdn = next(layer.linear_attn for layer in model.layers if layer.is_linear)
