@@ -361,6 +361,9 @@ def _refuse_unsupported_tensor_parallel(vllm_config: VllmConfig) -> None:
 def _refuse_unsupported(vllm_config: VllmConfig) -> None:
     _refuse_unsupported_kv_cache(vllm_config)
     parallel = vllm_config.parallel_config
+    if getattr(parallel, "enable_expert_parallel", False):
+        _refuse("expert parallelism (--enable-expert-parallel)",
+                "--tensor-parallel-size splits every expert's columns instead")
     if parallel.pipeline_parallel_size > 1 and parallel.tensor_parallel_size > 1:
         _refuse("tensor and pipeline parallelism together", "choose one of them")
     if parallel.data_parallel_size > 1 and parallel.world_size > 1:

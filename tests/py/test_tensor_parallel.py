@@ -60,9 +60,15 @@ def reference(model: str) -> list[np.ndarray]:
 
 
 def test_two_ranks_give_the_unsharded_logits(tmp_path):
+    """llama from safetensors and Q8_0 GGUF, and a Qwen3-MoE (its experts split by columns:
+    tensor_parallel_moe.py)."""
+    from test_models_qwen3_moe import write_checkpoint as write_qwen3_moe
+
     cfg = tiny_config("llama", **SHAPE)
-    models = [str(write_random_checkpoint(cfg, tmp_path / "ckpt", seed=5)), str(tmp_path / "m.gguf")]
+    models = [str(write_random_checkpoint(cfg, tmp_path / "ckpt", seed=5)), str(tmp_path / "m.gguf"),
+              str(tmp_path / "moe")]
     write_tiny_gguf(cfg, models[1], seed=5, qtype="Q8_0")
+    write_qwen3_moe(tmp_path / "moe", seed=5, vocab_size=320)
     for model, sharded in zip(models, run_two_ranks(models, tmp_path), strict=True):
         for got, want in zip(sharded, reference(model), strict=True):
             np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
@@ -129,3 +135,27 @@ def test_ring_addresses(monkeypatch):
     monkeypatch.setenv("VLLM_METAL_RING_ADDRESS", "10.0.0.2")
     with pytest.raises(ValueError, match="must be host:port"):
         ring_address(0, several_hosts=True)
+
+
+def test_olmoe_whole_width_qk_norms_are_refused_at_load(tmp_path):
+    """OLMoE normalises all heads' q (and k) together: a rank's half of the heads cannot."""
+    from test_models_olmoe import write_checkpoint as write_olmoe
+
+    write_olmoe(tmp_path / "olmoe", seed=1)
+    loaded = load_model(str(tmp_path / "olmoe"), "float32")
+    with pytest.raises(TensorParallelError, match="layer 0: q/k norms over all heads together"):
+        shard_model(loaded.model, 0, 2, mx.distributed.init())
+
+
+def test_expert_parallelism_is_refused():
+    from vllm_metal.platform import _refuse_unsupported
+
+    config = _config()
+    config.parallel_config = SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1,
+                                             data_parallel_size=1, world_size=2,
+                                             enable_expert_parallel=True)
+    config.cache_config = SimpleNamespace(prefix_caching_hash_algo="sha256")
+    config.kv_transfer_config = None
+    config.observability_config = SimpleNamespace(kv_cache_metrics=False)
+    with pytest.raises(UnsupportedConfiguration, match=r"--enable-expert-parallel.*splits every expert's columns"):
+        _refuse_unsupported(config)
