@@ -217,7 +217,8 @@ class MetalModelRunner(DeltaHooks):
             from vllm_metal.lora.manager import LoraManager
 
             self.lora = LoraManager(self.model, self.vllm_config.lora_config,
-                                    self.model_config.max_model_len)
+                                    self.model_config.max_model_len,
+                                    self.model_config.hf_text_config.num_hidden_layers)
         self._init_sampling()
         if self.model_config.runner_type == "pooling":
             self.pooler = build_pooler(self.model_config, self.scheduler_config, self.loaded)
@@ -788,11 +789,11 @@ class MetalModelRunner(DeltaHooks):
             self.draft.prepare_target(ctx)
         if input_ids is None:
             input_ids = mx.array(p.input_ids[:t])
-        if self.pipeline is not None:
-            return self._stage_forward(input_ids, ctx)
         if self.lora is not None:  # each row's adapter slot (lora/manager.py)
             self.lora.begin_step(list(p.req_ids), np.array(p.cu_seqlens_q))
         try:
+            if self.pipeline is not None:  # a stage: its layers' adapters
+                return self._stage_forward(input_ids, ctx)
             if hidden_rows is not None:
                 out = self.model.hidden_states(input_ids, ctx, mx.array(hidden_rows))
                 self.kv_caches = ctx.kv_caches

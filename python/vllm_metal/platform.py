@@ -301,15 +301,16 @@ def _refuse_unsupported_lora(vllm_config: VllmConfig) -> None:
         _refuse("--fully-sharded-loras")
 
 
-def _refuse_parallel_features(vllm_config: VllmConfig, what: str, speculation=()) -> None:
+def _refuse_parallel_features(vllm_config: VllmConfig, what: str, speculation=(),
+                              lora: bool = False) -> None:
     """Features neither tensor nor pipeline parallelism carries yet; `speculation`: the
-    speculative methods `what` does carry."""
+    speculative methods `what` does carry; `lora`: whether it carries LoRA."""
     spec = vllm_config.speculative_config
     if spec is not None and spec.method not in speculation:
         _refuse(f"{what} with speculative decoding ({spec.method})",
                 f"supported: {', '.join(speculation)}" if speculation else "")
-    if vllm_config.lora_config is not None:
-        _refuse(f"{what} with LoRA (--enable-lora)")
+    if vllm_config.lora_config is not None and not lora:
+        _refuse(f"{what} with LoRA (--enable-lora)", "--pipeline-parallel-size carries it")
     model = vllm_config.model_config
     if model is None:
         return
@@ -322,7 +323,8 @@ def _refuse_unsupported_pipeline_parallel(vllm_config: VllmConfig) -> None:
     the stages cannot split (gemma3, fewer layers than stages) is refused at load."""
     size = vllm_config.parallel_config.pipeline_parallel_size
     what = f"--pipeline-parallel-size {size}"
-    _refuse_parallel_features(vllm_config, what)
+    # LoRA: each stage applies the adapters of its own layers (lora/manager.py)
+    _refuse_parallel_features(vllm_config, what, lora=True)
     if vllm_config.scheduler_config.async_scheduling:
         # the earlier stages take the sampled tokens from the scheduler's next step, which
         # vLLM sends only without async scheduling

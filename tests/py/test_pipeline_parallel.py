@@ -83,7 +83,6 @@ def test_pipeline_parallel_configuration_passes():
     (dict(async_scheduling=True), "with async scheduling is not supported; pass --no-async-scheduling"),
     (dict(layers=1), "exceeds the model's 1 layers"),
     (dict(speculative=SimpleNamespace(method="ngram")), r"with speculative decoding \(ngram\)"),
-    (dict(lora=object()), "with LoRA"),
     (dict(runner="pooling"), "with --runner pooling"),
 ])
 def test_unsupported_pipeline_parallel_configurations_are_refused(kw, words):

@@ -113,7 +113,7 @@ def test_tensor_parallel_configurations_pass():
     (dict(heads=4, kv_heads=1), "does not divide the model's 1 KV heads"),
     (dict(speculative=SimpleNamespace(method="draft_model")),
      r"with speculative decoding \(draft_model\) is not supported; supported: ngram"),
-    (dict(lora=object()), "with LoRA"),
+    (dict(lora=object()), "with LoRA.*--pipeline-parallel-size carries it"),
     (dict(runner="pooling"), "with --runner pooling"),
     # Qwen3.5: each rank keeps whole linear-attention heads too
     (dict(archs=("Qwen3_5ForCausalLM",), linear_heads=(3, 6)),

@@ -72,8 +72,10 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
 
 
 def load_peft_adapter(name: str, path: str, shapes: dict, max_rank: int,
-                      max_position_embeddings: int | None = None) -> LoraAdapter:
-    """shapes: (layer, projection) -> (in, out) of the model's projections."""
+                      max_position_embeddings: int | None = None, stage: range | None = None,
+                      num_layers: int | None = None) -> LoraAdapter:
+    """shapes: (layer, projection) -> (in, out) of the model's projections; stage: the
+    layers this model holds (a pipeline stage's), of the checkpoint's num_layers."""
     from vllm.lora.peft_helper import PEFTHelper
 
     where = f"{REFUSED}'{name}' ({path})"  # the API server answers 400 (http_status.py)
@@ -107,7 +109,8 @@ def load_peft_adapter(name: str, path: str, shapes: dict, max_rank: int,
                              f"of {', '.join(TARGETS)} are supported)")
         pairs.setdefault(m["module"], {})[m["ab"]] = value
     adapter = LoraAdapter(name=name, path=path)
-    num_layers = 1 + max((l for l, _ in shapes), default=-1)
+    num_layers = num_layers or 1 + max((l for l, _ in shapes), default=-1)
+    stage = stage or range(num_layers)
     for module, ab in sorted(pairs.items()):
         m = _MOE.search(module) or _LAYER.search(module)
         if m is None or ("parent" in m.groupdict() and TARGETS.get(m["proj"]) != m["parent"]):
@@ -122,19 +125,22 @@ def load_peft_adapter(name: str, path: str, shapes: dict, max_rank: int,
             raise ValueError(f"{where}: {module}: rank {a.shape[0]} in the weights, "
                              f"{rank} in adapter_config.json")
         add_checked(adapter, where, module, int(m["layer"]), m["proj"], a, b, float(scale),
-                    shapes, max_rank, num_layers)
-    if not adapter.weights:
+                    shapes, max_rank, num_layers, stage)
+    if not adapter.weights and len(stage) == num_layers:  # a stage may hold none of them
         raise ValueError(f"{where}: no LoRA weights in adapter_model.safetensors")
     return adapter
 
 
 def add_checked(adapter: LoraAdapter, where: str, module: str, layer: int, proj: str,
                 a: np.ndarray, b: np.ndarray, scale: float, shapes: dict, max_rank: int,
-                num_layers: int) -> None:
+                num_layers: int, stage: range) -> None:
     """Checks one (A [r, in], B [out, r]) pair against the model's projection and
-    --max-lora-rank, and stores it; a ValueError naming `module` otherwise."""
+    --max-lora-rank, and stores it; a ValueError naming `module` otherwise. A layer of
+    another pipeline stage is left to that stage."""
     if layer >= num_layers:
         raise ValueError(f"{where}: target module {module}: the model has {num_layers} layers")
+    if layer not in stage:
+        return
     if (layer, proj) not in shapes:  # e.g. a sparse-MoE layer has no dense gate/up/down
         what = proj if "." in proj else f"dense {proj}"  # experts.E.* / shared_expert.*
         raise ValueError(f"{where}: target module {module} is not one the model has "

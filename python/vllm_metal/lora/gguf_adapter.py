@@ -93,8 +93,10 @@ def _qwen35_value_order(proj: str, a: np.ndarray, b: np.ndarray, linear_heads):
 
 
 def load_gguf_adapter(name: str, path: str, shapes: dict, max_rank: int, model_arch,
-                      qk_heads: dict, linear_heads=None) -> LoraAdapter:
-    """shapes: (layer, projection) -> (in, out); model_arch: models.architectures.
+                      qk_heads: dict, linear_heads=None, stage: range | None = None,
+                      num_layers: int | None = None) -> LoraAdapter:
+    """shapes: (layer, projection) -> (in, out); stage: the layers this model holds (a
+    pipeline stage's) of the checkpoint's num_layers; model_arch: models.architectures.
     Architecture of the base (None: Qwen3.5); qk_heads: {"q_proj": heads, "k_proj": kv
     heads}; linear_heads: Qwen3.5's (key heads, value heads, key dim, value dim)."""
     import gguf
@@ -136,7 +138,8 @@ def load_gguf_adapter(name: str, path: str, shapes: dict, max_rank: int, model_a
                              "pairs are supported)")
         pairs.setdefault(m["base"], {})[m["ab"]] = t
     adapter = LoraAdapter(name=name, path=path)
-    num_layers = 1 + max((l for l, _ in shapes), default=-1)
+    num_layers = num_layers or 1 + max((l for l, _ in shapes), default=-1)
+    stage = stage or range(num_layers)
     for base, ab in sorted(pairs.items()):
         if not base.endswith(".weight"):
             target = None
@@ -168,7 +171,7 @@ def load_gguf_adapter(name: str, path: str, shapes: dict, max_rank: int, model_a
         rank = a.shape[0] if a.ndim == 2 else 0
         scale = alpha / rank if alpha and rank else 1.0
         add_checked(adapter, where, base, int(m["layer"]), proj, a, b, scale, shapes, max_rank,
-                    num_layers)
-    if not adapter.weights:
+                    num_layers, stage)
+    if not adapter.weights and len(stage) == num_layers:  # a stage may hold none of them
         raise ValueError(f"{where}: no LoRA tensors in the file")
     return adapter

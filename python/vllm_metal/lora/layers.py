@@ -86,16 +86,17 @@ def _dims(layer: nn.Module) -> tuple[int, int]:
     return int(layer.weight.shape[1]), out_dim
 
 
-def install(model, slots: int, rank: int, step: LoraStep) -> dict:
+def install(model, slots: int, rank: int, step: LoraStep, first_layer: int = 0) -> dict:
     """Wraps every target projection of `model` (a PagedCausalLM or PagedQwen3_5) in a
     LoraLinear, a sparse-MoE block's shared expert's too, and every sparse-MoE block in
     an experts.LoraMoeBlock.
-    Returns (layer, projection) -> LoraLinear or ExpertLoraSlots."""
+    Returns (layer, projection) -> LoraLinear or ExpertLoraSlots; layer: the checkpoint's
+    index (a pipeline stage's layers start at first_layer)."""
     from vllm_metal.lora.experts import wrap_moe_block
 
     dtype = model.layers[0].input_layernorm.weight.dtype
     wrapped = {}
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.layers, start=first_layer):
         moe = wrap_moe_block(layer, i, slots, rank, dtype, step)
         if moe is not None:
             wrapped[(i, "experts")] = moe

@@ -26,7 +26,10 @@ logger = get_logger(__name__)
 
 
 class LoraManager:
-    def __init__(self, model, lora_config, max_position_embeddings: int | None = None):
+    def __init__(self, model, lora_config, max_position_embeddings: int | None = None,
+                 num_layers: int | None = None):
+        """num_layers: the checkpoint's (a pipeline stage holds some of them: its adapter
+        weights are its own layers', the others' are checked by their stages)."""
         self.max_loras = int(lora_config.max_loras)
         self.max_rank = int(lora_config.max_lora_rank)
         self.max_cpu_loras = int(lora_config.max_cpu_loras or self.max_loras)
@@ -38,7 +41,10 @@ class LoraManager:
             raise ValueError(f"[vllm-metal] LoRA runs on llama-family, qwen3 and Qwen3.5 models, "
                              f"not on {type(model).__name__}")
         self.step = LoraStep()
-        self.layers = install(model, self.max_loras, self.max_rank, self.step)
+        first = getattr(model, "pipeline_stage", (0, None))[0]
+        self.stage = range(first, first + len(model.layers))
+        self.num_layers = num_layers or first + len(model.layers)
+        self.layers = install(model, self.max_loras, self.max_rank, self.step, first)
         self.shapes = {}
         for k, m in self.layers.items():
             if isinstance(m, ExpertLoraSlots):  # one entry per expert's gate / up / down
@@ -135,9 +141,9 @@ class LoraManager:
         """A PEFT directory, or a llama.cpp GGUF LoRA file."""
         if is_gguf_file(path):
             return load_gguf_adapter(name, path, self.shapes, self.max_rank, self.arch,
-                                     self.qk_heads, self.linear_heads)
+                                     self.qk_heads, self.linear_heads, self.stage, self.num_layers)
         return load_peft_adapter(name, path, self.shapes, self.max_rank,
-                                 self.max_position_embeddings)
+                                 self.max_position_embeddings, self.stage, self.num_layers)
 
     def _activate(self, lid: int, lora_request, keep) -> int:
         if lid in self.slot_of:
