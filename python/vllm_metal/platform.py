@@ -322,11 +322,10 @@ def _refuse_unsupported_pipeline_parallel(vllm_config: VllmConfig) -> None:
     the stages cannot split (gemma3, fewer layers than stages) is refused at load."""
     size = vllm_config.parallel_config.pipeline_parallel_size
     what = f"--pipeline-parallel-size {size}"
+    # async scheduling (vLLM's default) works: the last stage sends the sampled tokens back
+    # itself (models/pipeline_parallel.py). vLLM keeps it off under the V1 runner contract
+    # (VLLM_USE_V2_MODEL_RUNNER=0), whose scheduler does not stagger a request's decodes.
     _refuse_parallel_features(vllm_config, what)
-    if vllm_config.scheduler_config.async_scheduling:
-        # the earlier stages take the sampled tokens from the scheduler's next step, which
-        # vLLM sends only without async scheduling
-        _refuse(f"{what} with async scheduling", "pass --no-async-scheduling")
     model = vllm_config.model_config
     layers = getattr(model.hf_text_config, "num_hidden_layers", None) if model is not None else None
     if layers is not None and layers < size:
