@@ -550,6 +550,10 @@ class MetalModelRunner(DeltaHooks):
         samples, as the last stage's own do (models/pipeline_parallel.py)."""
         from vllm_metal.models import pipeline_parallel as pp
 
+        if source_step is not None and getattr(source_step.result, "relay", None) is not None:
+            # its tokens, which this step's inputs read lazily, go on to the previous stage
+            # first: that stage may need them before it sends this step's hidden state
+            mx.async_eval(source_step.result.relay)
         sent = self._forward(input_ids=self._input_ids(source_step))
         if not self.async_scheduling:  # the scheduler sends the tokens with the next step
             mx.eval(sent, self.kv_caches)

@@ -2,8 +2,8 @@
 multiprocessing executor, hidden states sent stage to stage on MLX's ring. Reference: the
 same checkpoint served by one process (parallel_reference.py, shared with the tensor
 parallel tests); greedy tokens must match exactly. Async scheduling (vLLM's default: the
-last stage sends the sampled tokens back on the ring) on every model; without it (the
-scheduler sends them back) on the tiny llama."""
+last stage sends the sampled tokens back on the ring) on every model, on three stages for
+the tiny llama; without it (the scheduler sends them back) on the tiny llama."""
 
 from __future__ import annotations
 
@@ -43,9 +43,11 @@ def mlx_lm_greedy(checkpoint, jobs) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("scheduling", ["async", "sync"])
-def test_pipeline_parallel_greedy_matches_one_process(scheduling):
-    pp = ["--pipeline-parallel-size", "2"]
+@pytest.mark.parametrize("scheduling, stages", [("async", 3), ("sync", 2)])
+def test_pipeline_parallel_greedy_matches_one_process(scheduling, stages):
+    """Async on three stages, one layer each: the sampled tokens go back stage by stage
+    (the ring reaches neighbours only). Sync on two (PP=2 async: the models below)."""
+    pp = ["--pipeline-parallel-size", str(stages)]
     if scheduling == "async":  # vLLM's default
         out, server = serve_jobs(shared_tiny_llama(), pp, SMALL_POOL, JOBS + LONG_JOBS)
         assert counter(server.metrics, "vllm:num_preemptions_total") > 0
@@ -53,9 +55,10 @@ def test_pipeline_parallel_greedy_matches_one_process(scheduling):
     else:
         out, server = serve_jobs(shared_tiny_llama(), SYNC + pp)
     log = server.log_path.read_text()
-    assert "pipeline stage 0 of 2: layers 0-1" in log and "pipeline stage 1 of 2: layers 2-2" in log
+    splits = {2: ["0-1", "2-2"], 3: ["0-0", "1-1", "2-2"]}[stages]
+    assert all(f"pipeline stage {i} of {stages}: layers {s}" in log for i, s in enumerate(splits))
     assert re.search(rf"scheduling +{scheduling}\n", log)  # the startup summary
-    # the same ops, but vLLM keeps 2 or 3 batches in flight under PP: requests share steps
+    # the same ops, but vLLM keeps several batches in flight under PP: requests share steps
     # differently, and a row's sums can depend on its batch (last-bit differences)
     assert_same_greedy(one_process_reference(), out[:len(JOBS)], atol=1e-5)
 
