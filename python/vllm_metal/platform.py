@@ -332,6 +332,20 @@ def _refuse_unsupported_pipeline_parallel(vllm_config: VllmConfig) -> None:
         raise UnsupportedConfiguration(f"[vllm-metal] {what} exceeds the model's {layers} layers")
 
 
+def _refuse_unusable_distributed_backend() -> None:
+    """VLLM_METAL_DISTRIBUTED_BACKEND (the workers' MLX group, mlx_ring.py): a known name that
+    this MLX build can run (JACCL needs RDMA over Thunderbolt; not on Linux)."""
+    from vllm_metal import envs
+    from vllm_metal.mlx_ring import backend_problem
+
+    try:
+        backend = envs.VLLM_METAL_DISTRIBUTED_BACKEND
+    except ValueError as e:
+        raise UnsupportedConfiguration(f"[vllm-metal] {e}") from None
+    if problem := backend_problem(backend):
+        raise UnsupportedConfiguration(problem)
+
+
 def _refuse_unsupported_tensor_parallel(vllm_config: VllmConfig) -> None:
     """What tensor parallelism (models/tensor_parallel.py) does not carry yet; a model whose
     heads or MLP columns the size does not divide is refused when the workers load it."""
@@ -368,6 +382,8 @@ def _refuse_unsupported(vllm_config: VllmConfig) -> None:
     if parallel.data_parallel_size > 1 and parallel.world_size > 1:
         _refuse("data parallelism together with tensor or pipeline parallelism",
                 "choose one of them")
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
+        _refuse_unusable_distributed_backend()
     if parallel.pipeline_parallel_size > 1:
         _refuse_unsupported_pipeline_parallel(vllm_config)
     if parallel.tensor_parallel_size > 1:
