@@ -4,9 +4,10 @@ on this machine (the MLX ring over TCP loopback).
 A random-weight llama (float16, sized so a decode step is mostly weight reads) is served as
 one process (VLLM_METAL_NUM_THREADS=2: both cores), as two tensor-parallel workers (1 thread
 each: the same two cores, half the weights each, an all-sum per o_proj/down_proj), and as
-two pipeline stages (1 thread each, half the layers each, one send per step). Pipeline
-parallelism runs without async scheduling, so one process is also measured without it.
-Servers one at a time, each configuration twice (order one, one-sync, tp2, pp2, then back).
+two pipeline stages (1 thread each, half the layers each, one send per step), with async
+scheduling (pp2: the last stage sends the sampled tokens back on the ring) and without
+(pp2-sync: vLLM's scheduler sends them back); one process also both ways. Servers one at a
+time, each configuration twice (order one, one-sync, tp2, pp2, pp2-sync, then back).
 TPOT: time from the first to the last streamed token over the tokens between, one request
 at a time (single stream), median of the requests; also the output tokens/s of
 --concurrency requests at once.
@@ -67,7 +68,8 @@ CONFIGS = {
     "one": ([], 1),
     "one-sync": (["--no-async-scheduling"], 1),
     "tp2": (["--tensor-parallel-size", "2"], 2),
-    "pp2": (["--pipeline-parallel-size", "2", "--no-async-scheduling"], 2),
+    "pp2": (["--pipeline-parallel-size", "2"], 2),  # async scheduling, vLLM's default
+    "pp2-sync": (["--pipeline-parallel-size", "2", "--no-async-scheduling"], 2),
 }
 
 

@@ -28,6 +28,13 @@ def _kernels(value: str) -> str:
     return v
 
 
+def _distributed_backend(value: str) -> str:
+    v = value.strip().lower()
+    if v not in ("ring", "jaccl"):
+        raise ValueError(f"expected 'ring' or 'jaccl', got {value!r}")
+    return v
+
+
 def _int(value: str) -> int:
     return int(value)
 
@@ -99,6 +106,13 @@ ENVIRONMENT: dict[str, tuple[Callable[[str], Any], Any, str]] = {
         "listens on, as the other hosts reach it (a host's workers take port + local rank); "
         "empty: a free port on 127.0.0.1 on one host, on vLLM's host IP across hosts "
         "(docs/distributed.md).",
+    ),
+    "VLLM_METAL_DISTRIBUTED_BACKEND": (
+        _distributed_backend,
+        "ring",
+        "Tensor/pipeline parallel: MLX's backend for the tensors. 'ring': TCP, any network "
+        "(loopback on one host). 'jaccl': RDMA over Thunderbolt 5 (MLX's JACCL; macOS 26.2+, "
+        "MLX_IBV_DEVICES names the devices; docs/distributed.md).",
     ),
     "VLLM_METAL_DISABLE": (
         _bool,

@@ -1,10 +1,14 @@
-"""MLX's ring backend (mx.distributed over TCP) among vLLM's workers, for the tensors.
+"""MLX's distributed group (mx.distributed) among vLLM's workers, for the tensors.
 
 vLLM's executor starts the workers and joins them in torch.distributed (gloo) for
 control. Each worker then names the address its ring listens on (ring_address), the
-workers exchange the
-addresses over gloo, and each writes the hostfile MLX reads (MLX_HOSTFILE: a JSON
-list, one list of "host:port" per rank) and joins the ring as MLX_RANK = its vLLM rank.
+workers exchange the addresses over gloo, and each joins MLX's group as MLX_RANK = its
+vLLM rank, on the backend VLLM_METAL_DISTRIBUTED_BACKEND names:
+
+* ring (default, TCP): each writes the hostfile MLX reads (MLX_HOSTFILE: a JSON list, one
+  list of "host:port" per rank);
+* jaccl (RDMA over Thunderbolt 5): the user's device file (MLX_IBV_DEVICES), and rank 0's
+  address as the coordinator unless MLX_JACCL_COORDINATOR names one (mlx_jaccl.py).
 """
 
 from __future__ import annotations
@@ -46,27 +50,50 @@ def ring_address(local_rank: int, several_hosts: bool) -> str:
 
 
 def join_ring(rank: int, world_size: int, cpu_group, address: str):
-    """Every rank calls this together; -> the mx.distributed.Group of all ranks.
+    """Every rank calls this together; -> the mx.distributed.Group of all ranks (on the
+    ring, or on JACCL: VLLM_METAL_DISTRIBUTED_BACKEND).
     cpu_group: a torch.distributed (gloo) group of the same ranks; address: this rank's
     (ring_address)."""
     import torch.distributed as dist
 
-    if not mx.distributed.is_available(backend="ring"):
-        raise RuntimeError("[vllm-metal] this MLX build has no ring backend (mx.distributed): "
-                           "tensor and pipeline parallelism need it")
+    backend = envs.VLLM_METAL_DISTRIBUTED_BACKEND
+    problem = backend_problem(backend)
+    if problem:
+        raise RuntimeError(problem)
     addresses: list[str | None] = [None] * world_size
     dist.all_gather_object(addresses, address, group=cpu_group)
-    with tempfile.NamedTemporaryFile("w", prefix=f"vllm-metal-ring-{rank}-", suffix=".json",
-                                     delete=False) as f:
-        json.dump([[a] for a in addresses], f)
     os.environ["MLX_RANK"] = str(rank)
-    os.environ["MLX_HOSTFILE"] = f.name
-    try:
-        group = mx.distributed.init(strict=True, backend="ring")
-    finally:
-        os.unlink(f.name)  # read by init
+    if backend == "jaccl":
+        from vllm_metal.mlx_jaccl import prepare_environment
+
+        prepare_environment(rank, world_size, coordinator=addresses[0])
+        group = mx.distributed.init(strict=True, backend="jaccl")
+    else:
+        with tempfile.NamedTemporaryFile("w", prefix=f"vllm-metal-ring-{rank}-", suffix=".json",
+                                         delete=False) as f:
+            json.dump([[a] for a in addresses], f)
+        os.environ["MLX_HOSTFILE"] = f.name
+        try:
+            group = mx.distributed.init(strict=True, backend="ring")
+        finally:
+            os.unlink(f.name)  # read by init
     if group.size() != world_size or group.rank() != rank:
-        raise RuntimeError(f"[vllm-metal] MLX ring joined as rank {group.rank()} of {group.size()}, "
-                           f"expected {rank} of {world_size}")
-    logger.info("vllm-metal: rank %d joined the MLX ring %s", rank, addresses)
+        raise RuntimeError(f"[vllm-metal] MLX {backend} group joined as rank {group.rank()} of "
+                           f"{group.size()}, expected {rank} of {world_size}")
+    logger.info("vllm-metal: rank %d joined the MLX %s group %s", rank, backend, addresses)
     return group
+
+
+def backend_problem(backend: str) -> str | None:
+    """Why this MLX build cannot run `backend` (VLLM_METAL_DISTRIBUTED_BACKEND), or None.
+    The platform refuses it at startup; join_ring checks again in each worker (a headless
+    host's own MLX)."""
+    if mx.distributed.is_available(backend=backend):
+        return None
+    if backend == "jaccl":
+        return ("[vllm-metal] VLLM_METAL_DISTRIBUTED_BACKEND=jaccl: this MLX build cannot run "
+                "MLX's JACCL backend (mx.distributed.is_available(backend='jaccl') is False; it "
+                "needs macOS 26.2 or later with RDMA over Thunderbolt enabled, see "
+                "docs/distributed.md); use VLLM_METAL_DISTRIBUTED_BACKEND=ring (TCP)")
+    return (f"[vllm-metal] this MLX build has no {backend} backend (mx.distributed): tensor and "
+            "pipeline parallelism need it")

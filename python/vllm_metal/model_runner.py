@@ -67,6 +67,9 @@ class _SubmittedStep:
     # request's output once read
     cu_num_logits: np.ndarray | None = None
     outputs: list[list[int]] | None = None
+    # pipeline parallel under async scheduling: the step's lazy sends (hidden state on, or
+    # tokens back), held until its tokens are read
+    sends: tuple = ()
 
 
 @dataclass
@@ -498,8 +501,7 @@ class MetalModelRunner(DeltaHooks):
             p.pack(dict(scheduler_output.num_scheduled_tokens))
         source_step = self._deferred[-1] if p.num_input_sources else None
         if self.pipeline is not None and not self.pipeline.last:
-            # an earlier stage: its layers, the hidden state sent on; the last stage samples
-            mx.eval(self._forward(), self.kv_caches)
+            self._run_earlier_stage(source_step)
             return None
         table = self.sampling_table
         rows = np.array(p.req_rows)  # [num_seqs] batch index -> request row
@@ -541,6 +543,28 @@ class MetalModelRunner(DeltaHooks):
         else:
             self._submit(step)
         return None
+
+    def _run_earlier_stage(self, source_step: _SubmittedStep | None) -> None:
+        """Pipeline parallel, a stage before the last: its layers, the hidden state sent on;
+        the last stage samples. With async scheduling the forward is submitted, not waited
+        for, and the step's tokens, which the last stage sends back, wait as deferred
+        samples, as the last stage's own do (models/pipeline_parallel.py)."""
+        from vllm_metal.models import pipeline_parallel as pp
+
+        if source_step is not None and getattr(source_step.result, "relay", None) is not None:
+            # its tokens, which this step's inputs read lazily, go on to the previous stage
+            # first: that stage may need them before it sends this step's hidden state
+            mx.async_eval(source_step.result.relay)
+        sent = self._forward(input_ids=self._input_ids(source_step))
+        if not self.async_scheduling:  # the scheduler sends the tokens with the next step
+            mx.eval(sent, self.kv_caches)
+            return
+        mx.async_eval(sent, self.kv_caches, self._checkpoint_arrays())
+        p = self.packer
+        received = pp.receive_sampled_tokens(self.pipeline, len(p.req_ids))
+        p.defer_sampled()
+        self._deferred.append(_SubmittedStep(list(p.req_ids), np.array(p.discard_sampled), received,
+                                             [], sends=(sent,)))
 
     def _append_tokens_sent_back(self, scheduler_output) -> None:
         """Pipeline parallel: the tokens the last stage sampled, which vLLM's scheduler sends
@@ -622,13 +646,20 @@ class MetalModelRunner(DeltaHooks):
             result.tokens = tokens_of_rank_zero(result.tokens, self.mlx_group)
             if result.kept is not None:  # which drafts rank 0 kept, for every rank's next step
                 result.kept = tokens_of_rank_zero(result.kept, self.mlx_group).astype(mx.bool_)
+        sends = ()
+        if self.pipeline is not None and self.async_scheduling:
+            from vllm_metal.models.pipeline_parallel import send_sampled_tokens
+
+            # the earlier stages' copy (without async scheduling vLLM's scheduler sends it)
+            sends = (send_sampled_tokens(self.pipeline, result.tokens),)
         prompt_scores = u.prompt_scores
         # the caches too: fused layers hand them on as lazy arrays that depend on the step
         # (models/fused_layers.py); evaluated now, they hold their buffers alone next step
         mx.async_eval(result.tokens, *(result.logprobs or ()), *((result.kept,) if u.cu_num_logits is not None else ()),
                       *self.prompt_logprobs.arrays(prompt_scores), self.kv_caches,
-                      self._checkpoint_arrays(), self._draft_caches())
-        step = _SubmittedStep(u.req_ids, u.discard, result, prompt_scores, cu_num_logits=u.cu_num_logits)
+                      self._checkpoint_arrays(), self._draft_caches(), sends)
+        step = _SubmittedStep(u.req_ids, u.discard, result, prompt_scores, cu_num_logits=u.cu_num_logits,
+                              sends=sends)
         if self.speculation is not None:
             # appended when read (next step's drafts come from them), never deferred
             self._unread_spec_step = step if self.async_scheduling else None
@@ -692,7 +723,7 @@ class MetalModelRunner(DeltaHooks):
             return step.tokens
         while step.tokens is None:
             oldest = self._deferred.popleft()
-            oldest.tokens = np.array(oldest.result.tokens, dtype=np.int32)
+            oldest.tokens = _host_tokens(oldest.result)
             self.packer.resolve_deferred(oldest.tokens)
         return step.tokens
 
@@ -898,6 +929,16 @@ class _AsyncStepOutput(AsyncModelRunnerOutput):
 
     def get_kv_connector_output(self):
         return None
+
+
+def _host_tokens(result) -> np.ndarray:
+    """A deferred step's tokens on the host. An earlier pipeline stage's copy
+    (pipeline_parallel.ReceivedTokens) goes on to the stage before it at the same time,
+    so that every stage reads and hands on the steps in order."""
+    relay = getattr(result, "relay", None)
+    if relay is not None:
+        mx.eval(result.tokens, relay)
+    return np.array(result.tokens, dtype=np.int32)
 
 
 def tokens_of_rank_zero(tokens: mx.array, group) -> mx.array:

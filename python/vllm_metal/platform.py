@@ -323,16 +323,29 @@ def _refuse_unsupported_pipeline_parallel(vllm_config: VllmConfig) -> None:
     the stages cannot split (gemma3, fewer layers than stages) is refused at load."""
     size = vllm_config.parallel_config.pipeline_parallel_size
     what = f"--pipeline-parallel-size {size}"
+    # async scheduling (vLLM's default) works: the last stage sends the sampled tokens back
+    # itself (models/pipeline_parallel.py). vLLM keeps it off under the V1 runner contract
+    # (VLLM_USE_V2_MODEL_RUNNER=0), whose scheduler does not stagger a request's decodes.
     # LoRA: each stage applies the adapters of its own layers (lora/manager.py)
     _refuse_parallel_features(vllm_config, what, lora=True)
-    if vllm_config.scheduler_config.async_scheduling:
-        # the earlier stages take the sampled tokens from the scheduler's next step, which
-        # vLLM sends only without async scheduling
-        _refuse(f"{what} with async scheduling", "pass --no-async-scheduling")
     model = vllm_config.model_config
     layers = getattr(model.hf_text_config, "num_hidden_layers", None) if model is not None else None
     if layers is not None and layers < size:
         raise UnsupportedConfiguration(f"[vllm-metal] {what} exceeds the model's {layers} layers")
+
+
+def _refuse_unusable_distributed_backend() -> None:
+    """VLLM_METAL_DISTRIBUTED_BACKEND (the workers' MLX group, mlx_ring.py): a known name that
+    this MLX build can run (JACCL needs RDMA over Thunderbolt; not on Linux)."""
+    from vllm_metal import envs
+    from vllm_metal.mlx_ring import backend_problem
+
+    try:
+        backend = envs.VLLM_METAL_DISTRIBUTED_BACKEND
+    except ValueError as e:
+        raise UnsupportedConfiguration(f"[vllm-metal] {e}") from None
+    if problem := backend_problem(backend):
+        raise UnsupportedConfiguration(problem)
 
 
 def _refuse_unsupported_tensor_parallel(vllm_config: VllmConfig) -> None:
@@ -371,6 +384,8 @@ def _refuse_unsupported(vllm_config: VllmConfig) -> None:
     if parallel.data_parallel_size > 1 and parallel.world_size > 1:
         _refuse("data parallelism together with tensor or pipeline parallelism",
                 "choose one of them")
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
+        _refuse_unusable_distributed_backend()
     if parallel.pipeline_parallel_size > 1:
         _refuse_unsupported_pipeline_parallel(vllm_config)
     if parallel.tensor_parallel_size > 1:

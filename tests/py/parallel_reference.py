@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
+import re
 import tempfile
 from pathlib import Path
 
@@ -61,12 +62,15 @@ def run_jobs(server, jobs=JOBS) -> list:
 
 
 def serve_jobs(checkpoint, extra_args, args=ARGS, jobs=JOBS, env=None):
-    """Every job at once on a fresh server; -> [(tokens, logprobs)], the server (stopped).
-    Asserts the server leaves no process behind."""
+    """Every job at once on a fresh server; -> [(tokens, logprobs)], the server (stopped,
+    its /metrics text as it ended kept in server.metrics). Asserts the server leaves no
+    process behind."""
     server = Server(str(checkpoint), "tiny", args + extra_args, env=env)
     procs = [server.proc, *psutil.Process(server.proc.pid).children(recursive=True)]
     try:
-        return run_jobs(server, jobs), server
+        out = run_jobs(server, jobs)
+        server.metrics = server.client.get("/metrics").text
+        return out, server
     finally:
         server.stop()
         # the API server, the engine core and every worker are gone
@@ -78,6 +82,11 @@ def one_process_reference() -> tuple:
     """The shared checkpoint's JOBS served by one process (once per run)."""
     out, _ = serve_jobs(shared_tiny_llama(), SYNC, env=PER_OP)
     return tuple(out)
+
+
+def counter(metrics: str, name: str) -> float:
+    """A Prometheus counter's value in a /metrics text, summed over its labels."""
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", metrics, re.M))
 
 
 def assert_same_greedy(one, two, atol):

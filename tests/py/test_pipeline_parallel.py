@@ -76,11 +76,30 @@ def _config(size=2, *, tp=1, async_scheduling=False, layers=4, speculative=None,
 
 def test_pipeline_parallel_configuration_passes():
     _refuse_unsupported_pipeline_parallel(_config())
+    _refuse_unsupported_pipeline_parallel(_config(async_scheduling=True))
     _refuse_unsupported_pipeline_parallel(_config(archs=("Qwen3_5ForCausalLM",)))  # hybrid: split by layers
 
 
+def test_pipeline_parallel_keeps_async_scheduling_on_as_vllm_decides(monkeypatch):
+    """Through vLLM's own argument handling (the platform's check_and_update_config
+    included): async scheduling on by default, on when asked, off when refused; vLLM then
+    keeps one more batch in flight than there are stages. Under the V1 runner contract vLLM
+    itself turns it off, or refuses it when asked."""
+    from test_data_parallel_config import engine_config, smollm2_dir
+
+    model = smollm2_dir()
+    for kw, on in [({}, True), ({"async_scheduling": True}, True), ({"async_scheduling": False}, False)]:
+        config = engine_config(model, pipeline_parallel_size=2, **kw)
+        assert config.scheduler_config.async_scheduling is on
+        assert config.scheduler_config.scheduler_cls.endswith("MetalAsyncScheduler" if on else ".MetalScheduler")
+        assert config.max_concurrent_batches == (3 if on else 2)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    assert engine_config(model, pipeline_parallel_size=2).scheduler_config.async_scheduling is False
+    with pytest.raises(ValueError, match="not supported by the V1 model runner with pipeline parallelism"):
+        engine_config(model, pipeline_parallel_size=2, async_scheduling=True)
+
+
 @pytest.mark.parametrize("kw, words", [
-    (dict(async_scheduling=True), "with async scheduling is not supported; pass --no-async-scheduling"),
     (dict(layers=1), "exceeds the model's 1 layers"),
     (dict(speculative=SimpleNamespace(method="ngram")), r"with speculative decoding \(ngram\)"),
     (dict(runner="pooling"), "with --runner pooling"),

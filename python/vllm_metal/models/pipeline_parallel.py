@@ -6,8 +6,16 @@ only. The first stage embeds; each stage hands the next one its hidden state and
 residual stream not yet added to it, stacked [2, tokens, hidden], through mx.distributed
 send/recv; the last stage adds them, applies the final norm and lm_head, and samples.
 Hybrid models (Qwen3.5) split the same way: a stage's state pools and KV caches cover
-its own layers (each stage needs one full-attention layer). The sampled tokens reach the earlier stages through vLLM's scheduler (it sends them
-back in the next step's output when pipeline parallel runs without async scheduling).
+its own layers (each stage needs one full-attention layer).
+
+The sampled tokens reach the earlier stages two ways. Without async scheduling vLLM's
+scheduler sends them back with the step that needs them. With it (vLLM's default) the
+scheduler has sent the next steps before it reads a step's tokens, so the last stage
+sends them itself, int32 [num_seqs], back along the ring (stage r hands them on to r - 1:
+MLX's ring reaches neighbours only); each earlier stage keeps them as the deferred
+samples of that step (placeholders in its packer, model_runner.py), as the last stage
+keeps its own. The scheduler staggers a request's decodes by the number of stages, so a
+stage reads step t's tokens when it packs step t + size, long after they were sent.
 """
 
 from __future__ import annotations
@@ -96,3 +104,26 @@ def receive_from_previous(stage: Stage, num_tokens: int, hidden: int, dtype) -> 
     """(h, residual) from the previous stage, lazily."""
     both = mx.distributed.recv((2, num_tokens, hidden), dtype, stage.rank - 1, group=stage.group)
     return both[0], both[1]
+
+
+@dataclass
+class ReceivedTokens:
+    """An earlier stage's copy of one step's sampled tokens (async scheduling), lazily
+    received; `relay` (stages after the first) hands them on to the previous stage.
+    Both must be evaluated in step order: each is the next message on its connection."""
+    tokens: mx.array  # int32 [num_seqs]
+    relay: mx.array | None
+
+
+def send_sampled_tokens(stage: Stage, tokens: mx.array) -> mx.array:
+    """The last stage: the lazy send of a step's sampled tokens [num_seqs] to the stage
+    before it; evaluate it with the sampling."""
+    return mx.distributed.send(tokens.astype(mx.int32), stage.rank - 1, group=stage.group)
+
+
+def receive_sampled_tokens(stage: Stage, num_seqs: int) -> ReceivedTokens:
+    """An earlier stage: the last stage's tokens of the step it has just run, from the
+    stage after it (lazily), handed on to the one before unless it is the first."""
+    tokens = mx.distributed.recv((num_seqs,), mx.int32, stage.rank + 1, group=stage.group)
+    relay = None if stage.first else mx.distributed.send(tokens, stage.rank - 1, group=stage.group)
+    return ReceivedTokens(tokens, relay)
