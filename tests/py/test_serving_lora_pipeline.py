@@ -2,7 +2,7 @@
 weights of its own layers (lora/manager.py: a stage checks and keeps only those), so a
 batch mixing two adapters and the base gives each request the greedy tokens of the base
 with its adapter merged in NumPy (W + scale * B @ A). The tiny llama's 3 layers split 2 + 1:
-both adapters touch layers on both stages."""
+both adapters touch layers on both stages. Async scheduling (the default)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import concurrent.futures
 import pytest
 
 from lora_checkpoint import base_weights, write_adapter, write_merged
-from parallel_reference import ARGS, SYNC, tiny_llama
+from parallel_reference import ARGS, tiny_llama
 from serving_harness import Server
 from vllm_metal.models import load_model
 from vllm_metal.models.generate import greedy_generate
@@ -35,7 +35,7 @@ def test_each_request_equals_its_merged_checkpoint_across_two_stages(tmp_path):
         want[name] = greedy_generate(load_model(str(ckpt), "float32"), [prompt], MAX_TOKENS,
                                      stop_ids=[])[0]
     assert len({tuple(v) for v in want.values()}) == len(want)  # each adapter matters
-    server = Server(str(base), "tiny", ARGS + SYNC + [
+    server = Server(str(base), "tiny", ARGS + [
         "--pipeline-parallel-size", "2", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
         "--lora-modules", f"a1={tmp_path / 'a1'}", f"a2={tmp_path / 'a2'}"],
         env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
