@@ -6,7 +6,7 @@ which says how many threads the op keeps busy (about 1 for MLX's CPU elementwise
 --threads for ours). Summed over the layers; median of --reps forwards after a warm-up.
 
     .venv/bin/python benchmarks/encoder_profile.py [--shapes 32x512,256x16] [--threads 2]
-        [--reps 3]
+        [--reps 3] [--split]
 """
 
 from __future__ import annotations
@@ -20,51 +20,57 @@ import mlx.core as mx
 import numpy as np
 
 
-def profile_forward(model, ids, cu, stamp) -> mx.array:
+def profile_forward(model, ids, cu, stamp, split: bool) -> mx.array:
     """One forward of model (an EncoderModel), calling stamp(name, fn) for each op."""
+    from vllm_metal.models.bert import add_layer_norm
+
     t = ids.shape[0]
     positions = mx.array(model.positions_of(cu))
     cu_mx = mx.array(cu)
-    x = stamp("embeddings", lambda: model.embeddings(ids, positions, mx.zeros((t,), mx.int32)))
+    emb = model.embeddings
+    x = stamp("embeddings", lambda: add_layer_norm(emb.norm, emb.word(ids) + emb.position(positions),
+                                                   emb.token_type(mx.zeros((t,), mx.int32))))
     for layer in model.layers:
-        fused = hasattr(layer, "fused_ops")  # the layer's own sequence of ops, if it names them
-        for name, fn in (layer.fused_ops(x, cu_mx) if fused else _plain_ops(layer, x, cu_mx)):
+        ops_of = _split_ops if split else _layer_ops
+        for name, fn in ops_of(layer, x, cu_mx):
             x = stamp(name, fn)
     return x
 
 
-def _plain_ops(layer, x0, cu):
-    """models/bert.py _Layer.__call__, one op at a time (a generator: each op reads the
-    previous op's stamped result through `state`)."""
-    t = x0.shape[0]
-    state = {"x": x0}
+def _layer_ops(layer, x, cu):
+    """models/bert.py _Layer.__call__ as it runs, one op at a time: (name, fn) pairs, each fn
+    reading what the previous ones stamped (a generator: it resumes after each stamp)."""
+    from vllm_metal.models.bert import add_layer_norm
 
-    def step(name, fn):
-        def run():
-            state["y"] = fn()
-            return state["y"]
-        return name, run
+    s = {}
+    yield "qkv (+bias)", lambda: s.setdefault("qkv", layer.qkv(x))
+    yield "attention", lambda: s.setdefault("a", _attn(layer, s["qkv"], cu))
+    yield "attn_out (+bias)", lambda: s.setdefault("o", layer.attn_out(s["a"]))
+    yield "residual + LayerNorm", lambda: s.setdefault("h", add_layer_norm(layer.attn_norm, s["o"], x))
+    yield "up (+bias, GELU)", lambda: s.setdefault("u", layer.up_act(s["h"]))
+    yield "down (+bias)", lambda: s.setdefault("d", layer.down(s["u"]))
+    yield "residual + LayerNorm", lambda: add_layer_norm(layer.out_norm, s["d"], s["h"])
 
-    yield step("qkv matmul", lambda: _matmul_only(layer.qkv, state["x"]))
-    yield step("qkv bias", lambda: state["y"] + layer.qkv.bias)
-    yield step("attention", lambda: (lambda q: _attn(layer, q, cu, t))(state["y"]))
-    yield step("attn_out matmul", lambda: _matmul_only(layer.attn_out, state["y"]))
-    yield step("attn_out bias", lambda: state["y"] + layer.attn_out.bias)
-    yield step("residual add", lambda: state["y"] + state["x"])
-    yield step("layernorm", lambda: layer.attn_norm(state["y"]))
-    state_h = {}
 
-    def save_h():
-        state_h["h"] = state["y"]
-        return state["y"]
-    yield "(keep)", save_h
-    yield step("up matmul", lambda: _matmul_only(layer.up, state_h["h"]))
-    yield step("up bias", lambda: state["y"] + layer.up.bias)
-    yield step("gelu", lambda: layer.act(state["y"]))
-    yield step("down matmul", lambda: _matmul_only(layer.down, state["y"]))
-    yield step("down bias", lambda: state["y"] + layer.down.bias)
-    yield step("residual add", lambda: state["y"] + state_h["h"])
-    yield step("layernorm", lambda: layer.out_norm(state["y"]))
+def _split_ops(layer, x, cu):
+    """The layer as it ran before the fused epilogue and layer_norm: every bias add, GELU,
+    residual add and LayerNorm a separate MLX op (ops.gelu for GELU)."""
+    s = {}
+    mm = _matmul_only
+    yield "qkv matmul", lambda: s.setdefault("qkv0", mm(layer.qkv, x))
+    yield "qkv bias", lambda: s.setdefault("qkv", s["qkv0"] + layer.qkv.bias)
+    yield "attention", lambda: s.setdefault("a", _attn(layer, s["qkv"], cu))
+    yield "attn_out matmul", lambda: s.setdefault("o0", mm(layer.attn_out, s["a"]))
+    yield "attn_out bias", lambda: s.setdefault("o", s["o0"] + layer.attn_out.bias)
+    yield "residual add", lambda: s.setdefault("r1", s["o"] + x)
+    yield "layernorm", lambda: s.setdefault("h", layer.attn_norm(s["r1"]))
+    yield "up matmul", lambda: s.setdefault("u0", mm(layer.up, s["h"]))
+    yield "up bias", lambda: s.setdefault("u1", s["u0"] + layer.up.bias)
+    yield "gelu", lambda: s.setdefault("u", layer.act(s["u1"]))
+    yield "down matmul", lambda: s.setdefault("d0", mm(layer.down, s["u"]))
+    yield "down bias", lambda: s.setdefault("d", s["d0"] + layer.down.bias)
+    yield "residual add", lambda: s.setdefault("r2", s["d"] + s["h"])
+    yield "layernorm", lambda: layer.out_norm(s["r2"])
 
 
 def _matmul_only(linear, x):
@@ -74,9 +80,10 @@ def _matmul_only(linear, x):
     return ops.gguf_matmul(x, blocks, qtype, shape, exact=linear.exact)
 
 
-def _attn(layer, qkv, cu, t):
+def _attn(layer, qkv, cu):
     from vllm_metal import ops
 
+    t = qkv.shape[0]
     q = qkv.reshape(t, 3, layer.heads, layer.head_dim)
     return ops.varlen_attention(q[:, 0], q[:, 1], q[:, 2], cu_seqlens=cu,
                                 scale=layer.head_dim ** -0.5).reshape(t, -1)
@@ -87,6 +94,9 @@ def main() -> None:
     ap.add_argument("--shapes", default="32x512,256x16", help="batch x tokens, comma-separated")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--split", action="store_true",
+                    help="every bias add, GELU, residual add and LayerNorm a separate MLX op "
+                         "(the layer before the fused epilogue and layer_norm)")
     a = ap.parse_args()
 
     from vllm_metal import _core
@@ -115,11 +125,11 @@ def main() -> None:
                 return y
 
             w0 = time.perf_counter()
-            profile_forward(model, ids, cu, stamp)
+            profile_forward(model, ids, cu, stamp, a.split)
             total = time.perf_counter() - w0
             if rep:
                 runs.append((wall, cpu, total))
-        names = [n for n in runs[0][0] if n != "(keep)"]
+        names = list(runs[0][0])
         med = {n: (statistics.median(r[0][n] for r in runs) * 1e3,
                    statistics.median(r[1][n] for r in runs) * 1e3) for n in names}
         total = statistics.median(r[2] for r in runs) * 1e3

@@ -14,7 +14,7 @@ import pytest
 
 from op_harness import DTYPES, to_numpy
 from test_gguf_fixtures import SUPPORTED, T, block_size, random_blocks, reference_dequantize
-from vllm_metal import _core, ops
+from vllm_metal import _core, emulation, ops
 
 # The one tolerance table of the gguf_matmul tests (tests/cpp/test_gguf.cpp has the same).
 # "float": paths that sum exact weights times x in float32 (every Metal kernel, emulated or
@@ -179,6 +179,24 @@ def test_epilogue_bias_and_gelu(backend, t, exact, dtype, activation):
         # the fused result rounds once where the plain call rounded before the bias
         err = np.abs(to_numpy(got) - want).max() / np.abs(want).max()
         assert err <= 2 * TOLERANCE["float"][dtype], f"{t.name} m={m} {dtype}: {err:.3g}"
+
+
+def test_epilogue_launches_on_numpy():
+    """The planner's launches with a bias and GELU on NumPy arrays: the mat-vec kernel (4
+    rows) and the tile kernel (33 rows: a partial second tile); also under the emulator's
+    checks (test_metal_kernel_checks)."""
+    n, k = 37, 64
+    blocks = random_blocks(T.Q8_0, n, k, seed=3)
+    w = reference_dequantize(blocks, T.Q8_0, (n, k)).astype(np.float64)
+    rng = np.random.default_rng(4)
+    bias = rng.standard_normal(n).astype(np.float32)
+    for m, activation in ((4, "gelu"), (33, "gelu_tanh")):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        y = np.zeros((m, n), np.float32)
+        plan = _core.plan_gguf_matmul("Q8_0", "float32", m, n, k, bias=True, activation=activation)
+        emulation.run_plan(plan, [x, blocks, bias, y])
+        want = _act(x.astype(np.float64) @ w.T + bias, activation)
+        assert np.abs(y - want).max() <= 2e-5 * np.abs(want).max(), (m, activation)
 
 
 def test_epilogue_with_k_zero():
