@@ -113,7 +113,9 @@ void attend_tile(const VarlenAttentionParams& p, const AttentionVecOps<E>& ops, 
 }
 
 #if defined(__x86_64__)
-constexpr int kPairs = 4;  // (row, q head) pairs sharing each K^T / V load
+// (row, q head) pairs sharing each K^T / V load: 6 fill 12 of the 16 ymm registers with sums
+// (4 -> 6: 8.3 -> 7.3 ms at 256 x 16 tokens, 58.9 -> 56.7 ms at 8 x 512; one core, CPU time)
+constexpr int kPairs = 6;
 constexpr int64_t kKeyBlock = 16;  // keys per score block: two vectors
 
 // Scores, softmax and P . V of up to kPairs (row, q head) pairs at once. Scores take 16
@@ -281,6 +283,8 @@ VLLM_METAL_AVX2 void attend_tile_avx2(const VarlenAttentionParams& p, const Task
       dst[pr] = out + row_at;
     }
     switch (np) {
+      case 6: attend_pairs<E, 6>(kt, vf, d, nk16, q, s, first, visible, dst); break;
+      case 5: attend_pairs<E, 5>(kt, vf, d, nk16, q, s, first, visible, dst); break;
       case 4: attend_pairs<E, 4>(kt, vf, d, nk16, q, s, first, visible, dst); break;
       case 3: attend_pairs<E, 3>(kt, vf, d, nk16, q, s, first, visible, dst); break;
       case 2: attend_pairs<E, 2>(kt, vf, d, nk16, q, s, first, visible, dst); break;
