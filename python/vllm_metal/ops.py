@@ -77,8 +77,10 @@ __all__ += ["fused_moe", "fused_moe_gguf"]
 # Encoder models (issue 23): attention within each packed sequence over contiguous q/k/v.
 varlen_attention = _core.varlen_attention  # (q, k, v, *, cu_seqlens, scale, causal=False)
 gelu = _core.gelu  # gelu(x, *, approximate=False): erf GELU (MLX's CPU erf is scalar)
+# layer_norm(x, weight, bias, *, eps, residual=None): LayerNorm of x (+ residual), threaded
+layer_norm = _core.layer_norm
 
-__all__ += ["varlen_attention", "gelu"]
+__all__ += ["varlen_attention", "gelu", "layer_norm"]
 
 # LoRA (issue 24): per-row adapters on a linear's output, one fused shrink+expand op.
 lora_apply = _core.lora_apply  # (y, x, *, lora_a, lora_b, scale, row_slot) -> y + scale*B@A@x per row

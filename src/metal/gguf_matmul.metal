@@ -11,15 +11,28 @@
 // (each a 16 x 16 quarter = 2 x 2 simdgroup 8x8 float matrices). Per 32-wide
 // k step, x and the decoded weights are staged in threadgroup memory as
 // float32; out-of-range rows and columns are zero-filled, stores are guarded.
+//
+// Both apply the epilogue (args.epilogue) to the float32 sums before the one rounding to
+// T: + bias[col] (buffer 4), then GELU (gelu_core.h), as the CPU kernel does.
 #include <metal_stdlib>
 #include "gguf_blocks.h"
 #include "gguf_matvec_core.h"
 #include "gguf_matmul_args.h"
+#include "gelu_core.h"
 
 using namespace metal;
 
 constant constexpr uint kMatvecSimdgroups = 2;
 constant constexpr uint kTile = 32;
+
+template <typename T>
+inline float gguf_epilogue(float v, device const T* bias, uint col, uint flags) {
+  if ((flags & 1u) != 0u) {
+    v += float(bias[col]);
+  }
+  const uint act = flags >> 1;
+  return act == 1u ? gelu_erf(v) : act == 2u ? gelu_tanh(v) : v;
+}
 
 template <typename Q, typename T>
 kernel void gguf_matvec(
@@ -27,6 +40,7 @@ kernel void gguf_matvec(
     device const T* x [[buffer(1)]],
     device T* y [[buffer(2)]],
     constant GgufMatmulArgs& args [[buffer(3)]],
+    device const T* bias [[buffer(4)]],
     uint2 tgp [[threadgroup_position_in_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
@@ -54,7 +68,8 @@ kernel void gguf_matvec(
   if (l.piece == 0) {  // one lane of each group stores its rows
     for (uint r = 0; r < l.rows; ++r) {
       for (uint i = 0; i < xrows; ++i) {
-        y[i * args.y_row_stride + l.row0 + r] = T(acc[r][i]);
+        y[i * args.y_row_stride + l.row0 + r] =
+            T(gguf_epilogue(acc[r][i], bias, l.row0 + r, args.epilogue));
       }
     }
   }
@@ -66,6 +81,7 @@ kernel void gguf_matmul(
     device const T* x [[buffer(1)]],
     device T* y [[buffer(2)]],
     constant GgufMatmulArgs& args [[buffer(3)]],
+    device const T* bias [[buffer(4)]],
     uint2 tgp [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]]) {
@@ -130,7 +146,8 @@ kernel void gguf_matmul(
     uint r = e / kTile;
     uint c = e % kTile;
     if (m0 + r < args.m && n0 + c < args.n) {
-      y[ulong(m0 + r) * args.y_row_stride + n0 + c] = T(ys[e]);
+      y[ulong(m0 + r) * args.y_row_stride + n0 + c] =
+          T(gguf_epilogue(ys[e], bias, n0 + c, args.epilogue));
     }
   }
 }

@@ -19,7 +19,7 @@ struct GgufMatmulArgs {
   uint32_t lanes_per_row;  // mat-vec: lanes sharing a weight row (divides 32 and the pieces)
   uint32_t rows_per_lane;  // mat-vec: weight rows each lane decodes (<= 4)
   uint32_t piece;          // mat-vec: weights per piece a lane decodes at once (16 or 8)
-  uint32_t pad_;
+  uint32_t epilogue;       // bit 0: add bias (buffer 4); bits 1-2: 0 none, 1 GELU (erf), 2 GELU (tanh)
 };
 
 #ifndef __METAL_VERSION__

@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 GTEST = Path("/usr/src/googletest/googletest")
 KERNELS = ["vec", "parallel", "batch_invariant", "rms_norm", "reshape_and_cache", "gguf_quants", "gguf_matmul",
-           "rope"]
+           "gelu", "rope"]  # gelu: gguf_matmul's epilogue
 RUNTIME = ["gguf_types", "gguf_reader"]  # MLX-free runtime files the kernels or tests use
 TESTS = ["test_vec", "test_parallel", "test_cpu_kernels", "test_gguf", "test_rope_cpu"]
 

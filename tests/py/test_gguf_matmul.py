@@ -6,13 +6,15 @@ Metal mat-vec limit 8), 33 (Metal 32 x 32 tile + 1); n = 1, 7, 37
 blocks, and odd k for the float types.
 """
 
+import math
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from op_harness import DTYPES, to_numpy
 from test_gguf_fixtures import SUPPORTED, T, block_size, random_blocks, reference_dequantize
-from vllm_metal import _core, ops
+from vllm_metal import _core, emulation, ops
 
 # The one tolerance table of the gguf_matmul tests (tests/cpp/test_gguf.cpp has the same).
 # "float": paths that sum exact weights times x in float32 (every Metal kernel, emulated or
@@ -122,11 +124,86 @@ def test_matmul_model_shapes_native(t):
          r"\[gguf_matmul\] blocks must hold 36 bytes for Q4_0 shape \[2, 32\], got 35"),
         (lambda: ops.gguf_matmul(mx.zeros((2, 256)), mx.zeros((66,), mx.uint8), "IQ2_XXS", [1, 256]),
          r"\[gguf_matmul\] type IQ2_XXS is not supported"),
+        (lambda: ops.gguf_matmul(mx.zeros((2, 32)), mx.zeros((36,), mx.uint8), "Q4_0", [2, 32],
+                                 bias=mx.zeros((3,))),
+         r"\[gguf_matmul\] bias must have shape \[N\] = \[2\], got \[3\]"),
+        (lambda: ops.gguf_matmul(mx.zeros((2, 32)), mx.zeros((36,), mx.uint8), "Q4_0", [2, 32],
+                                 bias=mx.zeros((2,), mx.float16)),
+         r"\[gguf_matmul\] bias must have x's dtype float32, got float16"),
+        (lambda: ops.gguf_matmul(mx.zeros((2, 32)), mx.zeros((36,), mx.uint8), "Q4_0", [2, 32],
+                                 activation="relu"),
+         r"\[gguf_matmul\] activation must be 'none', 'gelu' or 'gelu_tanh', got 'relu'"),
     ],
 )
 def test_bad_input_raises_a_clear_error(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def _act(y, activation):
+    if activation == "gelu":
+        return 0.5 * y * (1 + _erf(y / math.sqrt(2)))
+    if activation == "gelu_tanh":
+        return 0.5 * y * (1 + np.tanh(math.sqrt(2 / math.pi) * (y + 0.044715 * y ** 3)))
+    return y
+
+
+_erf = np.vectorize(math.erf)
+
+
+@pytest.mark.parametrize("activation", ["none", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("t, exact", [(T.F32, True), (T.Q8_0, False), (T.Q8_0, True)],
+                         ids=["F32", "Q8_0", "Q8_0-exact"])
+def test_epilogue_bias_and_gelu(backend, t, exact, dtype, activation):
+    """act(x @ W^T + bias) in one call against the plain call's output, bias added and GELU
+    taken in float64 (so every path's epilogue is checked on its own sums: mat-vec rows,
+    the CPU's float tiles and integer panels, the Metal tile); F32 also against x @ W^T."""
+    n, k = 37, 64
+    blocks = random_blocks(t, n, k, seed=11)
+    rng = np.random.default_rng(12)
+    bias = mx.array(rng.standard_normal(n).astype(np.float32)).astype(DTYPES[dtype])
+    rows = (4, 9, 33, 300) if backend == "native" else (4, 33)
+    for m in rows:
+        x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(DTYPES[dtype])
+        plain = to_numpy(ops.gguf_matmul(x, mx.array(blocks), t.name, [n, k], exact=exact))
+        got = ops.gguf_matmul(x, mx.array(blocks), t.name, [n, k], exact=exact, bias=bias,
+                              activation=activation)
+        assert got.dtype == x.dtype and tuple(got.shape) == (m, n)
+        want = _act(plain + to_numpy(bias), activation)
+        if t == T.F32:
+            w = reference_dequantize(blocks, t, (n, k)).astype(np.float64)
+            want_dense = _act(to_numpy(x) @ w.T + to_numpy(bias), activation)
+            err = np.abs(to_numpy(got) - want_dense).max() / np.abs(want_dense).max()
+            assert err <= TOLERANCE["float"][dtype], f"m={m}: {err:.3g} against x @ W^T"
+        # the fused result rounds once where the plain call rounded before the bias
+        err = np.abs(to_numpy(got) - want).max() / np.abs(want).max()
+        assert err <= 2 * TOLERANCE["float"][dtype], f"{t.name} m={m} {dtype}: {err:.3g}"
+
+
+def test_epilogue_launches_on_numpy():
+    """The planner's launches with a bias and GELU on NumPy arrays: the mat-vec kernel (4
+    rows) and the tile kernel (33 rows: a partial second tile); also under the emulator's
+    checks (test_metal_kernel_checks)."""
+    n, k = 37, 64
+    blocks = random_blocks(T.Q8_0, n, k, seed=3)
+    w = reference_dequantize(blocks, T.Q8_0, (n, k)).astype(np.float64)
+    rng = np.random.default_rng(4)
+    bias = rng.standard_normal(n).astype(np.float32)
+    for m, activation in ((4, "gelu"), (33, "gelu_tanh")):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        y = np.zeros((m, n), np.float32)
+        plan = _core.plan_gguf_matmul("Q8_0", "float32", m, n, k, bias=True, activation=activation)
+        emulation.run_plan(plan, [x, blocks, bias, y])
+        want = _act(x.astype(np.float64) @ w.T + bias, activation)
+        assert np.abs(y - want).max() <= 2e-5 * np.abs(want).max(), (m, activation)
+
+
+def test_epilogue_with_k_zero():
+    y = ops.gguf_matmul(mx.zeros((2, 0)), mx.zeros((0,), mx.uint8), "F32", [3, 0],
+                        bias=mx.array([-1.0, 0.0, 2.0]), activation="gelu")
+    np.testing.assert_allclose(to_numpy(y), np.tile(_act(np.array([-1.0, 0.0, 2.0]), "gelu"), (2, 1)),
+                               rtol=1e-6, atol=1e-7)
 
 
 def test_empty_inputs_give_empty_output():
@@ -139,7 +216,10 @@ def test_plans_choose_matvec_up_to_8_rows():
     assert _core.gguf_matvec_shape(512) == (32, 4, 16)
     assert l.kernel == "gguf_matvec_q4_k_float16" and list(l.grid) == [13, 1, 1]
     assert list(l.threadgroup) == [64, 1, 1] and len(l.args) == 56
-    assert [(b.index, b.array_slot) for b in l.buffers] == [(0, 1), (1, 0), (2, 2)]
+    # buffer 4 (the epilogue's bias) bound to the weights when there is no bias
+    assert [(b.index, b.array_slot) for b in l.buffers] == [(0, 1), (1, 0), (2, 2), (4, 1)]
+    (l,) = _core.plan_gguf_matmul("Q4_K", "float16", 8, 100, 512, bias=True, activation="gelu")
+    assert [(b.index, b.array_slot) for b in l.buffers] == [(0, 1), (1, 0), (2, 3), (4, 2)]
     (l,) = _core.plan_gguf_matmul("Q4_K", "float16", 9, 100, 512)
     assert l.kernel == "gguf_matmul_q4_k_float16" and list(l.grid) == [4, 1, 1]
     assert list(l.threadgroup) == [128, 1, 1] and len(l.args) == 56

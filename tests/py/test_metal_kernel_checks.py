@@ -20,6 +20,8 @@ import pytest
 
 import test_apply_token_bitmask as bitmask
 import test_gelu as gelu
+import test_gguf_matmul as gguf_matmul
+import test_layer_norm as layer_norm
 import test_decoder_layer_metal as layer
 import test_fused_moe as moe
 import test_hybrid_launches as hybrid
@@ -209,6 +211,9 @@ CASES = {
     "gated_delta": ({"gated_delta"}, lambda: hybrid.test_gated_delta_launches(True)),
     "causal_conv1d": ({"causal_conv1d"}, hybrid.test_causal_conv1d_launches),
     "gelu": ({"gelu"}, lambda: (gelu.test_launches_on_numpy(False), gelu.test_launches_on_numpy(True))),
+    "layer_norm": ({"layer_norm"}, lambda: (layer_norm.test_launches_on_numpy(3, 1000, "float32", True),
+                                            layer_norm.test_launches_on_numpy(5, 33, "float16", False))),
+    "gguf_matmul_epilogue": ({"gguf_matmul"}, gguf_matmul.test_epilogue_launches_on_numpy),
     "varlen_attention": ({"varlen_attention"}, lambda: (varlen.test_launches_on_numpy(False),
                                                         varlen.test_launches_on_numpy(True),
                                                         varlen.test_launches_on_numpy(False, 3))),

@@ -26,10 +26,22 @@ import numpy as np
 
 from vllm_metal import ops
 from vllm_metal.models.encoder_archs import BERT_ARCHITECTURES
+from vllm_metal.models.gguf_linear import GGUFLinear
 
 # ops.gelu: MLX's CPU erf / exp are scalar (GELU took a third of a MiniLM layer)
 _ACTIVATIONS = {"gelu": ops.gelu, "gelu_new": lambda x: ops.gelu(x, approximate=True),
                 "gelu_pytorch_tanh": lambda x: ops.gelu(x, approximate=True), "relu": nn.relu}
+# the same GELUs as gguf_matmul's epilogue (GGUFLinear(x, activation=...))
+_EPILOGUES = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def add_layer_norm(norm: nn.LayerNorm, x: mx.array, residual: mx.array) -> mx.array:
+    """norm(x + residual). On the CPU one threaded pass (ops.layer_norm): MLX's CPU add and
+    LayerNorm run on one thread each, while our GEMM and attention use every core. The GPU
+    keeps MLX's add and its Metal LayerNorm (mx.fast.layer_norm), already one kernel each."""
+    if mx.default_device() == mx.cpu:
+        return ops.layer_norm(x, norm.weight, norm.bias, eps=norm.eps, residual=residual)
+    return norm(x + residual)
 
 
 @dataclass
@@ -92,7 +104,8 @@ class _Embeddings(nn.Module):
         self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
 
     def __call__(self, ids, positions, token_types):
-        return self.norm(self.word(ids) + self.position(positions) + self.token_type(token_types))
+        return add_layer_norm(self.norm, self.word(ids) + self.position(positions),
+                              self.token_type(token_types))
 
 
 class _Layer(nn.Module):
@@ -108,14 +121,22 @@ class _Layer(nn.Module):
         self.down = nn.Linear(c.intermediate_size, h)
         self.out_norm = nn.LayerNorm(h, eps=c.layer_norm_eps)
         self.act = _ACTIVATIONS[c.hidden_act]
+        self.epilogue = _EPILOGUES.get(c.hidden_act)
 
     def __call__(self, x, cu_seqlens):
         t = x.shape[0]
         qkv = self.qkv(x).reshape(t, 3, self.heads, self.head_dim)
         a = ops.varlen_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens=cu_seqlens,
                                  scale=self.head_dim ** -0.5)
-        x = self.attn_norm(self.attn_out(a.reshape(t, -1)) + x)
-        return self.out_norm(self.down(self.act(self.up(x))) + x)
+        x = add_layer_norm(self.attn_norm, self.attn_out(a.reshape(t, -1)), x)
+        return add_layer_norm(self.out_norm, self.down(self.up_act(x)), x)
+
+    def up_act(self, x):
+        # on gguf_matmul (the CPU) GELU runs in the GEMM's epilogue with the bias; MLX's
+        # nn.Linear (the GPU) keeps MLX's matmul and a separate (Metal) GELU
+        if self.epilogue and isinstance(self.up, GGUFLinear):
+            return self.up(x, activation=self.epilogue)
+        return self.act(self.up(x))
 
 
 class _Classifier(nn.Module):

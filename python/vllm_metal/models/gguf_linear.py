@@ -86,12 +86,18 @@ class GGUFLinear(_BlockWeight):
     def from_linear(cls, linear: nn.Linear) -> "GGUFLinear":
         return cls(linear.weight, bias=linear.bias if "bias" in linear else None)
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, activation: str = "none") -> mx.array:
+        """activation: "none", or "gelu" / "gelu_tanh" applied after the bias (ops.gelu)."""
         blocks, qtype, shape = self.matmul_args()
-        y = ops.gguf_matmul(x, blocks, qtype, shape, exact=self.exact)
-        if "bias" in self:
-            y = y + self.bias
-        return y
+        bias = self.bias if "bias" in self else None
+        # The bias (and activation) in gguf_matmul's epilogue: no extra pass over y. Only
+        # in float32, where the fused add rounds exactly as a separate one did; a half-
+        # precision y rounds once instead of twice fused, which would move other models' bits.
+        if bias is None or (x.dtype == mx.float32 and bias.dtype == mx.float32):
+            return ops.gguf_matmul(x, blocks, qtype, shape, exact=self.exact, bias=bias,
+                                   activation=activation)
+        y = ops.gguf_matmul(x, blocks, qtype, shape, exact=self.exact) + bias
+        return y if activation == "none" else ops.gelu(y, approximate=activation == "gelu_tanh")
 
 
 class GGUFEmbedding(_BlockWeight):

@@ -1,5 +1,6 @@
 // Bindings of the encoder-model ops: varlen_attention, gelu and their planners.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
@@ -8,6 +9,7 @@
 #include "bindings/common.h"
 #include "mlx/array.h"
 #include "ops/gelu.h"
+#include "ops/layer_norm.h"
 #include "ops/varlen_attention.h"
 
 namespace nb = nanobind;
@@ -32,6 +34,12 @@ constexpr const char* kGeluDoc =
     "GELU element by element on a float array: x * Phi(x) (erf form, BERT's 'gelu'), or\n"
     "with approximate=True the tanh form ('gelu_new'). float32 arithmetic; Phi from\n"
     "Abramowitz & Stegun 7.1.26 (|erf error| <= 1.5e-7). Returns x's shape and dtype.";
+
+constexpr const char* kLayerNormDoc =
+    "LayerNorm over the last axis, optionally of a residual sum (post-LN blocks):\n"
+    "h = x (+ residual, rounded to x's dtype); returns (h - mean) / sqrt(var + eps) * weight\n"
+    "+ bias in x's dtype. weight, bias [hidden]; all arrays share one float dtype; float32\n"
+    "arithmetic.";
 
 }  // namespace
 
@@ -72,6 +80,22 @@ void bind_encoder(nb::module_& m) {
         return vm::gelu(x, approximate, to_stream_or_device(s));
       },
       "x"_a, nb::kw_only(), "approximate"_a = false, "stream"_a = nb::none(), kGeluDoc);
+  m.def(
+      "layer_norm",
+      [](const mx::array& x, const mx::array& weight, const mx::array& bias, float eps,
+         const std::optional<mx::array>& residual, const StreamArg& s) {
+        return vm::layer_norm(x, weight, bias, eps, residual, to_stream_or_device(s));
+      },
+      "x"_a, "weight"_a, "bias"_a, nb::kw_only(), "eps"_a, "residual"_a = nb::none(),
+      "stream"_a = nb::none(), kLayerNormDoc);
+  m.def(
+      "plan_layer_norm",
+      [](const std::string& dtype, int64_t rows, int64_t hidden, float eps, bool residual) {
+        return vm::plan_layer_norm(parse_float_dtype(dtype), rows, hidden, eps, residual);
+      },
+      "dtype"_a, "rows"_a, "hidden"_a, "eps"_a, "residual"_a = false,
+      "Kernel launches of layer_norm. Slots: 0 x, 1 weight, 2 bias, 3 out; with residual: "
+      "0 x, 1 residual, 2 weight, 3 bias, 4 out.");
   m.def(
       "plan_gelu",
       [](const std::string& dtype, int64_t count, bool approximate) {

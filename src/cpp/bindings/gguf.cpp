@@ -195,15 +195,18 @@ void bind_gguf(nb::module_& m) {
   m.def(
       "gguf_matmul",
       [](const mx::array& x, const mx::array& blocks, const TypeArg& type,
-         const std::vector<int64_t>& shape, bool exact, const StreamArg& s) {
-        return vm::gguf_matmul(x, blocks, to_type(type), to_shape(shape), exact,
-                               to_stream_or_device(s));
+         const std::vector<int64_t>& shape, bool exact, const std::optional<mx::array>& bias,
+         const std::string& activation, const StreamArg& s) {
+        return vm::gguf_matmul(x, blocks, to_type(type), to_shape(shape), exact, bias,
+                               vm::parse_gguf_activation(activation), to_stream_or_device(s));
       },
       "x"_a, "blocks"_a, "type"_a, "shape"_a, nb::kw_only(), "exact"_a = false,
-      "stream"_a = nb::none(),
+      "bias"_a = nb::none(), "activation"_a = "none", "stream"_a = nb::none(),
       "x @ W.T for W = [N, K] (shape) in GGUF block form; returns [..., N] in x's dtype. "
       "exact=False: the CPU rounds x to 8-bit blocks for Q4_0..Q8_0 and Q4_K..Q6_K "
-      "(llama.cpp's scheme); exact=True: float32 sums of x as given.");
+      "(llama.cpp's scheme); exact=True: float32 sums of x as given. Epilogue on the float32 "
+      "sums before the one rounding: bias [N] (x's dtype) added, then activation 'none', "
+      "'gelu' (erf) or 'gelu_tanh' (as ops.gelu).");
   m.def(
       "plan_gguf_dequantize",
       [](const TypeArg& type, const std::string& dtype, int64_t rows, int64_t cols) {
@@ -212,10 +215,14 @@ void bind_gguf(nb::module_& m) {
       "type"_a, "dtype"_a, "rows"_a, "cols"_a, "Kernel launches of gguf_dequantize.");
   m.def(
       "plan_gguf_matmul",
-      [](const TypeArg& type, const std::string& dtype, int64_t m, int64_t n, int64_t k) {
-        return vm::plan_gguf_matmul({to_type(type), parse_float_dtype(dtype), m, n, k});
+      [](const TypeArg& type, const std::string& dtype, int64_t m, int64_t n, int64_t k, bool bias,
+         const std::string& activation) {
+        return vm::plan_gguf_matmul({to_type(type), parse_float_dtype(dtype), m, n, k, bias,
+                                     vm::parse_gguf_activation(activation)});
       },
-      "type"_a, "dtype"_a, "m"_a, "n"_a, "k"_a, "Kernel launches of gguf_matmul.");
+      "type"_a, "dtype"_a, "m"_a, "n"_a, "k"_a, "bias"_a = false, "activation"_a = "none",
+      "Kernel launches of gguf_matmul. Slots: 0 x, 1 blocks, 2 y; with bias: 0 x, 1 blocks, "
+      "2 bias, 3 y.");
   m.def(
       "gguf_matvec_shape",
       [](int64_t k) {

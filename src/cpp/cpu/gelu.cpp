@@ -96,6 +96,13 @@ void run(const void* xv, void* yv, int64_t count, bool approximate) {
 
 }  // namespace
 
+void gelu_inplace_f32(float* y, int64_t count, bool approximate) {
+#if defined(__x86_64__)
+  if (has_avx2_fma()) return span_avx2<Elt::kF32>(y, y, 0, count, approximate);
+#endif
+  span_scalar<Elt::kF32>(y, y, 0, count, approximate);
+}
+
 void gelu(Elt elt, const void* x, void* out, int64_t count, bool approximate) {
   switch (elt) {
     case Elt::kF32: return run<Elt::kF32>(x, out, count, approximate);

@@ -12,4 +12,7 @@ namespace vllm_metal::cpu {
 
 void gelu(Elt elt, const void* x, void* out, int64_t count, bool approximate);
 
+// The same on float32 in place, on the calling thread (GEMM epilogues: cpu/gguf_matmul.h).
+void gelu_inplace_f32(float* y, int64_t count, bool approximate);
+
 }  // namespace vllm_metal::cpu

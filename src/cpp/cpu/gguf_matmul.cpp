@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cpu/batch_invariant.h"
+#include "cpu/gelu.h"
 #include "cpu/gguf_kernels.h"
 #include "cpu/gguf_pool.h"
 #include "cpu/gguf_quants.h"
@@ -127,6 +128,42 @@ void store_block(Elt elt, const float* src, int64_t lds, int64_t m, int64_t nc, 
   }
 }
 
+// The bias (as float32) and activation applied to float sums before they are stored.
+struct Epilogue {
+  const float* bias = nullptr;  // [n]
+  GgufActivation act = GgufActivation::kNone;
+  bool any() const { return bias != nullptr || act != GgufActivation::kNone; }
+};
+
+// a's epilogue; a bias in half precision is widened into buf.
+Epilogue make_epilogue(const GgufMatmul& a, std::vector<float>& buf) {
+  Epilogue e;
+  e.act = a.activation;
+  if (a.bias != nullptr) {
+    if (a.elt == Elt::kF32) {
+      e.bias = static_cast<const float*>(a.bias);
+    } else {
+      buf.resize(a.n);
+      to_floats(a.elt, a.bias, a.n, buf.data());
+      e.bias = buf.data();
+    }
+  }
+  return e;
+}
+
+// y[i, j] = act(y[i, j] + bias[c0 + j]) for i < m, j < nc (float sums of outputs c0 ..).
+void apply_epilogue(const Epilogue& e, float* y, int64_t ldy, int64_t m, int64_t nc, int64_t c0) {
+  if (!e.any()) return;
+  for (int64_t i = 0; i < m; ++i) {
+    float* r = y + i * ldy;
+    if (e.bias != nullptr) {
+      const float* b = e.bias + c0;
+      for (int64_t j = 0; j < nc; ++j) r[j] += b[j];
+    }
+    if (e.act != GgufActivation::kNone) gelu_inplace_f32(r, nc, e.act == GgufActivation::kGeluTanh);
+  }
+}
+
 // Per-thread scratch, kept across calls (no allocation per call in steady state).
 float* scratch_floats(std::vector<float>& v, size_t n) {
   if (v.size() < n) v.resize(n);
@@ -209,6 +246,7 @@ struct MatvecPlan {
   GgufQ8DotFn qdot = nullptr;     // integer path (x rounded to 8 bits)
   GgufFloatDotFn edot = nullptr;  // `exact` straight from the blocks
   GgufQ8PackFn pack = nullptr;    // integer path, many rows: weight panels
+  Epilogue epi;
 
   // Weight rows one pool task should take at least (kMinTaskBytes of them; whole panels).
   int64_t grain() const {
@@ -254,6 +292,7 @@ struct MatvecPlan {
               std::min(kGgufMatvecMaxRows, m - i0), k, y + i0 * ldy, ldy);
         }
       }
+      apply_epilogue(epi, y, ldy, m, nr, r0);
       if (!direct) store_block(a->elt, y, ldy, m, nr, a->y, n, r0);
       r0 += nr;
     }
@@ -287,6 +326,7 @@ struct MatvecPlan {
         pack(w + r0 * rb, rb, nr, k, panel);
         kern->q8_panel_dot(panel, xq, y + (r0 - c0), ldy);
       }
+      apply_epilogue(epi, y, ldy, m, cols, c0);
       if (!direct) store_block(a->elt, y, ldy, m, cols, a->y, n, c0);
     }
   }
@@ -325,9 +365,10 @@ GgufQ8Rows quantize_x(const GgufKernels& kern, const float* xf, int64_t m, int64
 
 // `xq` may already hold x rounded to 8 bits (xq.q != null), else it is made when needed.
 MatvecPlan plan_matvec(const GgufKernels& kern, const GgufMatmul& a, const float* xf,
-                       GgufQ8Rows& xq) {
+                       GgufQ8Rows& xq, const Epilogue& epi) {
   MatvecPlan p;
   p.a = &a;
+  p.epi = epi;
   p.kern = &kern;
   p.xf = xf;
   p.rb = gguf::row_bytes(a.type, a.k);
@@ -346,9 +387,9 @@ MatvecPlan plan_matvec(const GgufKernels& kern, const GgufMatmul& a, const float
   return p;
 }
 
-void matvec(const GgufKernels& kern, const GgufMatmul& a, const float* xf) {
+void matvec(const GgufKernels& kern, const GgufMatmul& a, const float* xf, const Epilogue& epi) {
   GgufQ8Rows xq;
-  const MatvecPlan p = plan_matvec(kern, a, xf, xq);
+  const MatvecPlan p = plan_matvec(kern, a, xf, xq, epi);
   // panels: split the work on whole panels
   const int64_t unit = p.pack ? kern.q8_panel_cols : 1;
   gguf_parallel_for((a.n + unit - 1) / unit, p.grain() / unit, [&](int64_t begin, int64_t end) {
@@ -411,7 +452,7 @@ void pack_x_panels(const float* xf, int64_t k, int64_t i0, int64_t rows, int64_t
 // Calls of prefill, so that a thread's packed x block is known to belong to this call.
 std::atomic<uint64_t> g_prefill_calls{0};
 
-void prefill(const GgufKernels& kern, const GgufMatmul& a, const float* xf) {
+void prefill(const GgufKernels& kern, const GgufMatmul& a, const float* xf, const Epilogue& epi) {
   const int64_t m = a.m, n = a.n, k = a.k;
   constexpr int64_t W = kGgufPanelWidth;
   const gguf::TypeInfo ti = gguf::type_info(a.type);
@@ -471,6 +512,7 @@ void prefill(const GgufKernels& kern, const GgufMatmul& a, const float* xf) {
           }
         }
       }
+      apply_epilogue(epi, acc, group, rows, nr, r0);
       store_block(a.elt, acc, group, rows, nr,
                   static_cast<char*>(a.y) + i0 * n * (a.elt == Elt::kF32 ? 4 : 2), n, r0);
     }
@@ -492,9 +534,11 @@ void gguf_matmul(const GgufMatmul& a) {
   const GgufKernels& kern = kernels();
   std::vector<float> xbuf;
   const float* xf = x_as_float(a, xbuf);
+  std::vector<float> bias_buf;
+  const Epilogue epi = make_epilogue(a, bias_buf);
   const bool int8 = int8_path(kern, a.type, a.exact);
   if (a.m <= matvec_max_rows(kern, a.type, a.exact)) {
-    matvec(kern, a, xf);
+    matvec(kern, a, xf, epi);
     return;
   }
   // The integer path multiplies x rounded to 8-bit blocks; larger calls round x the same
@@ -503,10 +547,10 @@ void gguf_matmul(const GgufMatmul& a) {
   if (int8) {
     std::vector<float> rounded(a.m * a.k);
     round_through_q8(kern, xf, a.m, a.k, rounded.data());
-    prefill(kern, a, rounded.data());
+    prefill(kern, a, rounded.data(), epi);
     return;
   }
-  prefill(kern, a, xf);
+  prefill(kern, a, xf, epi);
 }
 
 void gguf_matmul_group(const GgufMatmul* mats, int count) {
@@ -529,13 +573,14 @@ void gguf_matmul_group(const GgufMatmul* mats, int count) {
   const float* xf = x_as_float(a0, xbuf);
   GgufQ8Rows xq;  // rounded once, shared by every matrix on the integer path
   std::vector<MatvecPlan> plans;
+  std::vector<std::vector<float>> bias_bufs(count);
   struct Segment {
     int plan;
     int64_t begin, end;
   };
   std::vector<Segment> segments;
   for (int i = 0; i < count; ++i) {
-    plans.push_back(plan_matvec(kern, mats[i], xf, xq));
+    plans.push_back(plan_matvec(kern, mats[i], xf, xq, make_epilogue(mats[i], bias_bufs[i])));
     const int64_t grain = plans.back().grain();
     for (int64_t r = 0; r < mats[i].n; r += grain) {
       segments.push_back({i, r, std::min(mats[i].n, r + grain)});

@@ -31,6 +31,11 @@ constexpr int64_t kGgufMatvecMaxRows = 8;  // rows per pass of the mat-vec kerne
 // (cheaper than decoding the weights to float for the tiles; benchmarks/gguf_bench.py).
 constexpr int64_t kGgufInt8MaxRows = 256;
 
+// What the matmul does to each output before storing it (its epilogue): y = act(x W^T + b).
+// Saves a pass over y per step (a separate bias add and GELU each read and write all of
+// it; MLX's CPU elementwise ops run on one thread).
+enum class GgufActivation : int { kNone = 0, kGelu = 1, kGeluTanh = 2 };
+
 struct GgufMatmul {
   gguf::GGMLType type = gguf::GGMLType::kF32;
   const void* w = nullptr;  // [n, row_bytes(type, k)]
@@ -43,6 +48,8 @@ struct GgufMatmul {
   // true: float32 sums of the exact x on every path (no 8-bit activations);
   // for parity tests against dense references, at the float path's speed.
   bool exact = false;
+  const void* bias = nullptr;  // [n] in elt, or null: added to every row in float32
+  GgufActivation activation = GgufActivation::kNone;  // after the bias (cpu/gelu.h formulas)
 };
 
 void gguf_matmul(const GgufMatmul& a);

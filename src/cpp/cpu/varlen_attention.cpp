@@ -113,7 +113,9 @@ void attend_tile(const VarlenAttentionParams& p, const AttentionVecOps<E>& ops, 
 }
 
 #if defined(__x86_64__)
-constexpr int kPairs = 4;  // (row, q head) pairs sharing each K^T / V load
+// (row, q head) pairs sharing each K^T / V load: 6 fill 12 of the 16 ymm registers with sums
+// (4 -> 6: 8.3 -> 7.3 ms at 256 x 16 tokens, 58.9 -> 56.7 ms at 8 x 512; one core, CPU time)
+constexpr int kPairs = 6;
 constexpr int64_t kKeyBlock = 16;  // keys per score block: two vectors
 
 // Scores, softmax and P . V of up to kPairs (row, q head) pairs at once. Scores take 16
@@ -131,6 +133,13 @@ VLLM_METAL_AVX2 void attend_pairs(const float* kt, const float* vf, int64_t d, i
   const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 vmax[NP];
   for (int pr = 0; pr < NP; ++pr) vmax[pr] = ninf;
+  // keys [lo, hi) every pair sees: no mask there (all of them in bidirectional attention
+  // but the zero keys after the last; the masks cost ~15% of a 512-key tile)
+  int64_t lo = 0, hi = nk16;
+  for (int pr = 0; pr < NP; ++pr) {
+    lo = std::max(lo, first[pr]);
+    hi = std::min(hi, visible[pr]);
+  }
   for (int64_t c = 0; c < nk16; c += kKeyBlock) {
     __m256 acc[NP][2];
     for (int pr = 0; pr < NP; ++pr) acc[pr][0] = acc[pr][1] = _mm256_setzero_ps();
@@ -142,6 +151,14 @@ VLLM_METAL_AVX2 void attend_pairs(const float* kt, const float* vf, int64_t d, i
         acc[pr][0] = _mm256_fmadd_ps(qv, k0, acc[pr][0]);
         acc[pr][1] = _mm256_fmadd_ps(qv, k1, acc[pr][1]);
       }
+    }
+    if (c >= lo && c + kKeyBlock <= hi) {
+      for (int pr = 0; pr < NP; ++pr) {
+        _mm256_storeu_ps(s + pr * nk16 + c, acc[pr][0]);
+        _mm256_storeu_ps(s + pr * nk16 + c + 8, acc[pr][1]);
+        vmax[pr] = _mm256_max_ps(vmax[pr], _mm256_max_ps(acc[pr][0], acc[pr][1]));
+      }
+      continue;
     }
     for (int h = 0; h < 2; ++h) {
       const __m256 idx = _mm256_add_ps(lane, _mm256_set1_ps(float(c + 8 * h)));
@@ -167,7 +184,8 @@ VLLM_METAL_AVX2 void attend_pairs(const float* kt, const float* vf, int64_t d, i
     for (int64_t c = 0; c < nk16; c += 8) {
       const __m256 x = _mm256_loadu_ps(sp + c);
       // masked keys get exactly 0 (exp8 clamps, it never returns 0 itself)
-      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, mv)), _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ));
+      const __m256 e = c >= lo && c + 8 <= hi ? exp8(_mm256_sub_ps(x, mv))
+          : _mm256_and_ps(exp8(_mm256_sub_ps(x, mv)), _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ));
       _mm256_storeu_ps(sp + c, e);
       vsum = _mm256_add_ps(vsum, e);
     }
@@ -265,6 +283,8 @@ VLLM_METAL_AVX2 void attend_tile_avx2(const VarlenAttentionParams& p, const Task
       dst[pr] = out + row_at;
     }
     switch (np) {
+      case 6: attend_pairs<E, 6>(kt, vf, d, nk16, q, s, first, visible, dst); break;
+      case 5: attend_pairs<E, 5>(kt, vf, d, nk16, q, s, first, visible, dst); break;
       case 4: attend_pairs<E, 4>(kt, vf, d, nk16, q, s, first, visible, dst); break;
       case 3: attend_pairs<E, 3>(kt, vf, d, nk16, q, s, first, visible, dst); break;
       case 2: attend_pairs<E, 2>(kt, vf, d, nk16, q, s, first, visible, dst); break;

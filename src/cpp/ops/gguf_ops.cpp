@@ -11,6 +11,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "ops/dtype_names.h"
+#include "ops/gelu.h"
 
 namespace vllm_metal {
 
@@ -87,8 +88,16 @@ mx::array gguf_dequantize(const mx::array& blocks, GGMLType type, const mx::Shap
                    {flat_bytes(blocks, s)});
 }
 
+cpu::GgufActivation parse_gguf_activation(const std::string& name) {
+  if (name == "none") return cpu::GgufActivation::kNone;
+  if (name == "gelu") return cpu::GgufActivation::kGelu;
+  if (name == "gelu_tanh") return cpu::GgufActivation::kGeluTanh;
+  fail("gguf_matmul", "activation must be 'none', 'gelu' or 'gelu_tanh', got '" + name + "'");
+}
+
 mx::array gguf_matmul(const mx::array& x, const mx::array& blocks, GGMLType type,
-                      const mx::Shape& shape, bool exact, mx::StreamOrDevice s) {
+                      const mx::Shape& shape, bool exact, const std::optional<mx::array>& bias,
+                      cpu::GgufActivation activation, mx::StreamOrDevice s) {
   const char* op = "gguf_matmul";
   check_float_dtype(op, "x", x.dtype());
   if (shape.size() != 2) fail(op, "shape must be [N, K], got " + shape_str(shape));
@@ -97,15 +106,34 @@ mx::array gguf_matmul(const mx::array& x, const mx::array& blocks, GGMLType type
     fail(op, "x must have K = " + std::to_string(shape[1]) + " on its last axis, got shape " +
                  shape_str(x.shape()));
   }
+  if (bias) {
+    if (bias->dtype() != x.dtype()) {
+      fail(op, "bias must have x's dtype " + dtype_name(x.dtype()) + ", got " +
+                   dtype_name(bias->dtype()));
+    }
+    if (bias->ndim() != 1 || bias->shape(0) != shape[0]) {
+      fail(op, "bias must have shape [N] = [" + std::to_string(shape[0]) + "], got " +
+                   shape_str(bias->shape()));
+    }
+  }
   mx::Shape out_shape = x.shape();
   out_shape.back() = shape[0];
-  if (x.size() == 0 || shape[0] == 0) return mx::zeros(out_shape, x.dtype(), s);
-  if (shape[1] == 0) return mx::zeros(out_shape, x.dtype(), s);
+  if (shape[0] == 0 || (x.size() == 0 && shape[1] != 0)) {
+    return mx::zeros(out_shape, x.dtype(), s);
+  }
+  if (shape[1] == 0) {  // no sums: the epilogue of zeros
+    mx::array y = mx::zeros(out_shape, x.dtype(), s);
+    if (bias) y = mx::add(y, *bias, s);
+    if (activation == cpu::GgufActivation::kNone) return y;
+    return gelu(y, activation == cpu::GgufActivation::kGeluTanh, s);
+  }
   auto stream = mx::to_stream(s);
+  std::vector<mx::array> inputs = {mx::contiguous(x, false, s), flat_bytes(blocks, s)};
+  if (bias) inputs.push_back(mx::contiguous(*bias, false, s));
   return mx::array(out_shape, x.dtype(),
                    std::make_shared<GgufMatmul>(stream, default_kernel_backend(), type, shape[0],
-                                                shape[1], exact),
-                   {mx::contiguous(x, false, s), flat_bytes(blocks, s)});
+                                                shape[1], exact, bias.has_value(), activation),
+                   std::move(inputs));
 }
 
 // ---- planners ----------------------------------------------------------------------
@@ -177,6 +205,7 @@ KernelPlan plan_gguf_matmul(const GgufMatmulProblem& p) {
   args.n = static_cast<uint32_t>(p.n);
   args.k = static_cast<uint32_t>(p.k);
   args.chunks = ceil_div(p.k, 16);
+  args.epilogue = (p.bias ? 1u : 0u) | static_cast<uint32_t>(p.activation) << 1;
   if (matvec) {
     // 2 simdgroups of rows_per_simdgroup weight rows per threadgroup; y: groups of 8 x rows
     const GgufMatvecShape shape = gguf_matvec_shape(p.k);
@@ -192,8 +221,11 @@ KernelPlan plan_gguf_matmul(const GgufMatmulProblem& p) {
   }
   l.bind(0, 1);  // w
   l.bind(1, 0);  // x
-  l.bind(2, 2);  // y
+  l.bind(2, p.bias ? 3 : 2);  // y
   l.set_args(3, args);
+  // bias; without one the kernel never reads buffer 4, bound to w so that every buffer
+  // the function declares is bound (Metal's validation asks for it)
+  l.bind(4, p.bias ? 2 : 1);
   return {l};
 }
 
@@ -234,6 +266,8 @@ GgufMatmulProblem GgufMatmul::problem(const std::vector<mx::array>& inputs) cons
   p.k = k_;
   p.n = n_;
   p.m = static_cast<int64_t>(inputs[0].size()) / k_;
+  p.bias = bias_;
+  p.activation = activation_;
   return p;
 }
 
@@ -245,7 +279,7 @@ KernelPlan GgufMatmul::plan(const std::vector<mx::array>& inputs,
 bool GgufMatmul::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const GgufMatmul&>(other);
   return type_ == o.type_ && n_ == o.n_ && k_ == o.k_ && exact_ == o.exact_ &&
-         backend() == o.backend();
+         bias_ == o.bias_ && activation_ == o.activation_ && backend() == o.backend();
 }
 
 void GgufMatmul::eval_native_cpu(const std::vector<mx::array>& inputs,
@@ -258,12 +292,14 @@ void GgufMatmul::eval_native_cpu(const std::vector<mx::array>& inputs,
   a.m = p.m;
   a.elt = elt_of(p.dtype);
   a.exact = exact_;
+  a.activation = activation_;
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& in : inputs) encoder.set_input_array(in);
   encoder.set_output_array(outputs[0]);
-  encoder.dispatch([a, inputs, out = outputs[0]]() mutable {
+  encoder.dispatch([a, inputs, out = outputs[0], bias = bias_]() mutable {
     a.x = inputs[0].data<void>();
     a.w = inputs[1].data<uint8_t>();
+    a.bias = bias ? inputs[2].data<void>() : nullptr;
     a.y = out.data<void>();
     cpu::gguf_matmul(a);
   });

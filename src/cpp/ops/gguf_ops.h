@@ -8,11 +8,13 @@
 // path (block size 1), so dense checkpoints use our CPU GEMM too.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "mlx/array.h"
 #include "mlx/utils.h"
+#include "cpu/gguf_matmul.h"
 #include "ops/kernel_primitive.h"
 #include "runtime/gguf_types.h"
 
@@ -25,8 +27,16 @@ mx::array gguf_dequantize(const mx::array& blocks, gguf::GGMLType type, const mx
 // exact = false: the CPU rounds x to 8-bit blocks for the integer-capable types
 // (llama.cpp's scheme, fastest); true: float32 sums of x as given (cpu/gguf_matmul.h).
 // Metal kernels always sum in float.
+// Epilogue: bias [N] (x's dtype) added to the float32 sums, then `activation` (GELU, erf or
+// tanh form: ops/gelu.h), before the one rounding to x's dtype: act(x @ W^T + bias).
 mx::array gguf_matmul(const mx::array& x, const mx::array& blocks, gguf::GGMLType type,
-                      const mx::Shape& shape, bool exact = false, mx::StreamOrDevice s = {});
+                      const mx::Shape& shape, bool exact = false,
+                      const std::optional<mx::array>& bias = std::nullopt,
+                      cpu::GgufActivation activation = cpu::GgufActivation::kNone,
+                      mx::StreamOrDevice s = {});
+
+// "none" | "gelu" | "gelu_tanh"; anything else throws std::invalid_argument.
+cpu::GgufActivation parse_gguf_activation(const std::string& name);
 
 // Throws std::invalid_argument "[op] type Q2_XXS is not supported ..." for
 // types our kernels do not decode.
@@ -61,6 +71,8 @@ struct GgufMatmulProblem {
   int64_t m = 0;
   int64_t n = 0;
   int64_t k = 0;
+  bool bias = false;  // the epilogue (gguf_matmul): a bias array at slot 2, y moves to slot 3
+  cpu::GgufActivation activation = cpu::GgufActivation::kNone;
 };
 
 // "gguf_dequantize_q4_k_float16"
@@ -71,7 +83,7 @@ std::string gguf_matmul_kernel_name(gguf::GGMLType type, mx::Dtype dtype, bool m
 
 // Slots: 0 blocks, 1 out. One thread per 16-weight chunk.
 KernelPlan plan_gguf_dequantize(const GgufDequantizeProblem& p);
-// Slots: 0 x, 1 blocks, 2 y.
+// Slots: 0 x, 1 blocks, 2 y; with p.bias: 0 x, 1 blocks, 2 bias, 3 y.
 KernelPlan plan_gguf_matmul(const GgufMatmulProblem& p);
 
 class GgufDequantize : public KernelPrimitive {
@@ -98,8 +110,10 @@ class GgufDequantize : public KernelPrimitive {
 class GgufMatmul : public KernelPrimitive {
  public:
   GgufMatmul(mx::Stream stream, KernelBackend backend, gguf::GGMLType type, int64_t n, int64_t k,
-             bool exact)
-      : KernelPrimitive(stream, backend), type_(type), n_(n), k_(k), exact_(exact) {}
+             bool exact, bool bias = false,
+             cpu::GgufActivation activation = cpu::GgufActivation::kNone)
+      : KernelPrimitive(stream, backend), type_(type), n_(n), k_(k), exact_(exact), bias_(bias),
+        activation_(activation) {}
 
   KernelPlan plan(const std::vector<mx::array>& inputs,
                   const std::vector<mx::array>& outputs) const override;
@@ -116,6 +130,8 @@ class GgufMatmul : public KernelPrimitive {
   int64_t n_;
   int64_t k_;
   bool exact_;
+  bool bias_;
+  cpu::GgufActivation activation_;
 };
 
 }  // namespace vllm_metal
