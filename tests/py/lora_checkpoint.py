@@ -110,3 +110,27 @@ def write_gguf_adapter(path, weights: dict, num_layers: int, *, arch: str, r: in
     writer.write_tensors_to_file()
     writer.close()
     return deltas
+
+
+def write_two_adapters(out_dir, base, num_layers: int) -> dict:
+    """Adapters a1 (rank 8, every projection) and a2 (rank 4, q/v/down) in out_dir/a1 and
+    out_dir/a2, strong enough to change greedy tokens; -> name -> write_adapter's deltas."""
+    out, w = Path(out_dir), base_weights(base)
+    return {"a1": write_adapter(out / "a1", w, num_layers, r=8, alpha=16, seed=41, magnitude=2.0),
+            "a2": write_adapter(out / "a2", w, num_layers, r=4, alpha=8, seed=42, magnitude=2.0,
+                                targets=("q_proj", "v_proj", "down_proj"))}
+
+
+def merged_greedy(base, out_dir, deltas: dict, prompts: dict, max_tokens: int) -> dict:
+    """name -> greedy tokens of prompts[name] on the base ("base") or on the base with
+    deltas[name] merged (written to out_dir/m_<name>); asserts each adapter changes them."""
+    from vllm_metal.models import load_model
+    from vllm_metal.models.generate import greedy_generate
+
+    want = {}
+    for name, prompt in prompts.items():
+        ckpt = base if name == "base" else write_merged(base, Path(out_dir) / f"m_{name}", deltas[name])
+        want[name] = greedy_generate(load_model(str(ckpt), "float32"), [prompt], max_tokens,
+                                     stop_ids=[])[0]
+    assert len({tuple(v) for v in want.values()}) == len(want)  # each adapter matters
+    return want

@@ -10,11 +10,9 @@ import concurrent.futures
 
 import pytest
 
-from lora_checkpoint import base_weights, write_adapter, write_merged
+from lora_checkpoint import base_weights, merged_greedy, write_adapter, write_two_adapters
 from parallel_reference import ARGS, tiny_llama
 from serving_harness import Server
-from vllm_metal.models import load_model
-from vllm_metal.models.generate import greedy_generate
 
 pytestmark = [pytest.mark.serving, pytest.mark.slow]
 
@@ -25,16 +23,7 @@ MAX_TOKENS = 10
 
 def test_each_request_equals_its_merged_checkpoint_across_two_stages(tmp_path):
     base = tiny_llama(tmp_path / "base")
-    w = base_weights(base)
-    deltas = {"a1": write_adapter(tmp_path / "a1", w, LAYERS, r=8, alpha=16, seed=41, magnitude=2.0),
-              "a2": write_adapter(tmp_path / "a2", w, LAYERS, r=4, alpha=8, seed=42, magnitude=2.0,
-                                  targets=("q_proj", "v_proj", "down_proj"))}
-    want = {}
-    for name, prompt in PROMPTS.items():
-        ckpt = base if name == "base" else write_merged(base, tmp_path / f"m_{name}", deltas[name])
-        want[name] = greedy_generate(load_model(str(ckpt), "float32"), [prompt], MAX_TOKENS,
-                                     stop_ids=[])[0]
-    assert len({tuple(v) for v in want.values()}) == len(want)  # each adapter matters
+    want = merged_greedy(base, tmp_path, write_two_adapters(tmp_path, base, LAYERS), PROMPTS, MAX_TOKENS)
     server = Server(str(base), "tiny", ARGS + [
         "--pipeline-parallel-size", "2", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
         "--lora-modules", f"a1={tmp_path / 'a1'}", f"a2={tmp_path / 'a2'}"],
@@ -52,7 +41,7 @@ def test_each_request_equals_its_merged_checkpoint_across_two_stages(tmp_path):
             got = dict(zip(PROMPTS, pool.map(run, PROMPTS)))
         assert got == want
         # an adapter whose shapes do not fit is refused by the stage holding the layer
-        bad = write_adapter(tmp_path / "bad", w, LAYERS, r=16, alpha=16, seed=43, layers=[2])
+        bad = write_adapter(tmp_path / "bad", base_weights(base), LAYERS, r=16, alpha=16, seed=43, layers=[2])
         assert bad
         r = server.client.post("/v1/load_lora_adapter", json={"lora_name": "bad",
                                                                "lora_path": str(tmp_path / "bad")})

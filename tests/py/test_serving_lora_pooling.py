@@ -12,7 +12,7 @@ import concurrent.futures as cf
 import numpy as np
 import pytest
 
-from lora_checkpoint import base_weights, write_adapter, write_merged
+from lora_checkpoint import write_merged, write_two_adapters
 from pooling_checkpoint import VOCAB, write_embedder
 from pooling_reference import cosine, embedding
 from serving_harness import Server
@@ -33,10 +33,7 @@ def _embed(server, model: str, inputs) -> list[np.ndarray]:
 
 def test_each_adapter_embeds_as_its_merged_checkpoint(tmp_path):
     base = write_embedder(tmp_path / "base")
-    w = base_weights(base)
-    deltas = {"a1": write_adapter(tmp_path / "a1", w, LAYERS, r=8, alpha=16, seed=41, magnitude=2.0),
-              "a2": write_adapter(tmp_path / "a2", w, LAYERS, r=4, alpha=8, seed=42, magnitude=2.0,
-                                  targets=("q_proj", "v_proj", "down_proj"))}
+    deltas = write_two_adapters(tmp_path, base, LAYERS)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, VOCAB, n).tolist() for n in (3, 17, 40)]
     models = {"embedder": base, **{n: write_merged(base, tmp_path / f"m_{n}", d)

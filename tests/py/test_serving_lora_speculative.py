@@ -12,11 +12,9 @@ import json
 
 import pytest
 
-from lora_checkpoint import base_weights, write_adapter, write_merged
+from lora_checkpoint import merged_greedy, write_two_adapters
 from serving_harness import Server
 from test_serving_emulated import tiny_attention_checkpoint
-from vllm_metal.models import load_model
-from vllm_metal.models.generate import greedy_generate
 
 pytestmark = [pytest.mark.serving, pytest.mark.slow]
 
@@ -45,16 +43,7 @@ def speculative_config(method: str, base, tmp_path) -> dict:
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
 def test_each_request_equals_its_merged_checkpoint_with_drafts(tmp_path, method):
     base = tiny_attention_checkpoint("llama", tmp_path / "base")
-    w = base_weights(base)
-    deltas = {"a1": write_adapter(tmp_path / "a1", w, LAYERS, r=8, alpha=16, seed=41, magnitude=2.0),
-              "a2": write_adapter(tmp_path / "a2", w, LAYERS, r=4, alpha=8, seed=42, magnitude=2.0,
-                                  targets=("q_proj", "v_proj", "down_proj"))}
-    want = {}
-    for name, prompt in PROMPTS.items():
-        ckpt = base if name == "base" else write_merged(base, tmp_path / f"m_{name}", deltas[name])
-        want[name] = greedy_generate(load_model(str(ckpt), "float32"), [prompt], MAX_TOKENS,
-                                     stop_ids=[])[0]
-    assert len({tuple(v) for v in want.values()}) == len(want)  # each adapter matters
+    want = merged_greedy(base, tmp_path, write_two_adapters(tmp_path, base, LAYERS), PROMPTS, MAX_TOKENS)
     server = Server(str(base), "llama-tiny", [
         "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4",
         "--num-gpu-blocks-override", "64", "--enable-lora", "--max-loras", "2",

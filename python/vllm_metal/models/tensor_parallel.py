@@ -72,15 +72,7 @@ def column_slice(layer: nn.Module, start: int, stop: int, name: str) -> None:
     """Keep input columns [start, stop) of a projection; block-form GGUF weights only at
     whole blocks."""
     if isinstance(layer, GGUFLinear) and layer.is_blocks:
-        from vllm_metal import _core
-
-        type_name, block, block_bytes, _ = _core.gguf_type_info(layer.qtype)
-        if start % block or stop % block:
-            raise TensorParallelError(
-                f"{name}: its {type_name} blocks hold {block} columns, and a split at columns "
-                f"{start}:{stop} cuts through a block; use a tensor-parallel size that divides "
-                f"{layer.in_features // block} blocks")
-        first, last = start // block * block_bytes, stop // block * block_bytes
+        first, last = block_bytes(layer.qtype, start, stop, layer.in_features, name)
         layer.weight = mx.contiguous(layer.weight[:, first:last])
         layer.in_features = stop - start
     elif isinstance(layer, GGUFLinear):
@@ -91,6 +83,20 @@ def column_slice(layer: nn.Module, start: int, stop: int, name: str) -> None:
     else:
         raise TensorParallelError(f"{name}: {type(layer).__name__} layers cannot be split yet "
                                   "(MLX-quantized checkpoints are not supported with tensor parallelism)")
+
+
+def block_bytes(type_id: int, start: int, stop: int, cols: int, name: str) -> tuple[int, int]:
+    """The byte range of a GGUF row's columns [start, stop); a split through a block is
+    refused, naming the tensor."""
+    from vllm_metal import _core
+
+    type_name, block, nbytes, _ = _core.gguf_type_info(type_id)
+    if start % block or stop % block:
+        raise TensorParallelError(
+            f"{name}: its {type_name} blocks hold {block} columns, and a split at columns "
+            f"{start}:{stop} cuts through a block; use a tensor-parallel size that divides "
+            f"{cols // block} blocks")
+    return start // block * nbytes, stop // block * nbytes
 
 
 def check_divisible(num_heads: int, num_kv_heads: int, intermediate: int | None, size: int) -> None:

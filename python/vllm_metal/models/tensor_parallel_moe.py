@@ -19,7 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from vllm_metal.models.moe import FusedMoeBlock, GGUFExperts, GGUFSwitchGLU, _is_streamed
-from vllm_metal.models.tensor_parallel import TensorParallelError, column_slice, row_slice
+from vllm_metal.models.tensor_parallel import (TensorParallelError, block_bytes, column_slice,
+                                               row_slice)
 
 
 class AllSumMoe(nn.Module):
@@ -43,21 +44,14 @@ def expert_columns(block: FusedMoeBlock) -> int:
 def _slice_experts(proj, start: int, stop: int, *, columns: bool, name: str) -> None:
     """Rows (gate/up) or input columns (down) [start, stop) of every expert."""
     if isinstance(proj, GGUFExperts):
-        from vllm_metal import _core
-
         # the file's bytes, one row of blocks per (expert, row): [E * rows, row_bytes]
         w = proj.weight.reshape(proj.num_experts, proj.rows, -1)
         if not columns:
             proj.weight = mx.contiguous(w[:, start:stop]).reshape(-1, w.shape[2])
             proj.rows = stop - start
             return
-        type_name, block, block_bytes, _ = _core.gguf_type_info(proj.type_id)
-        if start % block or stop % block:
-            raise TensorParallelError(
-                f"{name}: its {type_name} blocks hold {block} columns, and a split at columns "
-                f"{start}:{stop} cuts through a block; use a tensor-parallel size that divides "
-                f"{proj.cols // block} blocks")
-        kept = w[:, :, start // block * block_bytes:stop // block * block_bytes]
+        first, last = block_bytes(proj.type_id, start, stop, proj.cols, name)
+        kept = w[:, :, first:last]
         proj.weight = mx.contiguous(kept).reshape(-1, kept.shape[2])
         proj.cols = stop - start
         return
