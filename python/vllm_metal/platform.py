@@ -376,6 +376,12 @@ def _refuse_unsupported_tensor_parallel(vllm_config: VllmConfig) -> None:
 def _refuse_unsupported(vllm_config: VllmConfig) -> None:
     _refuse_unsupported_kv_cache(vllm_config)
     parallel = vllm_config.parallel_config
+    backend = getattr(parallel, "distributed_executor_backend", None)
+    if backend not in (None, "mp", "uni") and parallel.world_size > 1:
+        name = backend if isinstance(backend, str) else getattr(backend, "__name__", str(backend))
+        _refuse(f"--distributed-executor-backend {name}",
+                "the ranks run under vLLM's mp executor; across Macs pass --nnodes, --node-rank "
+                "and --master-addr (docs/distributed.md)")
     if getattr(parallel, "enable_expert_parallel", False):
         _refuse("expert parallelism (--enable-expert-parallel)",
                 "--tensor-parallel-size splits every expert's columns instead")

@@ -69,7 +69,8 @@ def _config(size=2, *, tp=1, async_scheduling=False, layers=4, speculative=None,
                             hf_text_config=SimpleNamespace(num_hidden_layers=layers))
     return SimpleNamespace(
         parallel_config=SimpleNamespace(pipeline_parallel_size=size, tensor_parallel_size=tp,
-                                        data_parallel_size=1),
+                                        data_parallel_size=1, world_size=size * tp,
+                                        distributed_executor_backend="mp"),
         scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
         speculative_config=speculative, lora_config=lora, model_config=model)
 

@@ -147,15 +147,19 @@ def test_olmoe_whole_width_qk_norms_are_refused_at_load(tmp_path):
         shard_model(loaded.model, 0, 2, mx.distributed.init())
 
 
-def test_expert_parallelism_is_refused():
+@pytest.mark.parametrize("parallel, words", [
+    (dict(enable_expert_parallel=True), r"--enable-expert-parallel.*splits every expert's columns"),
+    (dict(distributed_executor_backend="ray"), r"--distributed-executor-backend ray.*--nnodes"),
+])
+def test_expert_parallelism_and_other_executors_are_refused(parallel, words):
     from vllm_metal.platform import _refuse_unsupported
 
     config = _config()
-    config.parallel_config = SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1,
-                                             data_parallel_size=1, world_size=2,
-                                             enable_expert_parallel=True)
+    config.parallel_config = SimpleNamespace(**{
+        **dict(tensor_parallel_size=2, pipeline_parallel_size=1, data_parallel_size=1, world_size=2,
+               distributed_executor_backend="mp", enable_expert_parallel=False), **parallel})
     config.cache_config = SimpleNamespace(prefix_caching_hash_algo="sha256")
     config.kv_transfer_config = None
     config.observability_config = SimpleNamespace(kv_cache_metrics=False)
-    with pytest.raises(UnsupportedConfiguration, match=r"--enable-expert-parallel.*splits every expert's columns"):
+    with pytest.raises(UnsupportedConfiguration, match=words):
         _refuse_unsupported(config)
