@@ -7,6 +7,12 @@ cells taking turns (a shared machine's load moves them alike; the best is the le
 disturbed). No server, no scheduler: the model forward alone.
 
     .venv/bin/python benchmarks/lora_step.py [--rank 8] [--context 64] [--iters 30]
+        [--dtype float32|float16] [--cpu-time]
+
+--dtype float16 is what the server runs (vLLM's dtype=auto for the GGUF); --cpu-time times
+each step by the process's CPU time instead of wall time (on a machine shared with other
+work: waits for a core do not count; run it with VLLM_METAL_NUM_THREADS=1, as the pool's
+spinning threads would count too).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--context", type=int, default=64, help="tokens already in each sequence")
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--cpu-time", action="store_true", help="process CPU time per step")
     args = ap.parse_args()
     from vllm_metal.lora.manager import LoraManager
     from vllm_metal.models import load_model
@@ -44,7 +52,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="lora_step_"))
     for i in range(4):
         write_adapter(tmp / f"a{i}", weights, n, r=args.rank, alpha=2 * args.rank, seed=i)
-    loaded = load_model(gguf, "float32", int8_activations=False)
+    loaded = load_model(gguf, args.dtype, int8_activations=False)
     model = loaded.model
     lora = LoraManager(model, SimpleNamespace(max_loras=4, max_lora_rank=args.rank, max_cpu_loras=4))
     requests = [SimpleNamespace(lora_int_id=i + 1, lora_name=f"a{i}", lora_path=str(tmp / f"a{i}"),
@@ -67,13 +75,14 @@ def main() -> None:
         object.__setattr__(model, "_fused_plan", [] if per_op else fused)
         for rid, r in zip(ids, adapters):
             lora.request_added(rid, r)
-        t0 = time.perf_counter()
+        clock = time.process_time if args.cpu_time else time.perf_counter
+        t0 = clock()
         lora.begin_step(ids, cu)
         try:
             mx.eval(model(step.input_ids, step.ctx))
         finally:
             lora.end_step()
-        return time.perf_counter() - t0
+        return clock() - t0
 
     cells = {f"{path}, {label}": (adapters, path == "per-op")
              for path in ("fused", "per-op") for label, adapters in plans.items()}
@@ -84,7 +93,8 @@ def main() -> None:
         for c, (adapters, per_op) in cells.items():
             best[c] = min(best[c], run(adapters, per_op))
     ref = best["fused, 0 adapters"]
-    print(f"| step of {CONCURRENCY} decode rows | best of {args.iters} (ms) | tok/s | vs base |")
+    print(f"| step of {CONCURRENCY} decode rows ({args.dtype}) | best of {args.iters} "
+          f"({'CPU ' if args.cpu_time else ''}ms) | tok/s | vs base |")
     print("|---|---:|---:|---:|")
     for c, t in best.items():
         print(f"| {c} | {t * 1e3:.2f} | {CONCURRENCY / t:.0f} | {ref / t:.2f} |")

@@ -23,9 +23,10 @@ struct LoraApplyRows {
   int64_t rank = 0;
 };
 
-// Each slot the rows use is converted to float32 once (B transposed to [R, out]),
-// then threaded over rows: h = scale * A x (R dot products), y += B h as R
-// contiguous axpys. The summation order of an output is fixed: r = 0, 1, ...
+// Rows are taken in slot order and split into a few parts, one pool job; a part converts
+// each slot its rows use to float32 once (B transposed to [R, out]), then per row:
+// h = scale * A x (R dot products), y += B h as R contiguous axpys. The summation order
+// of an output is fixed: r = 0, 1, ...
 void lora_apply_rows(const LoraApplyRows& a);
 
 }  // namespace vllm_metal::cpu
