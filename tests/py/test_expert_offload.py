@@ -278,11 +278,11 @@ def test_unknown_expert_layout_refused_naming_the_tensor(tmp_path):
         load_model(str(tmp_path), "float32", expert_offload=OffloadConfig.parse({"cache_gb": 1}))
 
 
-def _vllm_config(archs, *, runner="generate", option=None, top_k=2, experts=8, layers=2):
+def _vllm_config(archs, *, runner="generate", option=None, top_k=2, experts=8, layers=2, tp=1):
     hf = SimpleNamespace(num_experts=experts, num_experts_per_tok=top_k, num_hidden_layers=layers,
                          mlp_only_layers=[])
     model = SimpleNamespace(runner_type=runner, hf_text_config=hf)
-    return SimpleNamespace(model_config=model,
+    return SimpleNamespace(model_config=model, parallel_config=SimpleNamespace(tensor_parallel_size=tp),
                            additional_config={"moe_expert_offload": option or {"cache_gb": 1}})
 
 
@@ -293,6 +293,7 @@ def _vllm_config(archs, *, runner="generate", option=None, top_k=2, experts=8, l
     (dict(archs={"Qwen3MoeForCausalLM"}, option={"cache_experts": 1}), "top-k needs 2"),
     (dict(archs={"Qwen3MoeForCausalLM"}, option={"cache_fraction": 0.01}), "top-k needs 2"),
     (dict(archs={"Qwen3MoeForCausalLM"}, option={"cache_mb": 1}), "unknown keys"),
+    (dict(archs={"Qwen3MoeForCausalLM"}, tp=2), "--tensor-parallel-size.*use --pipeline-parallel-size"),
 ])
 def test_startup_refusals(kw, words):
     from vllm_metal.platform import UnsupportedConfiguration, _refuse_unsupported_offload

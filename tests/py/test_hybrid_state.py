@@ -152,7 +152,7 @@ def test_worker_budget_leaves_room_for_the_state():
     runner = SimpleNamespace(state_memory_bytes=lambda: 1000, kv_budget_share=lambda: 1.0)
     worker = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_memory_bytes=5000,
                                                           gpu_memory_utilization=0.9),
-                             model_runner=runner)
+                             model_runner=runner, _workers_on_this_host=1)
     assert MetalWorker.determine_available_memory(worker) == 4000  # blocks + state = asked
     worker.cache_config.kv_cache_memory_bytes = 800
     with pytest.raises(ValueError, match="does not cover the 1000 bytes"):

@@ -116,7 +116,7 @@ def test_worker_reports_and_allocates_what_the_config_implies(models, name, bloc
     if name.startswith("gemma3"):
         assert any(loaded.spec.sliding_window_per_layer)  # the case this model is here for
     runner = runner_for(loaded, block_size, speculative, caching)
-    worker = SimpleNamespace(model_runner=runner,
+    worker = SimpleNamespace(model_runner=runner, _workers_on_this_host=1,
                              cache_config=SimpleNamespace(kv_cache_memory_bytes=64 << 20, gpu_memory_utilization=0.9))
     per_block = expected_block_bytes(cfg, dtype, block_size)
     slots_bytes = expected_state_bytes(cfg, dtype, speculative)
