@@ -46,7 +46,6 @@ SUPPORTED_ARCHITECTURES = {
 # hybrid (per-request state): generate runner only
 HYBRID_ARCHITECTURES = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
                         "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"}
-HYBRID_MOE_ARCHITECTURES = {"Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"}
 
 # --additional-config moe_expert_offload: MoE models whose experts stream (models/expert_offload.py)
 STREAMED_MOE_ARCHITECTURES = {"Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM",
