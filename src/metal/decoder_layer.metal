@@ -463,6 +463,20 @@ kernel void layer_act(
   out[e] = T(layer_gated(float(gate[e]), float(up[e])));
 }
 
+// out[e] = float(in[e]) over [rows, n]: an MoE layer's router logits, rounded to T as the
+// router's mat-mul wrote them, for the routing kernel's float32 input.
+template <typename T>
+kernel void layer_to_float(
+    device const T* in [[buffer(0)]],
+    device float* out [[buffer(1)]],
+    constant DecoderLayerArgs& args [[buffer(2)]],
+    uint e [[thread_position_in_grid]]) {
+  if (e >= args.rows * args.n) {
+    return;
+  }
+  out[e] = float(in[e]);
+}
+
 #define instantiate_decoder_layer(tname, T)                                                  \
   template [[host_name("layer_qkv_" #tname)]] kernel decltype(layer_qkv<T>) layer_qkv<T>;    \
   template [[host_name("layer_gate_up_" #tname)]] kernel decltype(layer_gate_up<T>)          \
@@ -471,7 +485,9 @@ kernel void layer_act(
       layer_matvec<T>;                                                                       \
   template [[host_name("layer_add_norm_" #tname)]] kernel decltype(layer_add_norm<T>)        \
       layer_add_norm<T>;                                                                     \
-  template [[host_name("layer_act_" #tname)]] kernel decltype(layer_act<T>) layer_act<T>;
+  template [[host_name("layer_act_" #tname)]] kernel decltype(layer_act<T>) layer_act<T>;    \
+  template [[host_name("layer_to_float_" #tname)]] kernel decltype(layer_to_float<T>)        \
+      layer_to_float<T>;
 
 instantiate_decoder_layer(float32, float)
 instantiate_decoder_layer(float16, half)

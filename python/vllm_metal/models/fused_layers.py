@@ -1,4 +1,4 @@
-"""Llama-family and gemma3 decoder layers run as one fused C++ op each.
+"""Llama-family, qwen3-MoE and gemma3 decoder layers run as one fused C++ op each.
 
 `fused_layers(model)` returns, for a PagedCausalLM whose layers all qualify, one
 `FusedDecoderLayer` per layer; each calls `_core.decoder_layer` with the layer's
@@ -10,9 +10,13 @@ weights collected once.
   layer plan"): for steps of up to 8 tokens (any step in batch-invariant mode) fused kernels
   back to back, 5 dispatches a llama layer and 6 a gemma3 layer instead of ~14 plus MLX's
   elementwise ops; for longer steps (prefill) the per-op kernels (tiled mat-mul) in one plan.
+A qwen3-MoE layer's sparse MLP (FusedMoeBlock: router + dense or GGUF-block experts, no
+shared expert) runs inside the op as the per-op model runs it: rms_norm, the router's
+gguf_matmul, fused_moe / fused_moe_gguf, the residual add (CPU kernels, or those Metal
+kernels in the op's plan).
 For layers it cannot express (float16 gemma's clipped residuals, position-scaled queries,
-rope types our kernel lacks, MLX-quantized or biased MLPs) the model keeps the per-op
-path; `why_not_fused` says which.
+rope types our kernel lacks, MLX-quantized or biased MLPs, streamed experts, LoRA on an MoE
+model) the model keeps the per-op path; `why_not_fused` says which.
 """
 
 from __future__ import annotations
@@ -24,16 +28,19 @@ from vllm_metal import _core, envs, ops
 from vllm_metal.models.context import AttentionContext
 from vllm_metal.models.gguf_linear import GGUFLinear
 from vllm_metal.models.layers import PagedAttention, RMSNorm
+from vllm_metal.models.moe import FusedMoeBlock, GGUFSwitchGLU
 from vllm_metal.lora.layers import LoraLinear, base_of
 
 # GGML type ids of dense weights (gguf_linear names them by string)
 _DENSE_TYPE_IDS = {"F32": 0, "F16": 1, "BF16": 30}
+_DENSE_TYPE_NAMES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}
 # Metal plan: most tokens a step may have to run the fused kernels (decoder_layer.metal
 # reads each weight block once per 8 rows); decoder_layer_plan.cpp decides, this mirrors it
 METAL_MAX_TOKENS = 8
 # the mlx-lm modules whose MLP is down(act(gate(x)) * up(x)), and act
 _GATED_MLP_MODULES = {"mlx_lm.models.llama": "silu", "mlx_lm.models.qwen2": "silu",
-                      "mlx_lm.models.qwen3": "silu", "mlx_lm.models.gemma3_text": "gelu_tanh"}
+                      "mlx_lm.models.qwen3": "silu", "mlx_lm.models.qwen3_moe": "silu",
+                      "mlx_lm.models.gemma3_text": "gelu_tanh"}
 
 
 class FusedDecoderLayer:
@@ -43,10 +50,13 @@ class FusedDecoderLayer:
         attn: PagedAttention = layer.self_attn
         mlp = layer.mlp
         spec = _core.DecoderLayerSpec()
-        wrapped = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
-                   mlp.up_proj, mlp.down_proj]
+        moe = isinstance(mlp, FusedMoeBlock)
+        wrapped = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+        if not moe:
+            wrapped += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         # vllm_metal.lora wraps every projection or none: a step with adapters passes
-        # their slots (spec.lora), the others run the base layer as it is
+        # their slots (spec.lora), the others run the base layer as it is (MoE layers
+        # never see adapters here: why_not_fused keeps LoRA on MoE models per op)
         self.loras = wrapped if all(isinstance(p, LoraLinear) for p in wrapped) else None
         projections = [base_of(p) for p in wrapped]
         q, k, v, o = projections[:4]
@@ -54,17 +64,20 @@ class FusedDecoderLayer:
         spec.num_heads = attn.num_heads
         spec.num_kv_heads = attn.num_kv_heads
         spec.head_dim = attn.head_dim
-        spec.intermediate = projections[4].out_features
         n1, n2 = _mlp_input_norms(layer, sandwich)
         spec.norm_eps = n1.eps
         spec.sandwich = sandwich
-        spec.gelu = _GATED_MLP_MODULES[type(mlp).__module__] == "gelu_tanh"
         spec.qkv_bias = "bias" in q
         spec.o_bias = "bias" in o
         spec.qk_norm = "q_norm" in attn
         if spec.qk_norm:
             spec.qk_norm_eps = attn.q_norm.eps
         args = [p.matmul_args() for p in projections]
+        if moe:
+            args += _moe_spec(spec, mlp)
+        else:
+            spec.intermediate = projections[4].out_features
+            spec.gelu = _GATED_MLP_MODULES[type(mlp).__module__] == "gelu_tanh"
         spec.types = [_type_id(qtype) for _, qtype, _ in args]
         rope = attn.rope
         spec.rotary_dim = rope.rotary_dim
@@ -84,6 +97,8 @@ class FusedDecoderLayer:
             self.weights.append(o.bias)
         if spec.qk_norm:
             self.weights += [attn.q_norm.multiplier(), attn.k_norm.multiplier()]
+        if moe:
+            self.weights.append(mlp.gate.matmul_args()[0])  # the router
         self.spec = spec
         self.projection = q  # its `exact` flag is read each call (set_exact_activations)
         self.layer_idx = layer_idx
@@ -104,6 +119,49 @@ class FusedDecoderLayer:
             key_cache, value_cache, self.rope_table, weights, spec,
             num_decode_seqs=ctx.num_decode_seqs, max_seq_len=ctx.max_seq_len,
             max_query_len=ctx.max_query_len)
+
+
+def _moe_spec(spec, block: FusedMoeBlock) -> list:
+    """Fills the spec's MoE fields from a FusedMoeBlock (why_not_fused checked it); returns
+    its experts' (weight, type, shape) for gate, up and down."""
+    sw = block.switch_mlp
+    router_blocks, router_type, (num_experts, _) = block.gate.matmul_args()
+    spec.num_experts = num_experts
+    spec.top_k = block.top_k
+    spec.moe_renormalize = block.renormalize
+    spec.router_type = _type_id(router_type)
+    projs = [sw.gate_proj, sw.up_proj, sw.down_proj]
+    spec.expert_blocks = isinstance(sw, GGUFSwitchGLU)
+    if spec.expert_blocks:  # GGUFExperts: blocks of [E, rows, cols]
+        spec.intermediate = sw.gate_proj.rows
+        return [(p.weight, p.type_id, None) for p in projs]
+    spec.intermediate = int(sw.gate_proj.weight.shape[1])  # SwitchLinear [E, I, H]
+    return [(p.weight, _DENSE_TYPE_NAMES[p.weight.dtype], None) for p in projs]
+
+
+def _why_not_fused_moe(i: int, block: FusedMoeBlock) -> str | None:
+    """None when the MoE block runs in the fused layer (the per-op FusedMoeBlock's plain
+    case), else why not."""
+    sw = block.switch_mlp
+    if "shared_expert" in block:
+        return f"layer {i}: a shared expert (Qwen3.5-MoE)"
+    if block.scoring != "softmax":
+        return f"layer {i}: {block.scoring} routing"
+    gate = block.gate
+    if not isinstance(gate, GGUFLinear) or "bias" in gate:
+        return f"layer {i}: the router is not a GGUFLinear without bias"
+    if isinstance(sw, GGUFSwitchGLU):
+        return None
+    if type(sw).__name__ != "SwitchGLU" or type(sw.activation).__name__ != "SwiGLU":
+        return f"layer {i}: experts {type(sw).__name__} (streamed or another activation)"
+    weights = [getattr(sw, n).weight for n in ("gate_proj", "up_proj", "down_proj")]
+    if any("scales" in getattr(sw, n) or "bias" in getattr(sw, n)
+           for n in ("gate_proj", "up_proj", "down_proj")):
+        return f"layer {i}: MLX-quantized or biased experts"
+    if weights[0].dtype not in _DENSE_TYPE_NAMES or any(w.dtype != weights[0].dtype
+                                                        for w in weights):
+        return f"layer {i}: experts of dtype {weights[0].dtype} or of mixed dtypes"
+    return None
 
 
 def on_metal() -> bool:
@@ -149,11 +207,20 @@ def why_not_fused(model) -> str | None:
             return f"layer {i}: q/k norms over the whole projection (olmoe)"
         if metal and _core.paged_attention_head_size_problem(attn.head_dim, metal=True):
             return f"layer {i}: no Metal attention kernel for head size {attn.head_dim}"
-        mlp_linears = [base_of(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")]
-        if type(mlp).__module__ not in _GATED_MLP_MODULES or not all(
-                isinstance(m, GGUFLinear) for m in mlp_linears):
-            return f"layer {i}: the MLP is not a gated MLP of GGUFLinear layers"
-        projections = [base_of(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)]
+        wrapped = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+        if type(mlp) is FusedMoeBlock:
+            if any(isinstance(p, LoraLinear) for p in wrapped + [mlp.gate]):
+                return f"layer {i}: LoRA on an MoE model (its expert adapters run per op)"
+            if (why := _why_not_fused_moe(i, mlp)) is not None:
+                return why
+            mlp_linears = []
+        else:
+            mlp_linears = [base_of(getattr(mlp, n, None))
+                           for n in ("gate_proj", "up_proj", "down_proj")]
+            if type(mlp).__module__ not in _GATED_MLP_MODULES or not all(
+                    isinstance(m, GGUFLinear) for m in mlp_linears):
+                return f"layer {i}: the MLP is not a gated MLP of GGUFLinear layers"
+        projections = [base_of(p) for p in wrapped]
         if not all(isinstance(p, GGUFLinear) for p in projections):
             return f"layer {i}: attention projections are not GGUFLinear"
         biases = ["bias" in p for p in projections[:3]]

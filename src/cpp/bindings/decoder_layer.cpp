@@ -12,6 +12,7 @@
 #include "cpu/batch_invariant.h"
 #include "ops/decoder_layer.h"
 #include "ops/decoder_layer_plan.h"
+#include "ops/dtype_names.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -59,6 +60,17 @@ void bind_decoder_layer(nb::module_& m) {
       .def_rw("softcap", &vm::DecoderLayerSpec::softcap)
       .def_rw("exact", &vm::DecoderLayerSpec::exact)
       .def_rw("lora", &vm::DecoderLayerSpec::lora)
+      .def_rw("num_experts", &vm::DecoderLayerSpec::num_experts,
+              "> 0: a sparse MoE MLP (router + experts) instead of the gated MLP")
+      .def_rw("top_k", &vm::DecoderLayerSpec::top_k)
+      .def_rw("moe_renormalize", &vm::DecoderLayerSpec::moe_renormalize)
+      .def_rw("expert_blocks", &vm::DecoderLayerSpec::expert_blocks,
+              "the experts are GGUF blocks (fused_moe_gguf), else dense (fused_moe)")
+      .def_prop_rw(
+          "router_type",
+          [](const vm::DecoderLayerSpec& s) { return static_cast<int>(s.router_type); },
+          [](vm::DecoderLayerSpec& s, int t) { s.router_type = static_cast<gguf::GGMLType>(t); },
+          "GGML type id of the router's weight")
       .def("weight_names", &vm::DecoderLayerSpec::weight_names,
            "The order decoder_layer takes its weights in.");
   m.def(
@@ -119,7 +131,7 @@ void bind_decoder_layer(nb::module_& m) {
         auto dtypes = vm::decoder_layer_output_dtypes(p);
         for (size_t i = 0; i < shapes.size(); ++i) {
           outputs.push_back({std::vector<int>(shapes[i].begin(), shapes[i].end()),
-                             dtypes[i] == mx::float32 ? "float32" : dtype});
+                             vm::dtype_name(dtypes[i])});
         }
         return std::make_pair(vm::plan_decoder_layer(p), outputs);
       },

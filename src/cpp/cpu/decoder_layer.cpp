@@ -2,6 +2,8 @@
 
 #include <vector>
 
+#include "cpu/moe.h"
+#include "cpu/moe_gguf.h"
 #include "cpu/reshape_and_cache.h"
 #include "cpu/rms_norm.h"
 #include "cpu/rope.h"
@@ -155,6 +157,60 @@ void norm_and_rotate(const DecoderLayerRows& a, void* x, int64_t heads, const vo
   rope_rows(r);
 }
 
+// y = fused_moe(xn, router(xn)) as the per-op model computes it: the router's logits
+// rounded to elt (its gguf_matmul output), then the fused MoE kernel on them in float32.
+void sparse_moe(const DecoderLayerRows& a, const void* xn, void* logits, float* logits_f32,
+                int32_t* ids, float* weights, void* y) {
+  const int64_t n = a.tokens * a.num_experts;
+  gguf_matmul(matmul_of(a, a.router, xn, logits));
+  to_floats(a.elt, logits, n, logits_f32);
+  if (a.expert_blocks) {
+    MoeGgufRows r;
+    r.elt = a.elt;
+    r.x = xn;
+    r.logits = logits_f32;
+    r.w_gate = static_cast<const uint8_t*>(a.gate.w);
+    r.w_up = static_cast<const uint8_t*>(a.up.w);
+    r.w_down = static_cast<const uint8_t*>(a.down.w);
+    r.gate_type = a.gate.type;
+    r.up_type = a.up.type;
+    r.down_type = a.down.type;
+    r.out = y;
+    r.ids = ids;
+    r.weights = weights;
+    r.num_tokens = a.tokens;
+    r.hidden = a.hidden;
+    r.num_experts = a.num_experts;
+    r.inter = a.intermediate;
+    r.top_k = a.top_k;
+    r.renormalize = a.moe_renormalize;
+    r.exact = a.exact;
+    fused_moe_gguf_rows(r);
+    return;
+  }
+  MoeRows r;
+  r.elt = a.elt;
+  // dense experts' types are F32 / F16 / BF16 (ops/decoder_layer.cpp checks)
+  r.w_elt = a.gate.type == gguf::GGMLType::kF32   ? Elt::kF32
+            : a.gate.type == gguf::GGMLType::kF16 ? Elt::kF16
+                                                  : Elt::kBF16;
+  r.x = xn;
+  r.logits = logits_f32;
+  r.w_gate = a.gate.w;
+  r.w_up = a.up.w;
+  r.w_down = a.down.w;
+  r.out = y;
+  r.ids = ids;
+  r.weights = weights;
+  r.num_tokens = a.tokens;
+  r.hidden = a.hidden;
+  r.num_experts = a.num_experts;
+  r.inter = a.intermediate;
+  r.top_k = a.top_k;
+  r.renormalize = a.moe_renormalize;
+  fused_moe_rows(r);
+}
+
 }  // namespace
 
 void decoder_layer(const DecoderLayerRows& a) {
@@ -162,27 +218,34 @@ void decoder_layer(const DecoderLayerRows& a) {
   if (t == 0) return;
   const int64_t q_width = a.num_heads * d, kv_width = a.num_kv_heads * d;
   const int64_t es = elt_size(a.elt);
-  // scratch: xn [t, hidden] | q | k | v | attn | mlp [t, hidden] | gate [t, I] | up [t, I]
+  // scratch: xn [t, hidden] | q | k | v | attn | mlp [t, hidden] | gate [t, I] | up [t, I],
+  // an MoE layer: logits [t, E] in elt and in float32, expert ids, routing weights [t, k]
+  const bool moe = a.num_experts > 0;
+  const int64_t e = a.num_experts, dense_i = moe ? 0 : a.intermediate;
+  const int64_t sizes[] = {t * hidden * es, t * q_width * es,  t * kv_width * es,
+                           t * kv_width * es, t * q_width * es, t * hidden * es,
+                           t * dense_i * es,  t * dense_i * es, t * e * es,
+                           t * e * 4,         t * a.top_k * 4,  t * a.top_k * 4};
+  auto aligned = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
   static thread_local std::vector<uint8_t> scratch;
-  const int64_t widths[] = {hidden, q_width, kv_width, kv_width, q_width, hidden,
-                            a.intermediate, a.intermediate};
   int64_t total = 0;
-  for (int64_t w : widths) total += t * w * es;
+  for (int64_t b : sizes) total += aligned(b);
   if (static_cast<int64_t>(scratch.size()) < total) scratch.resize(total);
   uint8_t* p = scratch.data();
-  auto take = [&](int64_t width) {
+  int next = 0;
+  auto take = [&]() {
     void* r = p;
-    p += t * width * es;
+    p += aligned(sizes[next++]);
     return r;
   };
-  void* xn = take(hidden);
-  void* q = take(q_width);
-  void* k = take(kv_width);
-  void* v = take(kv_width);
-  void* attn = take(q_width);
-  void* mlp = take(hidden);
-  void* gate = take(a.intermediate);
-  void* up = take(a.intermediate);
+  void* xn = take();
+  void* q = take();
+  void* k = take();
+  void* v = take();
+  void* attn = take();
+  void* mlp = take();
+  void* gate = take();
+  void* up = take();
 
   norm(a, a.x, xn, t, hidden, a.input_norm, a.norm_eps);
 
@@ -236,6 +299,15 @@ void decoder_layer(const DecoderLayerRows& a) {
   n2.residual_out = a.out;
   rms_norm_rows(n2);
 
+  if (moe) {
+    void* logits = take();
+    auto* logits_f32 = static_cast<float*>(take());
+    auto* ids = static_cast<int32_t*>(take());
+    auto* weights = static_cast<float*>(take());
+    sparse_moe(a, xn, logits, logits_f32, ids, weights, mlp);
+    add(a.elt, a.out, mlp, a.out, t * hidden);
+    return;
+  }
   project_all<2>(a, {&a.gate, &a.up}, xn, {gate, up});
   SiluAndMulRows s;
   s.elt = a.elt;

@@ -3,6 +3,7 @@
 //   h   = x + [attn_out_norm] o_proj(attention(rope(q_norm(q)), rope(k_norm(k)), v))
 //         where q, k, v = proj(norm1(x))
 //   out = h + [mlp_out_norm] down(act(gate(norm2(h))) * up(norm2(h)))
+//         or, an MoE layer, h + fused_moe(norm2(h), router(norm2(h)))
 //
 // act is SiLU or gemma's tanh GELU; the bracketed norms are gemma3's (sandwich).
 //
@@ -61,6 +62,14 @@ struct DecoderLayerRows {
   const void* k_norm = nullptr;
   float qk_norm_eps = 1e-6f;
   LayerLinear q, k, v, o, gate, up, down;
+  // A sparse MoE MLP instead when num_experts > 0 (ops/decoder_layer.h): gate, up and
+  // down hold the stacked experts ([E * I] rows of k = hidden; [E * hidden] of I), run as
+  // fused_moe_rows (dense) or fused_moe_gguf_rows (expert_blocks) on router(norm2(h)).
+  int64_t num_experts = 0;
+  int64_t top_k = 0;
+  bool moe_renormalize = false;
+  bool expert_blocks = false;
+  LayerLinear router;
 
   // rope: see cpu/rope.h
   const int32_t* positions = nullptr;  // [tokens]

@@ -332,13 +332,19 @@ struct MatvecPlan {
   }
 };
 
-// x rounded to 8-bit blocks, in per-thread buffers kept across calls, with every form of
-// the block scales and sums that some kernel reads.
-GgufQ8Rows quantize_x(const GgufKernels& kern, const float* xf, int64_t m, int64_t k) {
-  static thread_local std::vector<int8_t> q_buf;
-  static thread_local std::vector<float> d_buf;
-  static thread_local std::vector<int16_t> s16_buf;
-  static thread_local std::vector<int32_t> qsum_buf;
+// Storage of x rounded to 8-bit blocks (quantize_x).
+struct Q8Buffers {
+  std::vector<int8_t> q_buf;
+  std::vector<float> d_buf;
+  std::vector<int16_t> s16_buf;
+  std::vector<int32_t> qsum_buf;
+};
+
+// x rounded to 8-bit blocks in `b`, with every form of the block scales and sums that some
+// kernel reads.
+GgufQ8Rows quantize_x_into(const GgufKernels& kern, const float* xf, int64_t m, int64_t k,
+                           Q8Buffers& b) {
+  auto& [q_buf, d_buf, s16_buf, qsum_buf] = b;
   const int64_t nb = m * k / 32;
   if (static_cast<int64_t>(q_buf.size()) < m * k) q_buf.resize(m * k);
   if (static_cast<int64_t>(d_buf.size()) < 6 * nb) d_buf.resize(6 * nb);
@@ -361,6 +367,12 @@ GgufQ8Rows quantize_x(const GgufKernels& kern, const float* xf, int64_t m, int64
   r.dpair = dpair;
   r.neg_qsum = qsum_buf.data();
   return r;
+}
+
+// The same in per-thread buffers kept across calls.
+GgufQ8Rows quantize_x(const GgufKernels& kern, const float* xf, int64_t m, int64_t k) {
+  static thread_local Q8Buffers buffers;
+  return quantize_x_into(kern, xf, m, k, buffers);
 }
 
 // `xq` may already hold x rounded to 8 bits (xq.q != null), else it is made when needed.
@@ -585,6 +597,47 @@ void gguf_matmul_group(const GgufMatmul* mats, int count) {
     for (int64_t r = 0; r < mats[i].n; r += grain) {
       segments.push_back({i, r, std::min(mats[i].n, r + grain)});
     }
+  }
+  gguf_parallel_for(static_cast<int64_t>(segments.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      plans[segments[s].plan].rows(segments[s].begin, segments[s].end);
+    }
+  });
+}
+
+void gguf_matmul_batch(const GgufMatmul* mats, int count) {
+  const GgufKernels& kern = kernels();
+  std::vector<int> decode;  // the calls of decode rows, run together below
+  for (int i = 0; i < count; ++i) {
+    const GgufMatmul& a = mats[i];
+    if (a.m == 0 || a.n == 0) continue;
+    if (a.m <= matvec_max_rows(kern, a.type, a.exact)) {
+      decode.push_back(i);
+    } else {
+      gguf_matmul(a);  // prefill sizes: each call already fills the pool
+    }
+  }
+  const size_t n = decode.size();
+  if (n == 0) return;
+  // each call's x as float and rounded to 8 bits in its own buffers (sized once: the
+  // plans point into them)
+  std::vector<std::vector<float>> x_bufs(n), bias_bufs(n);
+  std::vector<Q8Buffers> q8_bufs(n);
+  std::vector<MatvecPlan> plans;
+  plans.reserve(n);
+  struct Segment {
+    size_t plan;
+    int64_t begin, end;
+  };
+  std::vector<Segment> segments;
+  for (size_t j = 0; j < n; ++j) {
+    const GgufMatmul& a = mats[decode[j]];
+    const float* xf = x_as_float(a, x_bufs[j]);
+    GgufQ8Rows xq;
+    if (int8_path(kern, a.type, a.exact)) xq = quantize_x_into(kern, xf, a.m, a.k, q8_bufs[j]);
+    plans.push_back(plan_matvec(kern, a, xf, xq, make_epilogue(a, bias_bufs[j])));
+    const int64_t grain = plans.back().grain();
+    for (int64_t r = 0; r < a.n; r += grain) segments.push_back({j, r, std::min(a.n, r + grain)});
   }
   gguf_parallel_for(static_cast<int64_t>(segments.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {

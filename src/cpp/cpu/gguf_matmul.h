@@ -59,6 +59,11 @@ void gguf_matmul(const GgufMatmul& a);
 // once; larger m runs the calls one after the other. Results equal gguf_matmul's.
 void gguf_matmul_group(const GgufMatmul* mats, int count);
 
+// Independent calls, each with its own x and m (a MoE layer's experts): the calls of
+// decode rows run as one pool job over all their weight rows, larger ones one after the
+// other. Results equal gguf_matmul's, call by call.
+void gguf_matmul_batch(const GgufMatmul* mats, int count);
+
 // True when gguf_matmul rounds this type's activations to 8 bits (unless `exact`).
 bool gguf_matmul_int8_activations(gguf::GGMLType type);
 

@@ -8,6 +8,11 @@
 
 namespace vllm_metal::cpu {
 
+namespace {
+// Experts with up to this many rows in a call run batched (decode sizes).
+constexpr size_t kBatchedExpertRows = 8;
+}  // namespace
+
 void fused_moe_gguf_rows(const MoeGgufRows& a) {
   const int64_t t_n = a.num_tokens, h_n = a.hidden, e_n = a.num_experts, i_n = a.inter,
                 k = a.top_k;
@@ -19,50 +24,92 @@ void fused_moe_gguf_rows(const MoeGgufRows& a) {
   std::vector<std::vector<int64_t>> by_expert(e_n);
   for (int64_t s = 0; s < slots; ++s) by_expert[a.ids[s]].push_back(s);
 
+  // An expert's slots' x rows, its gate / up / act and down results (float32). Experts of a
+  // few rows (decode steps) run together: their gate and up mat-muls as one pool job
+  // (gguf_matmul_batch), then their down mat-muls as another, where a pool job per expert
+  // would leave the threads mostly waiting. Experts of more rows fill the pool alone, one
+  // after the other in the same buffers. Tokens sum their experts in expert order either way.
   const int64_t x_row = h_n * (a.elt == Elt::kF32 ? 4 : 2);
   const int64_t gate_rb = gguf::row_bytes(a.gate_type, h_n);
   const int64_t up_rb = gguf::row_bytes(a.up_type, h_n);
   const int64_t down_rb = gguf::row_bytes(a.down_type, i_n);
-  std::vector<float> acc(t_n * h_n, 0.0f);
-  std::vector<float> xe, g, u, d;
-  for (int64_t e = 0; e < e_n; ++e) {
+  const MoeExtras& x = a.extras;
+  struct Expert {
+    std::vector<float> xe, g, u, d;
+    GgufMatmul gate, up, down;
+  };
+  auto prepare = [&](Expert& ex, int64_t e) {
     const auto& list = by_expert[e];
     const int64_t m = static_cast<int64_t>(list.size());
-    if (m == 0) continue;
-    xe.resize(m * h_n);
-    g.resize(m * i_n);
-    u.resize(m * i_n);
-    d.resize(m * h_n);
+    ex.xe.resize(m * h_n);
+    ex.g.resize(m * i_n);
+    ex.u.resize(m * i_n);
+    ex.d.resize(m * h_n);
     for (int64_t r = 0; r < m; ++r) {
       to_floats(a.elt, static_cast<const char*>(a.x) + (list[r] / k) * x_row, h_n,
-                xe.data() + r * h_n);
+                ex.xe.data() + r * h_n);
     }
-    // gate and up share x: one pool job over both matrices' rows (gguf_matmul_group)
-    GgufMatmul mats[2];
-    mats[0] = {a.gate_type, a.w_gate + e * i_n * gate_rb, i_n, h_n, Elt::kF32, xe.data(), m,
-               g.data(), a.exact};
-    mats[1] = {a.up_type, a.w_up + e * i_n * up_rb, i_n, h_n, Elt::kF32, xe.data(), m, u.data(),
-               a.exact};
-    gguf_matmul_group(mats, 2);
-    const MoeExtras& x = a.extras;
+    ex.gate = {a.gate_type, a.w_gate + e * i_n * gate_rb, i_n, h_n, Elt::kF32, ex.xe.data(), m,
+               ex.g.data(), a.exact};
+    ex.up = {a.up_type, a.w_up + e * i_n * up_rb, i_n, h_n, Elt::kF32, ex.xe.data(), m,
+             ex.u.data(), a.exact};
+    ex.down = {a.down_type, a.w_down + e * h_n * down_rb, h_n, i_n, Elt::kF32, ex.g.data(), m,
+               ex.d.data(), a.exact};
+  };
+  auto activate = [&](Expert& ex, int64_t e) {
+    const int64_t m = static_cast<int64_t>(by_expert[e].size());
     for (int64_t r = 0; r < m; ++r) {
       for (int64_t c = 0; c < i_n; ++c) {
-        float gv = g[r * i_n + c], uv = u[r * i_n + c];
+        float gv = ex.g[r * i_n + c], uv = ex.u[r * i_n + c];
         if (x.b_gate) gv += x.b_gate[e * i_n + c];
         if (x.b_up) uv += x.b_up[e * i_n + c];
-        g[r * i_n + c] = moe_act(gv, uv, x.oai_act);
+        ex.g[r * i_n + c] = moe_act(gv, uv, x.oai_act);
       }
     }
-    GgufMatmul down{a.down_type, a.w_down + e * h_n * down_rb, h_n, i_n, Elt::kF32, g.data(), m,
-                    d.data(), a.exact};
-    gguf_matmul(down);
-    for (int64_t r = 0; r < m; ++r) {
+  };
+  std::vector<float> acc(t_n * h_n, 0.0f);
+  auto accumulate = [&](const Expert& ex, int64_t e) {
+    const auto& list = by_expert[e];
+    const float* bd = x.b_down ? x.b_down + e * h_n : nullptr;
+    for (size_t r = 0; r < list.size(); ++r) {
       const int64_t s = list[r];
       float* dst = acc.data() + (s / k) * h_n;
       const float w = a.weights[s];
-      const float* bd = x.b_down ? x.b_down + e * h_n : nullptr;
-      for (int64_t h = 0; h < h_n; ++h) dst[h] += w * (d[r * h_n + h] + (bd ? bd[h] : 0.0f));
+      const float* dr = ex.d.data() + r * h_n;
+      for (int64_t h = 0; h < h_n; ++h) dst[h] += w * (dr[h] + (bd ? bd[h] : 0.0f));
     }
+  };
+
+  std::vector<Expert> small(e_n);  // indexed by expert; used by the small ones only
+  std::vector<GgufMatmul> gate_up, down;
+  for (int64_t e = 0; e < e_n; ++e) {
+    const size_t m = by_expert[e].size();
+    if (m == 0 || m > kBatchedExpertRows) continue;
+    prepare(small[e], e);
+    gate_up.push_back(small[e].gate);
+    gate_up.push_back(small[e].up);
+    down.push_back(small[e].down);
+  }
+  gguf_matmul_batch(gate_up.data(), static_cast<int>(gate_up.size()));
+  for (int64_t e = 0; e < e_n; ++e) {
+    if (!by_expert[e].empty() && by_expert[e].size() <= kBatchedExpertRows) activate(small[e], e);
+  }
+  gguf_matmul_batch(down.data(), static_cast<int>(down.size()));
+
+  Expert large;
+  for (int64_t e = 0; e < e_n; ++e) {
+    const size_t m = by_expert[e].size();
+    if (m == 0) continue;
+    if (m <= kBatchedExpertRows) {
+      accumulate(small[e], e);
+      continue;
+    }
+    prepare(large, e);
+    GgufMatmul gu[2] = {large.gate, large.up};  // gate and up share x: one pool job
+    gguf_matmul_group(gu, 2);
+    activate(large, e);
+    gguf_matmul(large.down);
+    accumulate(large, e);
   }
   for (int64_t t = 0; t < t_n; ++t) {
     from_floats(a.elt, acc.data() + t * h_n, h_n, static_cast<char*>(a.out) + t * x_row);

@@ -64,6 +64,25 @@ void expect_weight(const mx::array& w, const std::string& name, gguf::GGMLType t
   }
 }
 
+// What the MoE MLP takes (the per-op model's FusedMoeBlock without a shared expert).
+void check_moe(const DecoderLayerSpec& s) {
+  if (s.top_k < 1 || s.top_k > s.num_experts) {
+    fail("top_k must be in [1, num_experts = " + std::to_string(s.num_experts) + "], got " +
+         std::to_string(s.top_k));
+  }
+  if (s.lora || s.sandwich || s.gelu) {
+    fail("an MoE layer takes no LoRA adapters, sandwich norms or GELU (the per-op path does)");
+  }
+  if (!s.expert_blocks) {
+    for (int i = 4; i < 7; ++i) {
+      const auto t = s.types[i];
+      if (t != gguf::GGMLType::kF32 && t != gguf::GGMLType::kF16 && t != gguf::GGMLType::kBF16) {
+        fail("dense experts must be F32, F16 or BF16 (expert_blocks for GGUF blocks)");
+      }
+    }
+  }
+}
+
 void check(const std::vector<mx::array>& in, const DecoderLayerSpec& s) {
   const mx::array& x = in[0];
   if (x.ndim() != 2 || x.shape(1) != s.hidden) {
@@ -104,7 +123,12 @@ void check(const std::vector<mx::array>& in, const DecoderLayerSpec& s) {
   const mx::array* w = in.data() + kNumMeta;
   expect(w[0], "input_norm", x.dtype(), {hid});
   expect(w[1], "post_norm", x.dtype(), {hid});
-  for (int i = 0; i < 7; ++i) expect_weight(w[2 + i], names[2 + i], s.types[i], proj[i][0], proj[i][1]);
+  if (s.moe()) check_moe(s);
+  // an MoE layer's experts are E stacked matrices of the same shapes
+  const int64_t mats = s.moe() ? s.num_experts : 1;
+  for (int i = 0; i < 7; ++i) {
+    expect_weight(w[2 + i], names[2 + i], s.types[i], (i < 4 ? 1 : mats) * proj[i][0], proj[i][1]);
+  }
   int next = 9;
   if (s.sandwich) {
     expect(w[next++], "attn_out_norm", x.dtype(), {hid});
@@ -120,6 +144,7 @@ void check(const std::vector<mx::array>& in, const DecoderLayerSpec& s) {
     expect(w[next++], "q_norm", x.dtype(), {static_cast<int>(s.head_dim)});
     expect(w[next++], "k_norm", x.dtype(), {static_cast<int>(s.head_dim)});
   }
+  if (s.moe()) expect_weight(w[next++], "router", s.router_type, s.num_experts, hid);
   if (s.lora) {
     expect(w[next++], "lora_row_slot", mx::int32, {t});
     const mx::array& a0 = w[next];
@@ -164,10 +189,16 @@ int weight_index(const DecoderLayerSpec& spec, const std::string& name) {
 std::vector<std::string> DecoderLayerSpec::weight_names() const {
   std::vector<std::string> n = {"input_norm", "post_norm", "q_proj", "k_proj", "v_proj",
                                 "o_proj",     "gate_proj", "up_proj", "down_proj"};
+  if (moe()) {
+    n[6] = "gate_exps";
+    n[7] = "up_exps";
+    n[8] = "down_exps";
+  }
   if (sandwich) n.insert(n.end(), {"attn_out_norm", "mlp_out_norm"});
   if (qkv_bias) n.insert(n.end(), {"q_bias", "k_bias", "v_bias"});
   if (o_bias) n.push_back("o_bias");
   if (qk_norm) n.insert(n.end(), {"q_norm", "k_norm"});
+  if (moe()) n.push_back("router");
   if (lora) {
     n.push_back("lora_row_slot");
     for (const char* p : {"q", "k", "v", "o", "gate", "up", "down"}) {
@@ -343,6 +374,13 @@ void DecoderLayer::eval_native_cpu(const std::vector<mx::array>& inputs,
     if (s.qk_norm) {
       a.q_norm = w[next++].data<void>();
       a.k_norm = w[next++].data<void>();
+    }
+    if (s.moe()) {
+      a.num_experts = s.num_experts;
+      a.top_k = s.top_k;
+      a.moe_renormalize = s.moe_renormalize;
+      a.expert_blocks = s.expert_blocks;
+      a.router = {s.router_type, w[next++].data<void>(), nullptr, s.num_experts, hid};
     }
     if (s.lora) {
       const int32_t* row_slot = w[next++].data<int32_t>();

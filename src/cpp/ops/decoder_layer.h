@@ -1,6 +1,6 @@
 // decoder_layer: one pre-norm llama-family layer (norm, q/k/v, q/k norms, rope,
-// cache write, paged attention, o_proj, residual, norm, SwiGLU MLP, residual) as a
-// single MLX node.
+// cache write, paged attention, o_proj, residual, norm, SwiGLU MLP or sparse MoE MLP,
+// residual) as a single MLX node.
 //
 // On the native CPU backend it runs cpu/decoder_layer.h: on MLX's CPU backend every
 // node costs ~10 us of dispatch whatever its size, and a decode step of a small model
@@ -55,10 +55,24 @@ struct DecoderLayerSpec {
   // p_lora_b [S, out, R] (x's dtype) and p_lora_scale float32 [S]. On the Metal
   // kernels such a step runs the per-op plan (lora_apply after each mat-mul).
   bool lora = false;
+  // A sparse MoE MLP in place of the gated one (qwen3_moe) when num_experts > 0: the
+  // router [num_experts, hidden] (type router_type) picks top_k experts per token (softmax
+  // over all experts, the top_k renormalised when moe_renormalize), whose SwiGLU MLPs run
+  // as fused_moe does (ops/moe.h: dense experts of types F32/F16/BF16, [E, I, H] /
+  // [E, H, I]) or, expert_blocks, as fused_moe_gguf does (GGUF blocks, E * rows rows).
+  // types[4..6] are the experts' and `intermediate` is the expert width I. The router's
+  // logits are rounded to x's dtype first, as the per-op model's router output is.
+  int64_t num_experts = 0;
+  int64_t top_k = 0;
+  bool moe_renormalize = false;
+  bool expert_blocks = false;
+  gguf::GGMLType router_type = gguf::GGMLType::kF32;
+  bool moe() const { return num_experts > 0; }
 
-  // input_norm, post_norm, q, k, v, o, gate, up, down[, attn_out_norm, mlp_out_norm]
-  // [, q_bias, k_bias, v_bias][, o_bias][, q_norm, k_norm][, lora_row_slot, q_lora_a,
-  // q_lora_b, q_lora_scale, ..., down_lora_scale]
+  // input_norm, post_norm, q, k, v, o, gate, up, down (MoE: gate_exps, up_exps,
+  // down_exps)[, attn_out_norm, mlp_out_norm][, q_bias, k_bias, v_bias][, o_bias]
+  // [, q_norm, k_norm][, router][, lora_row_slot, q_lora_a, q_lora_b, q_lora_scale, ...,
+  // down_lora_scale]
   std::vector<std::string> weight_names() const;
 };
 

@@ -10,6 +10,8 @@
 #include "ops/dtype_names.h"
 #include "ops/gguf_ops.h"
 #include "ops/lora.h"
+#include "ops/moe.h"
+#include "ops/moe_gguf.h"
 #include "ops/rms_norm.h"
 #include "runtime/gguf_types.h"
 
@@ -49,6 +51,13 @@ struct Constants {
 };
 
 uint32_t type_id(gguf::GGMLType t) { return static_cast<uint32_t>(t); }
+
+// The array dtype of a dense (F32 / F16 / BF16) weight type.
+mx::Dtype dense_dtype(gguf::GGMLType t) {
+  return t == gguf::GGMLType::kF32 ? mx::float32
+         : t == gguf::GGMLType::kF16 ? mx::float16
+                                     : mx::bfloat16;
+}
 
 uint64_t encoded_row_bytes(gguf::GGMLType t, int64_t k) {
   return static_cast<uint64_t>(gguf::row_bytes(t, k));
@@ -96,6 +105,12 @@ DecoderLayerSlots::DecoderLayerSlots(const DecoderLayerSpec& spec) : names(spec.
   v_projected = out + 10;
   up = out + 11;
   partials = out + 12;
+  logits = out + 15;
+  logits_f32 = out + 16;
+  moe_ids = out + 17;
+  moe_weights = out + 18;
+  moe_act = out + 19;
+  moe_y = out + 20;
 }
 
 int DecoderLayerSlots::weight(const std::string& name) const {
@@ -109,24 +124,33 @@ std::vector<mx::Shape> decoder_layer_output_shapes(const DecoderLayerProblem& p)
   if (!p.attention.uses_kernels) return {{t, hid}};  // the CPU kernels keep their own scratch
   const int hq = static_cast<int>(s.num_heads), hkv = static_cast<int>(s.num_kv_heads);
   const int dim = static_cast<int>(s.head_dim), inter = static_cast<int>(s.intermediate);
-  const bool fused = decoder_layer_fuses(p);
+  const bool fused = decoder_layer_fuses(p), moe = s.moe();
   auto when = [](bool needed, mx::Shape shape) { return needed ? shape : mx::Shape{0}; };
-  std::vector<mx::Shape> shapes = {{t, hid}, {t, hq * dim}, {t, hq, dim}, {t, hid}, {t, inter},
-                                   when(s.sandwich || !fused, {t, hid}),  // o
-                                   when(s.sandwich || !fused, {t, hid}),  // d
-                                   when(!fused, {t, hid}),                // xn
+  std::vector<mx::Shape> shapes = {{t, hid}, {t, hq * dim}, {t, hq, dim}, {t, hid},
+                                   when(!moe, {t, inter}),                         // act
+                                   when(s.sandwich || !fused, {t, hid}),           // o
+                                   when(s.sandwich || !fused || moe, {t, hid}),    // d
+                                   when(!fused || moe, {t, hid}),                  // xn
                                    when(!fused, {t, hq * dim}),
                                    when(!fused, {t, hkv * dim}),
                                    when(!fused, {t, hkv * dim}),
-                                   when(!fused, {t, inter})};             // up
+                                   when(!fused && !moe, {t, inter})};              // up
   for (const auto& shape : paged_attention_scratch_shapes(p.attention)) shapes.push_back(shape);
+  const int e = static_cast<int>(s.num_experts), k = static_cast<int>(s.top_k);
+  const bool cast = moe && p.dtype != mx::float32;  // the logits in float32 for the routing
+  for (const mx::Shape& shape : {when(moe, {t, e}), when(cast, {t, e}), when(moe, {t, k}),
+                                 when(moe, {t, k}), when(moe, {t * k, inter}),
+                                 when(moe, {t * k, hid})}) {
+    shapes.push_back(shape);
+  }
   return shapes;
 }
 
 std::vector<mx::Dtype> decoder_layer_output_dtypes(const DecoderLayerProblem& p) {
   if (!p.attention.uses_kernels) return {p.dtype};
-  std::vector<mx::Dtype> d(DecoderLayerSlots::kNumOutputs - 3, p.dtype);
-  d.insert(d.end(), 3, mx::float32);
+  std::vector<mx::Dtype> d(12, p.dtype);
+  d.insert(d.end(), 3, mx::float32);  // the split-KV partials
+  d.insert(d.end(), {p.dtype, mx::float32, mx::int32, mx::float32, mx::float32, mx::float32});
   return d;
 }
 
@@ -273,18 +297,70 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
     plan.push_back(l);
   };
 
+  auto push_norm = [&](int in, const char* weight, int out) {
+    RmsNormProblem n;
+    n.dtype = p.dtype;
+    n.rows = p.tokens;
+    n.hidden = s.hidden;
+    n.x_row_stride = s.hidden;
+    n.eps = s.norm_eps;
+    append_mapped(plan, plan_rms_norm(n), {in, slot.weight(weight), out});
+  };
+
+  // An MoE layer's MLP after h: the per-op model's kernels (rms_norm, the router's
+  // gguf_matmul, fused_moe or fused_moe_gguf) in one plan, then out = h + y.
+  auto push_moe = [&]() {
+    push_norm(slot.h, "post_norm", slot.xn);
+    GgufMatmulProblem router{s.router_type, p.dtype, p.tokens, s.num_experts, s.hidden};
+    append_mapped(plan, plan_gguf_matmul(router), {slot.xn, slot.weight("router"), slot.logits});
+    int logits = slot.logits;
+    if (p.dtype != mx::float32) {  // the routing kernel reads float32 logits
+      KernelLaunch l = launch("layer_to_float", dt);
+      l.constants = Constants().list();
+      l.bind(0, slot.logits);
+      l.bind(1, slot.logits_f32);
+      l.set_args(2, matvec_args(s.num_experts, s.num_experts, {}));
+      l.grid = {ceil_div(uint64_t(p.tokens) * s.num_experts, 256), 1, 1};
+      l.threadgroup = {256, 1, 1};
+      plan.push_back(l);
+      logits = slot.logits_f32;
+    }
+    KernelPlan part;
+    if (s.expert_blocks) {
+      MoeGgufProblem m;
+      m.dtype = p.dtype;
+      m.gate_type = s.types[4];
+      m.up_type = s.types[5];
+      m.down_type = s.types[6];
+      m.num_tokens = p.tokens;
+      m.hidden = s.hidden;
+      m.num_experts = s.num_experts;
+      m.inter = s.intermediate;
+      m.top_k = s.top_k;
+      m.renormalize = s.moe_renormalize;
+      part = plan_fused_moe_gguf(m);
+    } else {
+      MoeProblem m;
+      m.dtype = p.dtype;
+      m.w_dtype = dense_dtype(s.types[4]);
+      m.num_tokens = p.tokens;
+      m.hidden = s.hidden;
+      m.num_experts = s.num_experts;
+      m.inter = s.intermediate;
+      m.top_k = s.top_k;
+      m.renormalize = s.moe_renormalize;
+      part = plan_fused_moe(m);
+    }
+    append_mapped(plan, std::move(part),
+                  {slot.xn, logits, slot.weight("gate_exps"), slot.weight("up_exps"),
+                   slot.weight("down_exps"), slot.d, slot.moe_ids, slot.moe_weights,
+                   slot.moe_act, slot.moe_y});
+    push_add_norm(slot.d, slot.h, nullptr, false, slot.out);
+  };
+
   if (!fused) {
     // Long batches (prefill): the tiled mat-mul reads each weight once per 32 rows with
     // simdgroup matrices; small epilogues do what MLX's elementwise ops did between.
-    auto push_norm = [&](int in, const char* weight, int out) {
-      RmsNormProblem n;
-      n.dtype = p.dtype;
-      n.rows = p.tokens;
-      n.hidden = s.hidden;
-      n.x_row_stride = s.hidden;
-      n.eps = s.norm_eps;
-      append_mapped(plan, plan_rms_norm(n), {in, slot.weight(weight), out});
-    };
     static const char* const kLoraNames[7] = {"q", "k", "v", "o", "gate", "up", "down"};
     auto push_matmul = [&](int in, int proj, int64_t n, int64_t k, int out) {
       GgufMatmulProblem m{s.types[proj], p.dtype, p.tokens, n, k};
@@ -307,6 +383,10 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
     push_attention(false);
     push_matmul(slot.attn, 3, s.hidden, q_width, slot.o);
     push_add_norm(slot.o, x, s.sandwich ? "attn_out_norm" : "o_bias", s.sandwich, slot.h);
+    if (s.moe()) {
+      push_moe();
+      return plan;
+    }
     push_norm(slot.h, "post_norm", slot.xn);
     push_matmul(slot.xn, 4, s.intermediate, s.hidden, slot.act);
     push_matmul(slot.xn, 5, s.intermediate, s.hidden, slot.up);
@@ -378,6 +458,10 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
   // 3. o projection: h = x + o (gemma: o, normed and added by the next kernel)
   push_matvec(slot.attn, "o_proj", s.types[3], q_width, "o_bias", !s.sandwich, x,
               s.sandwich ? slot.o : slot.h, split.has_value() && fold_fits);
+  if (s.moe()) {
+    push_moe();
+    return plan;
+  }
 
   // 4. [gemma: h = x + attn_out_norm(o)] -> norm -> act(gate) * up
   {

@@ -37,10 +37,14 @@ struct DecoderLayerSlots {
   // (the residual stream after attention), act [T, intermediate], o and d [T, hidden]
   // (the o and down projections before their norm or residual add: gemma, long batches),
   // long batches only: xn [T, hidden] (a normalised input), q/k/v_projected, up
-  // [T, intermediate]; split-KV partials (3). Unused ones are [0].
+  // [T, intermediate]; split-KV partials (3); an MoE layer's router logits [T, E] (x's
+  // dtype, then float32), expert ids int32 and routing weights float32 [T, top_k], and
+  // fused_moe's float32 scratch [T * top_k, I] and [T * top_k, hidden] (its xn and d are
+  // the MoE input and output at every batch size). Unused ones are [0].
   int out = 0, q = 0, attn = 0, h = 0, act = 0, o = 0, d = 0, xn = 0, q_projected = 0,
-      k_projected = 0, v_projected = 0, up = 0, partials = 0;
-  static constexpr int kNumOutputs = 15;
+      k_projected = 0, v_projected = 0, up = 0, partials = 0, logits = 0, logits_f32 = 0,
+      moe_ids = 0, moe_weights = 0, moe_act = 0, moe_y = 0;
+  static constexpr int kNumOutputs = 21;
 };
 
 // Shapes of the outputs (slot order from `out`); only `out` when attention.uses_kernels
@@ -54,7 +58,9 @@ std::vector<mx::Dtype> decoder_layer_output_dtypes(const DecoderLayerProblem& p)
 bool decoder_layer_fuses(const DecoderLayerProblem& p);
 
 // Fused: layer_qkv, attention (decode [+ reduce]), layer_matvec (o), layer_gate_up,
-// layer_matvec (down) [, layer_add_norm (gemma)]. Longer batches: the per-op kernels
+// layer_matvec (down) [, layer_add_norm (gemma)]. An MoE layer's MLP, at every batch
+// size: rms_norm, the router's gguf_matmul [, layer_to_float], fused_moe(_gguf)'s plan,
+// layer_add_norm (the residual add). Longer batches: the per-op kernels
 // (rms_norm, the tiled gguf_matmul, attention's prefill kernel) with small epilogue
 // kernels of decoder_layer.metal for what MLX ops did between them, and with LoRA
 // adapters lora_apply after each mat-mul (in place on its output).
