@@ -3,9 +3,10 @@
 The synthetic Qwen3-MoE of benchmarks/moe_decode.py (random weights; default 4 layers,
 hidden 1024, 64 experts, top-8, expert width 512, 16 query / 4 KV heads of 64) written as a
 qwen3moe GGUF file per expert type (the rest F32), which llama.cpp loads as it is. Ours:
-load_model + greedy_generate (block-form experts on ops.fused_moe_gguf, float32
-activations), median tok/s over the decode-only steps at batch 1 (and the batch sizes
-asked; llama-bench has no multi-sequence decode, so llama.cpp is batch 1 only). llama.cpp:
+load_model + greedy_generate (block-form experts on ops.fused_moe_gguf; float32
+activations by default, 8-bit ones in the -int8 rows, as llama.cpp rounds them), median
+tok/s over the decode-only steps at batch 1 (and the batch sizes asked; llama-bench has no
+multi-sequence decode, so llama.cpp is batch 1 only). llama.cpp:
 llama-bench's tg figure (--tokens tokens after an empty prompt), the same thread count.
 Runs interleaved (the machine is shared: compare within a run).
 
@@ -36,6 +37,7 @@ import moe_decode  # noqa: E402
 
 from vllm_metal import _core  # noqa: E402
 from vllm_metal.models import load_model  # noqa: E402
+from vllm_metal.models.gguf_linear import set_exact_activations  # noqa: E402
 
 ROOT = HERE.parent
 
@@ -61,11 +63,16 @@ def main() -> None:
             path = moe_decode.write_gguf(cfg, w, Path(tmp) / f"moe-{qtype}.gguf", qtype)
             size = os.path.getsize(path) / 2**20
             loaded = load_model(str(path), "float32")
-            runs = {"llama.cpp": []} | {f"vllm-metal batch {b}": [] for b in a.batch}
+            # ours with float32 sums (the default) and with 8-bit activations
+            # (VLLM_METAL_INT8_ACTIVATIONS=1), llama.cpp's own scheme for these types
+            ours = [(f"vllm-metal{tag} batch {b}", exact, b)
+                    for tag, exact in (("", True), ("-int8", False)) for b in a.batch]
+            runs = {"llama.cpp": []} | {name: [] for name, _, _ in ours}
             for _ in range(a.repeats):
                 runs["llama.cpp"].append(llama_bench_tg(str(path), a.tokens, a.threads))
-                for b in a.batch:
-                    runs[f"vllm-metal batch {b}"].append(moe_decode.decode_rate(loaded, b, a.tokens, rng))
+                for name, exact, b in ours:
+                    set_exact_activations(loaded.model, exact)
+                    runs[name].append(moe_decode.decode_rate(loaded, b, a.tokens, rng))
             ref = statistics.median(runs["llama.cpp"])
             for engine, r in runs.items():
                 rate = statistics.median(r)

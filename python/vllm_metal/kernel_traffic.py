@@ -18,7 +18,9 @@ from vllm_metal import _core, emulation
 
 _SIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 # NumPy stand-ins with the same byte size (counts do not depend on the values)
-_NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+# decoder_layer's outputs: the split-KV partial outputs (DecoderLayerSlots: out + 12)
+_PARTIAL_OUT = 12
+_NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int32": np.int32}
 
 
 @dataclasses.dataclass
@@ -306,7 +308,8 @@ def decoder_layer(qtype, dtype: str, m: int, hidden: int, heads: int, kv_heads: 
     # split-KV attention (long contexts, few rows): per (row, q head, partition) a float32
     # partial output, max and sum written by the decode kernel and read back once (unique
     # bytes count the o projection's threadgroups' reads once), as kt.paged_attention's
-    parts = outs[-3][0][2] if len(outs[-3][0]) == 4 else 1
+    partial_out = outs[_PARTIAL_OUT][0]
+    parts = partial_out[2] if len(partial_out) == 4 else 1
     partials = 2 * 4 * m * heads * parts * (head_dim + 2) if parts > 1 else 0
     # the o projection folds the reduce in (combines the partitions while staging its
     # input): the attention output then never crosses

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as T
 from test_gguf_fixtures import random_blocks, reference_dequantize
 from vllm_metal import _core
 
-NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int32": np.int32}
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

@@ -175,3 +175,21 @@ def test_bad_moe_input_is_refused(moe_call, change, message):
     change(args)
     with pytest.raises(ValueError, match=message):
         _core.decoder_layer(**args)
+
+
+@pytest.mark.parametrize("backend", ["native", "emulated"])
+def test_a_step_without_tokens_gives_an_empty_stream(moe_call, backend):
+    """A packed step can hold sequences with no new tokens at all: nothing runs (an empty
+    Metal plan has grids of zero threadgroups, which Metal refuses)."""
+    emulation.load_all()
+    previous = ops.kernel_backend()
+    ops.set_kernel_backend(backend)
+    try:
+        args = dict(moe_call, x=mx.zeros((0, moe_call["spec"].hidden)),
+                    positions=mx.zeros((0,), mx.int32), slot_mapping=mx.zeros((0,), mx.int64),
+                    cu_seqlens_q=mx.array([0, 0], mx.int32))
+        out = _core.decoder_layer(**args)
+        mx.eval(out)
+    finally:
+        ops.set_kernel_backend(previous)
+    assert out.shape == (0, moe_call["spec"].hidden)
