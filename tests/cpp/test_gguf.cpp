@@ -638,3 +638,34 @@ TEST(GgufCpu, GroupedMatmulEqualsOneCallPerMatrix) {
   bad[1].k = 64;
   EXPECT_THROW(c::gguf_matmul_group(bad, 2), std::invalid_argument);
 }
+
+// gguf_matmul_batch (a MoE layer's experts): calls with their own x, m and k, decode-size
+// ones in one pool job, larger ones alone; each equals its own gguf_matmul call, bitwise,
+// whatever else the batch holds (the integer path rounds each call's x on its own).
+TEST(GgufCpu, BatchedMatmulsEqualOneCallEach) {
+  const g::GGMLType types[] = {g::GGMLType::kQ4_0, g::GGMLType::kQ8_0, g::GGMLType::kQ4_K,
+                               g::GGMLType::kF16, g::GGMLType::kMXFP4};
+  const int64_t rows[] = {96, 64, 37, 90, 50};
+  const int64_t ks[] = {512, 256, 512, 128, 256};
+  const int64_t ms[] = {1, 3, 8, 40, 0};  // 40: past the decode rows; 0: nothing to do
+  std::vector<std::vector<uint8_t>> ws;
+  for (int i = 0; i < 5; ++i) ws.push_back(random_weights(types[i], rows[i], ks[i], 50 + i));
+  for (bool exact : {false, true}) {
+    std::vector<std::vector<float>> xs(5), ys(5);
+    std::vector<std::vector<uint16_t>> xhs(5);
+    c::GgufMatmul mats[5];
+    for (int i = 0; i < 5; ++i) {
+      xs[i] = random_x(ms[i], ks[i], c::Elt::kF32, 20 + i, &xhs[i]);
+      ys[i].assign(ms[i] * rows[i], 0.0f);
+      mats[i] = {types[i], ws[i].data(), rows[i], ks[i], c::Elt::kF32, xs[i].data(), ms[i],
+                 ys[i].data(), exact};
+    }
+    c::gguf_matmul_batch(mats, 5);
+    for (int i = 0; i < 5; ++i) {
+      const auto want = run_matmul(types[i], ws[i], rows[i], ks[i], xs[i], xhs[i], ms[i],
+                                   c::Elt::kF32, exact);
+      ASSERT_EQ(ys[i], want) << case_name(types[i], ms[i], rows[i], ks[i], c::Elt::kF32)
+                             << " exact=" << exact;
+    }
+  }
+}
