@@ -102,7 +102,7 @@ const g::GGMLType kTypes[] = {
     g::GGMLType::kQ4_1, g::GGMLType::kQ5_0, g::GGMLType::kQ5_1,   g::GGMLType::kQ8_0,
     g::GGMLType::kQ2_K, g::GGMLType::kQ3_K, g::GGMLType::kQ4_K,   g::GGMLType::kQ5_K,
     g::GGMLType::kQ6_K, g::GGMLType::kIQ4_NL, g::GGMLType::kIQ4_XS, g::GGMLType::kIQ3_S,
-    g::GGMLType::kIQ3_XXS};
+    g::GGMLType::kIQ3_XXS, g::GGMLType::kMXFP4};
 
 // Byte offsets of the float16 scales of each block (random bytes elsewhere).
 std::vector<int> scale_offsets(g::GGMLType t) {
@@ -132,6 +132,10 @@ std::vector<uint8_t> random_weights(g::GGMLType t, int64_t n, int64_t k, uint32_
   }
   for (auto& b : w) b = static_cast<uint8_t>(rng());
   for (size_t blk = 0; blk < w.size() / ti.type_size; ++blk) {
+    if (t == g::GGMLType::kMXFP4) {  // an E8M0 exponent byte: scales 2^-8 .. 2^0 (of 2^-255 .. 2^127)
+      w[blk * ti.type_size] = static_cast<uint8_t>(119 + rng() % 9);
+      continue;
+    }
     for (int off : scale_offsets(t)) {
       uint16_t h = c::float_to_f16(u(rng) * 0.05f);
       std::memcpy(&w[blk * ti.type_size + off], &h, 2);
@@ -194,7 +198,7 @@ TEST(GgufCpu, KnownQ4_0AndQ8_0Values) {
 // Types whose activations are rounded to 8 bits (every row count, unless exact).
 const g::GGMLType kInt8Types[] = {g::GGMLType::kQ4_0, g::GGMLType::kQ4_1, g::GGMLType::kQ5_0,
                                   g::GGMLType::kQ5_1, g::GGMLType::kQ8_0, g::GGMLType::kQ4_K,
-                                  g::GGMLType::kQ5_K, g::GGMLType::kQ6_K};
+                                  g::GGMLType::kQ5_K, g::GGMLType::kQ6_K, g::GGMLType::kMXFP4};
 
 bool int8_path(g::GGMLType t) {
   for (auto u : kInt8Types) {
@@ -218,7 +222,7 @@ const std::map<c::Elt, double> kFloatTol = {
 const std::map<g::GGMLType, double> kInt8Tol = {
     {g::GGMLType::kQ4_0, 0.015}, {g::GGMLType::kQ4_1, 0.018}, {g::GGMLType::kQ5_0, 0.015},
     {g::GGMLType::kQ5_1, 0.021}, {g::GGMLType::kQ8_0, 0.015}, {g::GGMLType::kQ4_K, 0.023},
-    {g::GGMLType::kQ5_K, 0.021}, {g::GGMLType::kQ6_K, 0.018}};
+    {g::GGMLType::kQ5_K, 0.021}, {g::GGMLType::kQ6_K, 0.018}, {g::GGMLType::kMXFP4, 0.015}};
 
 std::string case_name(g::GGMLType t, int64_t m, int64_t n, int64_t k, c::Elt elt) {
   const char* dt = elt == c::Elt::kF32 ? "f32" : elt == c::Elt::kF16 ? "f16" : "bf16";

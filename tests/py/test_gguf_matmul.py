@@ -30,7 +30,7 @@ from vllm_metal import _core, emulation, ops
 TOLERANCE = {
     "float": {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.6e-2},
     "int8": {T.Q4_0: 0.015, T.Q4_1: 0.018, T.Q5_0: 0.015, T.Q5_1: 0.021, T.Q8_0: 0.015,
-             T.Q4_K: 0.023, T.Q5_K: 0.021, T.Q6_K: 0.018},
+             T.Q4_K: 0.023, T.Q5_K: 0.021, T.Q6_K: 0.018, T.MXFP4: 0.015},
 }
 INT8_TYPES = set(TOLERANCE["int8"])
 

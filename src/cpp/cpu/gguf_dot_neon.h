@@ -70,6 +70,11 @@ inline Block32 load_block(const uint8_t* b) {
       hi = vsubq_s8(hi, vdupq_n_s8(16));
     }
     return {lo, hi, f16_at(b), has_min ? f16_at(b + 2) : 0.0f};
+  } else if constexpr (T == GGMLType::kMXFP4) {  // doubled E2M1 values, scale 2^(e - 128)
+    const int8x16_t lut = vld1q_s8(kGgufMxfp4Values);
+    const uint8x16_t v = vld1q_u8(b + 1);
+    return {vqtbl1q_s8(lut, vandq_u8(v, vdupq_n_u8(0x0F))), vqtbl1q_s8(lut, vshrq_n_u8(v, 4)),
+            gguf_e8m0_half(b[0]), 0.0f};
   } else {  // Q8_0
     return {vld1q_s8(reinterpret_cast<const int8_t*>(b + 2)),
             vld1q_s8(reinterpret_cast<const int8_t*>(b + 18)), f16_at(b), 0.0f};
@@ -79,7 +84,7 @@ inline Block32 load_block(const uint8_t* b) {
 template <GGMLType T>
 constexpr int block_bytes() {
   return T == GGMLType::kQ4_0 ? 18 : T == GGMLType::kQ4_1 ? 20 : T == GGMLType::kQ5_0 ? 22
-       : T == GGMLType::kQ5_1 ? 24 : 34;
+       : T == GGMLType::kQ5_1 ? 24 : T == GGMLType::kMXFP4 ? 17 : 34;
 }
 
 template <GGMLType T, int M>
@@ -285,6 +290,7 @@ template <int M> void q4_1_m(const uint8_t* w, int64_t rb, int64_t n, const Gguf
 template <int M> void q5_0_m(const uint8_t* w, int64_t rb, int64_t n, const GgufQ8Rows& x, float* y, int64_t l) { legacy_rows<GGMLType::kQ5_0, M>(w, rb, n, x, y, l); }
 template <int M> void q5_1_m(const uint8_t* w, int64_t rb, int64_t n, const GgufQ8Rows& x, float* y, int64_t l) { legacy_rows<GGMLType::kQ5_1, M>(w, rb, n, x, y, l); }
 template <int M> void q8_0_m(const uint8_t* w, int64_t rb, int64_t n, const GgufQ8Rows& x, float* y, int64_t l) { legacy_rows<GGMLType::kQ8_0, M>(w, rb, n, x, y, l); }
+template <int M> void mxfp4_m(const uint8_t* w, int64_t rb, int64_t n, const GgufQ8Rows& x, float* y, int64_t l) { legacy_rows<GGMLType::kMXFP4, M>(w, rb, n, x, y, l); }
 template <int M> void q4_k_m(const uint8_t* w, int64_t rb, int64_t n, const GgufQ8Rows& x, float* y, int64_t l) { q45_k_rows<GGMLType::kQ4_K, M>(w, rb, n, x, y, l); }
 template <int M> void q5_k_m(const uint8_t* w, int64_t rb, int64_t n, const GgufQ8Rows& x, float* y, int64_t l) { q45_k_rows<GGMLType::kQ5_K, M>(w, rb, n, x, y, l); }
 GGUF_NEON_BY_ROWS(q4_0_dot, q4_0_m)
@@ -292,6 +298,7 @@ GGUF_NEON_BY_ROWS(q4_1_dot, q4_1_m)
 GGUF_NEON_BY_ROWS(q5_0_dot, q5_0_m)
 GGUF_NEON_BY_ROWS(q5_1_dot, q5_1_m)
 GGUF_NEON_BY_ROWS(q8_0_dot, q8_0_m)
+GGUF_NEON_BY_ROWS(mxfp4_dot, mxfp4_m)
 GGUF_NEON_BY_ROWS(q4_k_dot, q4_k_m)
 GGUF_NEON_BY_ROWS(q5_k_dot, q5_k_m)
 GGUF_NEON_BY_ROWS(q6_k_dot, q6_k_rows)
@@ -444,6 +451,7 @@ GgufKernels make_neon_kernels(const char* name) {
   t.q8_dot[static_cast<int>(GGMLType::kQ4_K)] = q4_k_dot;
   t.q8_dot[static_cast<int>(GGMLType::kQ5_K)] = q5_k_dot;
   t.q8_dot[static_cast<int>(GGMLType::kQ6_K)] = q6_k_dot;
+  t.q8_dot[static_cast<int>(GGMLType::kMXFP4)] = mxfp4_dot;
   t.float_dot[static_cast<int>(GGMLType::kF32)] = float_dot<GGMLType::kF32>;
   t.float_dot[static_cast<int>(GGMLType::kF16)] = float_dot<GGMLType::kF16>;
   t.float_dot[static_cast<int>(GGMLType::kBF16)] = float_dot<GGMLType::kBF16>;

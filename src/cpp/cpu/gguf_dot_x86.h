@@ -161,6 +161,21 @@ struct Legacy<GGMLType::kQ8_0> {
   }
 };
 
+// MXFP4 (gpt-oss): the doubled E2M1 values (-12 .. 12) looked up from their nibbles as
+// u = value + 16 (offset -16), scale 2^(e - 128) (gguf_e8m0_half).
+template <>
+struct Legacy<GGMLType::kMXFP4> {
+  static constexpr int kBytes = 17, kOffsetShift = 4;
+  static constexpr bool kMin = false;
+  static LegacyBlock load(const uint8_t* b) {
+    const __m128i lut = _mm_add_epi8(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(kGgufMxfp4Values)), _mm_set1_epi8(16));
+    const __m256i u = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(lut), nibbles32(b + 1));
+    return {u, _mm_set_ss(gguf_e8m0_half(b[0]))};
+  }
+  static float add(const LegacyBlock& wb) { return -16.0f * wb.d(); }
+};
+
 // u . q_x as 8 int32 lanes, plus init.
 template <GGMLType T>
 inline __m256i legacy_dot(const LegacyBlock& wb, __m256i xq, __m256i init) {
@@ -891,6 +906,7 @@ GgufKernels make_x86_kernels(const char* name) {
   set(GGMLType::kQ4_K, ByRows<Q45K<GGMLType::kQ4_K>::K>::run);
   set(GGMLType::kQ5_K, ByRows<Q45K<GGMLType::kQ5_K>::K>::run);
   set(GGMLType::kQ6_K, ByRows<Q6K>::run);
+  set(GGMLType::kMXFP4, ByRows<LegacyK<GGMLType::kMXFP4>::K>::run);
   t.float_dot[static_cast<int>(GGMLType::kF32)] = float_dot<GGMLType::kF32>;
   t.float_dot[static_cast<int>(GGMLType::kF16)] = float_dot<GGMLType::kF16>;
   t.float_dot[static_cast<int>(GGMLType::kBF16)] = float_dot<GGMLType::kBF16>;
@@ -899,6 +915,7 @@ GgufKernels make_x86_kernels(const char* name) {
   t.exact_dot[static_cast<int>(GGMLType::kQ5_0)] = exact_dot<GGMLType::kQ5_0>;
   t.exact_dot[static_cast<int>(GGMLType::kQ5_1)] = exact_dot<GGMLType::kQ5_1>;
   t.exact_dot[static_cast<int>(GGMLType::kQ8_0)] = exact_dot<GGMLType::kQ8_0>;
+  t.exact_dot[static_cast<int>(GGMLType::kMXFP4)] = exact_dot<GGMLType::kMXFP4>;
   set_panel_kernels(t);
   t.panel = panel;
   t.panel_rows = kPanelRows;

@@ -16,10 +16,22 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
+#include "gguf_tables.h"
 #include "runtime/gguf_types.h"
 
 namespace vllm_metal::cpu {
+
+// MXFP4's block scale: 2^(e - 128), the E8M0 exponent byte's scale halved, since the weights
+// are kGgufMxfp4Values (the E2M1 values doubled, -12 .. 12). Built from its bits: a normal
+// float for e >= 2, the subnormals 2^-127 / 2^-128 for e = 1 / 0.
+inline float gguf_e8m0_half(uint8_t e) {
+  const uint32_t bits = e >= 2 ? static_cast<uint32_t>(e - 1) << 23 : 0x00800000u >> (2 - e);
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 constexpr int kGgufQ8Block = 32;  // activation values per float scale
 

@@ -105,17 +105,11 @@ void decode_iq4_nl(const uint8_t* b, float* y) {
 // block_mxfp4 (gpt-oss): one E8M0 exponent byte e, then 16 bytes of E2M1 nibbles; weight j
 // is the low nibble of byte j, weight j + 16 its high nibble. Scale 2^(e - 128) times the
 // doubled E2M1 value = 2^(e - 127) times the value.
-// 2^(e - 128) built from its bits (std::ldexp per block was most of the decode's time):
-// a normal float for e >= 2, the subnormals 2^-127 / 2^-128 for e = 1 / 0.
-inline float e8m0_half(uint8_t e) {
-  const uint32_t bits = e >= 2 ? static_cast<uint32_t>(e - 1) << 23 : 0x00800000u >> (2 - e);
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+// 2^(e - 128) is built from its bits (gguf_e8m0_half: std::ldexp per block was most of the
+// decode's time).
 
 void decode_mxfp4(const uint8_t* b, float* y) {
-  const float d = e8m0_half(b[0]);
+  const float d = gguf_e8m0_half(b[0]);
   const uint8_t* qs = b + 1;
   for (int j = 0; j < 16; ++j) {
     y[j] = d * static_cast<float>(kGgufMxfp4Values[qs[j] & 0xF]);
@@ -335,7 +329,7 @@ GGUF_AVX2 void decode_q4_1_avx2(const uint8_t* b, float* y) {
 // MXFP4: the 16 doubled E2M1 values as an int8 table, looked up 16 nibbles at a time
 // (pshufb), widened to int32 and scaled as the scalar decoder does (one rounding per product).
 GGUF_AVX2 void decode_mxfp4_avx2(const uint8_t* b, float* y) {
-  const __m256 d = _mm256_set1_ps(e8m0_half(b[0]));
+  const __m256 d = _mm256_set1_ps(gguf_e8m0_half(b[0]));
   const __m128i lut = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kGgufMxfp4Values));
   const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 1));
   const __m128i m = _mm_set1_epi8(0x0F);
@@ -578,6 +572,12 @@ inline bool q8_chunk(const uint8_t* b, int j, GgufQ8Chunk* o) {
   } else if constexpr (T == GGMLType::kQ8_0) {
     std::memcpy(q, b + 2, 32);
     chunk_scales(o, half_at(b), 0.0f);
+  } else if constexpr (T == GGMLType::kMXFP4) {
+    for (int l = 0; l < 16; ++l) {
+      q[l] = kGgufMxfp4Values[b[1 + l] & 0xF];
+      q[l + 16] = kGgufMxfp4Values[b[1 + l] >> 4];
+    }
+    chunk_scales(o, gguf_e8m0_half(b[0]), 0.0f);
   } else if constexpr (T == GGMLType::kQ4_K || T == GGMLType::kQ5_K) {
     int sc, mn;
     k_scale_min(b + 4, j, &sc, &mn);
@@ -704,6 +704,7 @@ GgufKernels make_scalar_kernels() {
   GGUF_SCALAR_Q8(kQ4_K);
   GGUF_SCALAR_Q8(kQ5_K);
   GGUF_SCALAR_Q8(kQ6_K);
+  GGUF_SCALAR_Q8(kMXFP4);
 #undef GGUF_SCALAR_Q8
   t.float_dot[static_cast<int>(GGMLType::kF32)] = float_dot_scalar<GGMLType::kF32>;
   t.float_dot[static_cast<int>(GGMLType::kF16)] = float_dot_scalar<GGMLType::kF16>;
@@ -727,6 +728,7 @@ bool gguf_q8_chunk(GGMLType type, const uint8_t* block, int j, GgufQ8Chunk* out)
     GGUF_CHUNK_CASE(kQ4_K)
     GGUF_CHUNK_CASE(kQ5_K)
     GGUF_CHUNK_CASE(kQ6_K)
+    GGUF_CHUNK_CASE(kMXFP4)
 #undef GGUF_CHUNK_CASE
     default: return false;
   }
