@@ -19,6 +19,7 @@ pytest.importorskip("gguf")
 import mlx.core as mx  # noqa: E402
 
 from test_models_qwen3_moe import write_checkpoint  # noqa: E402
+from test_fused_layers_metal import emulated  # noqa: E402,F401 (the fixture)
 from test_models_qwen3_moe_gguf import VOCAB, write_gguf  # noqa: E402
 from vllm_metal import _core, emulation, ops  # noqa: E402
 from vllm_metal.models import load_model  # noqa: E402
@@ -68,15 +69,6 @@ def test_cpu_dense_mlp_layer_beside_moe_layers_fuses(tmp_path, monkeypatch):
     fused, per_op = _fused_and_per_op(monkeypatch, path, "float32", sequences, SCHEDULES)
     for a, b in zip(fused, per_op):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-6 * max(np.abs(b).max(), 1.0))
-
-
-@pytest.fixture
-def emulated():
-    emulation.load_all()
-    previous = ops.kernel_backend()
-    ops.set_kernel_backend("emulated")
-    yield
-    ops.set_kernel_backend(previous)
 
 
 # decode rows next to short chunks (the fused attention kernels) and a 13-token chunk (the

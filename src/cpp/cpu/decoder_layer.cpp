@@ -2,7 +2,6 @@
 
 #include <vector>
 
-#include "cpu/moe.h"
 #include "cpu/moe_gguf.h"
 #include "cpu/reshape_and_cache.h"
 #include "cpu/rms_norm.h"
@@ -159,46 +158,21 @@ void norm_and_rotate(const DecoderLayerRows& a, void* x, int64_t heads, const vo
 
 // y = fused_moe(xn, router(xn)) as the per-op model computes it: the router's logits
 // rounded to elt (its gguf_matmul output), then the fused MoE kernel on them in float32.
+// Dense experts are F32 / F16 / BF16 "blocks" to it (fused_moe_rows does the same).
 void sparse_moe(const DecoderLayerRows& a, const void* xn, void* logits, float* logits_f32,
                 int32_t* ids, float* weights, void* y) {
-  const int64_t n = a.tokens * a.num_experts;
   gguf_matmul(matmul_of(a, a.router, xn, logits));
-  to_floats(a.elt, logits, n, logits_f32);
-  if (a.expert_blocks) {
-    MoeGgufRows r;
-    r.elt = a.elt;
-    r.x = xn;
-    r.logits = logits_f32;
-    r.w_gate = static_cast<const uint8_t*>(a.gate.w);
-    r.w_up = static_cast<const uint8_t*>(a.up.w);
-    r.w_down = static_cast<const uint8_t*>(a.down.w);
-    r.gate_type = a.gate.type;
-    r.up_type = a.up.type;
-    r.down_type = a.down.type;
-    r.out = y;
-    r.ids = ids;
-    r.weights = weights;
-    r.num_tokens = a.tokens;
-    r.hidden = a.hidden;
-    r.num_experts = a.num_experts;
-    r.inter = a.intermediate;
-    r.top_k = a.top_k;
-    r.renormalize = a.moe_renormalize;
-    r.exact = a.exact;
-    fused_moe_gguf_rows(r);
-    return;
-  }
-  MoeRows r;
+  to_floats(a.elt, logits, a.tokens * a.num_experts, logits_f32);
+  MoeGgufRows r;
   r.elt = a.elt;
-  // dense experts' types are F32 / F16 / BF16 (ops/decoder_layer.cpp checks)
-  r.w_elt = a.gate.type == gguf::GGMLType::kF32   ? Elt::kF32
-            : a.gate.type == gguf::GGMLType::kF16 ? Elt::kF16
-                                                  : Elt::kBF16;
   r.x = xn;
   r.logits = logits_f32;
-  r.w_gate = a.gate.w;
-  r.w_up = a.up.w;
-  r.w_down = a.down.w;
+  r.w_gate = static_cast<const uint8_t*>(a.gate.w);
+  r.w_up = static_cast<const uint8_t*>(a.up.w);
+  r.w_down = static_cast<const uint8_t*>(a.down.w);
+  r.gate_type = a.gate.type;
+  r.up_type = a.up.type;
+  r.down_type = a.down.type;
   r.out = y;
   r.ids = ids;
   r.weights = weights;
@@ -208,7 +182,8 @@ void sparse_moe(const DecoderLayerRows& a, const void* xn, void* logits, float* 
   r.inter = a.intermediate;
   r.top_k = a.top_k;
   r.renormalize = a.moe_renormalize;
-  fused_moe_rows(r);
+  r.exact = a.expert_blocks ? a.exact : true;
+  fused_moe_gguf_rows(r);
 }
 
 }  // namespace

@@ -325,30 +325,26 @@ KernelPlan plan_decoder_layer(const DecoderLayerProblem& p) {
       plan.push_back(l);
       logits = slot.logits_f32;
     }
+    auto shape = [&](auto m) {  // the fields MoeProblem and MoeGgufProblem share
+      m.dtype = p.dtype;
+      m.num_tokens = p.tokens;
+      m.hidden = s.hidden;
+      m.num_experts = s.num_experts;
+      m.inter = s.intermediate;
+      m.top_k = s.top_k;
+      m.renormalize = s.moe_renormalize;
+      return m;
+    };
     KernelPlan part;
     if (s.expert_blocks) {
-      MoeGgufProblem m;
-      m.dtype = p.dtype;
+      MoeGgufProblem m = shape(MoeGgufProblem{});
       m.gate_type = s.types[4];
       m.up_type = s.types[5];
       m.down_type = s.types[6];
-      m.num_tokens = p.tokens;
-      m.hidden = s.hidden;
-      m.num_experts = s.num_experts;
-      m.inter = s.intermediate;
-      m.top_k = s.top_k;
-      m.renormalize = s.moe_renormalize;
       part = plan_fused_moe_gguf(m);
     } else {
-      MoeProblem m;
-      m.dtype = p.dtype;
+      MoeProblem m = shape(MoeProblem{});
       m.w_dtype = dense_dtype(s.types[4]);
-      m.num_tokens = p.tokens;
-      m.hidden = s.hidden;
-      m.num_experts = s.num_experts;
-      m.inter = s.intermediate;
-      m.top_k = s.top_k;
-      m.renormalize = s.moe_renormalize;
       part = plan_fused_moe(m);
     }
     append_mapped(plan, std::move(part),
