@@ -26,6 +26,18 @@ def emulated():
     ops.set_kernel_backend(previous)
 
 
+def fused_and_per_op(monkeypatch, path, dtype, sequences, schedules):
+    """The packed logits of the model at `path`, fused and per op (each load checked to take
+    the path asked for)."""
+    got = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("VLLM_METAL_FUSED_LAYERS", fused)
+        loaded = load_model(path, dtype)
+        assert (why_not_fused(loaded.model) is None) == (fused == "1")
+        got[fused] = run_packed(loaded, sequences, schedules)
+    return got["1"], got["0"]
+
+
 def _gguf(tmp_path, arch, qtype):
     path = tmp_path / f"{arch}-{qtype}.gguf"
     write_tiny_gguf(tiny_config(arch, head_dim=64, num_hidden_layers=2), path, seed=3, qtype=qtype)
@@ -43,13 +55,7 @@ def test_fused_metal_layer_logits_match_per_op(emulated, tmp_path, monkeypatch, 
     path = _gguf(tmp_path, arch, qtype)
     rng = np.random.default_rng(2)
     seqs = [rng.integers(3, 300, sum(s)).tolist() for s in SCHEDULES]
-    got = {}
-    for fused in ("1", "0"):
-        monkeypatch.setenv("VLLM_METAL_FUSED_LAYERS", fused)
-        loaded = load_model(path, dtype)
-        assert (why_not_fused(loaded.model) is None) == (fused == "1")
-        got[fused] = run_packed(loaded, seqs, SCHEDULES)
-    for a, b in zip(got["1"], got["0"]):
+    for a, b in zip(*fused_and_per_op(monkeypatch, path, dtype, seqs, SCHEDULES)):
         assert np.isfinite(a).all()
         np.testing.assert_allclose(a, b, rtol=0, atol=tol * max(np.abs(b).max(), 1.0))
 

@@ -19,7 +19,7 @@ pytest.importorskip("gguf")
 import mlx.core as mx  # noqa: E402
 
 from test_models_qwen3_moe import write_checkpoint  # noqa: E402
-from test_fused_layers_metal import emulated  # noqa: E402,F401 (the fixture)
+from test_fused_layers_metal import emulated, fused_and_per_op  # noqa: E402,F401 (a fixture)
 from test_models_qwen3_moe_gguf import VOCAB, write_gguf  # noqa: E402
 from vllm_metal import _core, emulation, ops  # noqa: E402
 from vllm_metal.models import load_model  # noqa: E402
@@ -35,16 +35,6 @@ def _source(tmp_path, experts: str, **overrides):
     return str(write_gguf(tmp_path / "hf", config, tmp_path / f"moe-{experts}.gguf", experts))
 
 
-def _fused_and_per_op(monkeypatch, path, dtype, sequences, schedules):
-    got = {}
-    for fused in ("1", "0"):
-        monkeypatch.setenv("VLLM_METAL_FUSED_LAYERS", fused)
-        loaded = load_model(path, dtype)
-        assert (why_not_fused(loaded.model) is None) == (fused == "1")
-        got[fused] = run_packed(loaded, sequences, schedules)
-    return got["1"], got["0"]
-
-
 @pytest.mark.parametrize("experts, dtype", [
     ("dense", "float32"), ("dense", "float16"), ("dense", "bfloat16"),
     ("Q8_0", "float32"), ("Q4_0", "float16")])
@@ -54,7 +44,7 @@ def test_cpu_fused_moe_layers_equal_per_op_bitwise(tmp_path, monkeypatch, expert
     path = _source(tmp_path, experts, num_hidden_layers=3, norm_topk_prob=experts != "Q8_0")
     rng = np.random.default_rng(3)
     sequences = [rng.integers(3, VOCAB, sum(s)).tolist() for s in SCHEDULES]
-    fused, per_op = _fused_and_per_op(monkeypatch, path, dtype, sequences, SCHEDULES)
+    fused, per_op = fused_and_per_op(monkeypatch, path, dtype, sequences, SCHEDULES)
     for a, b in zip(fused, per_op):
         assert np.isfinite(a).all()
         assert np.array_equal(a, b), f"max |fused - per-op| = {np.abs(a - b).max()}"
@@ -66,7 +56,7 @@ def test_cpu_dense_mlp_layer_beside_moe_layers_fuses(tmp_path, monkeypatch):
     path = _source(tmp_path, "dense", mlp_only_layers=[0], num_hidden_layers=3)
     rng = np.random.default_rng(3)
     sequences = [rng.integers(3, VOCAB, sum(s)).tolist() for s in SCHEDULES]
-    fused, per_op = _fused_and_per_op(monkeypatch, path, "float32", sequences, SCHEDULES)
+    fused, per_op = fused_and_per_op(monkeypatch, path, "float32", sequences, SCHEDULES)
     for a, b in zip(fused, per_op):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-6 * max(np.abs(b).max(), 1.0))
 
@@ -85,7 +75,7 @@ def test_emulated_metal_fused_moe_layers_match_per_op(emulated, tmp_path, monkey
     path = _source(tmp_path, experts, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
     rng = np.random.default_rng(4)
     sequences = [rng.integers(3, VOCAB, sum(s)).tolist() for s in METAL_SCHEDULES]
-    fused, per_op = _fused_and_per_op(monkeypatch, path, dtype, sequences, METAL_SCHEDULES)
+    fused, per_op = fused_and_per_op(monkeypatch, path, dtype, sequences, METAL_SCHEDULES)
     for a, b in zip(fused, per_op):
         assert np.isfinite(a).all()
         np.testing.assert_allclose(a, b, rtol=0, atol=tol * max(np.abs(b).max(), 1.0))
