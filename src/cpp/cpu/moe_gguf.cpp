@@ -5,6 +5,7 @@
 
 #include "cpu/gguf_matmul.h"
 #include "cpu/moe.h"
+#include "cpu/parallel.h"
 
 namespace vllm_metal::cpu {
 
@@ -56,9 +57,9 @@ void fused_moe_gguf_rows(const MoeGgufRows& a) {
     ex.down = {a.down_type, a.w_down + e * h_n * down_rb, h_n, i_n, Elt::kF32, ex.g.data(), m,
                ex.d.data(), a.exact};
   };
-  auto activate = [&](Expert& ex, int64_t e) {
-    const int64_t m = static_cast<int64_t>(by_expert[e].size());
-    for (int64_t r = 0; r < m; ++r) {
+  // act = SwiGLU(gate, up) of rows [r0, r1), in place of gate
+  auto activate_rows = [&](Expert& ex, int64_t e, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
       for (int64_t c = 0; c < i_n; ++c) {
         float gv = ex.g[r * i_n + c], uv = ex.u[r * i_n + c];
         if (x.b_gate) gv += x.b_gate[e * i_n + c];
@@ -92,7 +93,8 @@ void fused_moe_gguf_rows(const MoeGgufRows& a) {
   }
   gguf_matmul_batch(gate_up.data(), static_cast<int>(gate_up.size()));
   for (int64_t e = 0; e < e_n; ++e) {
-    if (!by_expert[e].empty() && by_expert[e].size() <= kBatchedExpertRows) activate(small[e], e);
+    const int64_t m = static_cast<int64_t>(by_expert[e].size());
+    if (m > 0 && m <= static_cast<int64_t>(kBatchedExpertRows)) activate_rows(small[e], e, 0, m);
   }
   gguf_matmul_batch(down.data(), static_cast<int>(down.size()));
 
@@ -107,7 +109,10 @@ void fused_moe_gguf_rows(const MoeGgufRows& a) {
     prepare(large, e);
     GgufMatmul gu[2] = {large.gate, large.up};  // gate and up share x: one pool job
     gguf_matmul_group(gu, 2);
-    activate(large, e);
+    // prefill sizes: the exponentials of many rows across the pool
+    parallel_for(static_cast<int64_t>(m), 16, [&](int64_t r0, int64_t r1) {
+      activate_rows(large, e, r0, r1);
+    });
     gguf_matmul(large.down);
     accumulate(large, e);
   }
