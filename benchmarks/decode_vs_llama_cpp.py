@@ -36,8 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 LLAMA_BENCH = ROOT / "build" / "peers" / "llama.cpp" / "bin" / "llama-bench"
 
 
-def llama_bench_tg(gguf: str, tokens: int, threads: int) -> float:
-    out = subprocess.run([str(LLAMA_BENCH), "-m", gguf, "-t", str(threads), "-p", "0",
+def llama_bench_tg(gguf: str, tokens: int, threads: int, prompt: int = 0) -> float:
+    """llama-bench's tokens/s: decoding `tokens` (tg), or with tokens=0 a `prompt`-token
+    prefill (pp)."""
+    out = subprocess.run([str(LLAMA_BENCH), "-m", gguf, "-t", str(threads), "-p", str(prompt),
                           "-n", str(tokens), "-r", "1", "-o", "json"],
                          check=True, capture_output=True, text=True).stdout
     (rec,) = json.loads(out)

@@ -123,6 +123,17 @@ def decode_rate(loaded, batch: int, tokens: int, rng) -> float:
     return statistics.median(rates)
 
 
+def prefill_rate(loaded, tokens: int, rng) -> float:
+    """Tokens/s of one `tokens`-token prompt prefilled in one step."""
+    from vllm_metal.models.generate import greedy_generate
+
+    prompt = [rng.integers(3, 300, tokens).tolist()]
+    steps: list = []
+    greedy_generate(loaded, prompt, 1, prefill_chunk=tokens, stop_ids=[], step_times=steps)
+    (seconds,) = [s for rows, prefill, s in steps if prefill == tokens]
+    return tokens / seconds
+
+
 def add_shape_args(ap: argparse.ArgumentParser) -> None:
     """The synthetic model's shape and the decode batch sizes (config() reads them)."""
     ap.add_argument("--layers", type=int, default=4)
