@@ -232,6 +232,10 @@ class MetalModelRunner(DeltaHooks):
             import torch
 
             torch.set_num_threads(1)
+            # an encoder step's 25-100 MB buffers reused, not faulted in anew (host_memory.py)
+            from vllm_metal.host_memory import keep_freed_memory
+
+            keep_freed_memory()
 
     def _stage_layers_only(self):
         """Pipeline parallel: the load reads only this stage's layers (stage_loading.py);
