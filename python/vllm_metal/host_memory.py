@@ -37,4 +37,6 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, _KEEP)) and bool(mallopt(_M_TRIM_THRESHOLD, _KEEP))
+    kept_mapped = bool(mallopt(_M_MMAP_THRESHOLD, _KEEP))  # a glibc may refuse so high a value
+    kept_trimmed = bool(mallopt(_M_TRIM_THRESHOLD, _KEEP))
+    return kept_mapped and kept_trimmed
