@@ -18,15 +18,28 @@ warmed each process), to keep the run to minutes. Every server runs alone on the
 (--threads each). Reported: inputs/s and tokens/s, ours / peer, and the cosine of each
 peer's first embedding against ours.
 
+The servers are asked for `encoding_format` --encoding, by default "base64" (little-endian
+float32 bytes, base64-encoded): what the OpenAI Python client sends when its caller names
+no format (it decodes the bytes with NumPy). vLLM and llama-server both honour it; "float"
+(a JSON list of numbers, the format of the tables before 2026-12-07 04:00) is the other.
+
+--peers picks the columns (any of ours, llama.cpp, st). --before VENV adds a second server
+of ours, run from another checkout's venv (the same repo before a change, e.g. a copy of
+.venv whose editable install points at that checkout): both of ours run at once, idle in
+turn, and their requests alternate within every cell, so load that comes and goes on a
+shared machine falls on both alike; reported as before in/s and after / before.
+
     benchmarks/peers/setup                     # builds llama-server (once, ~15 min)
     pip install sentence-transformers          # its column (not in .venv on purpose)
     .venv/bin/python benchmarks/embeddings_vs_peers.py [--lengths 16,512] [--batches 1,32,256]
         [--reps 3] [--threads 2] [--port 18800] [--slots 32] [--ubatch 2048] [--json PATH]
+        [--encoding base64|float] [--peers ours,llama.cpp,st] [--before VENV]
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import statistics
@@ -63,9 +76,10 @@ def minilm_gguf(model_dir: Path) -> Path:
     return out
 
 
-def ours_peer(gguf: Path, port: int, threads: int, max_seqs: int, budget: int) -> Peer:
-    vllm = Path(sys.executable).with_name("vllm")
-    return Peer(name="vllm-metal",
+def ours_peer(gguf: Path, port: int, threads: int, max_seqs: int, budget: int,
+              venv: Path | None = None, name: str = "vllm-metal") -> Peer:
+    vllm = venv / "bin" / "vllm" if venv else Path(sys.executable).with_name("vllm")
+    return Peer(name=name,
                 argv=[str(vllm), "serve", str(gguf), "--runner", "pooling", "--served-model-name", "m",
                       "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                       "--max-model-len", "512", "--max-num-seqs", str(max_seqs),
@@ -89,30 +103,45 @@ def _reps_of(batch: list[list[int]], reps: int, big: int) -> tuple[int, int]:
     return (0, 1) if len(batch) * len(batch[0]) > big else (1, reps)
 
 
-def served_cells(peer: Peer, port: int, cells, reps: int, big: int) -> dict:
-    """{(length, batch): (median seconds, first embedding)} of one server."""
-    server = RunningServer(peer, port)
-    out = {}
+def _embedding(item: dict) -> np.ndarray:
+    """One response item's vector: a JSON list, or base64 float32 bytes (as the OpenAI
+    client decodes them)."""
+    e = item["embedding"]
+    return np.frombuffer(base64.b64decode(e), np.float32) if isinstance(e, str) else np.array(e)
+
+
+def served_cells(servers: list[tuple[Peer, int]], cells, reps: int, big: int, encoding: str) -> list[dict]:
+    """Per server, {(length, batch): (median seconds, first embedding)}. Several servers
+    run at once, and within each cell their requests alternate."""
+    running, out = [], [{} for _ in servers]
     try:
-        with httpx.Client(base_url=server.base, timeout=None) as client:
-            for n, b, batch in cells:
-                warm, timed = _reps_of(batch, reps, big)
-                times, first = [], None
-                for i in range(warm + timed):
+        for peer, port in servers:
+            running.append(RunningServer(peer, port))
+        clients = [httpx.Client(base_url=r.base, timeout=None) for r in running]
+        for n, b, batch in cells:
+            warm, timed = _reps_of(batch, reps, big)
+            times, first = [[] for _ in servers], [None] * len(servers)
+            for i in range(warm + timed):
+                for k, (client, server) in enumerate(zip(clients, running)):
                     start = time.perf_counter()
-                    r = client.post("/v1/embeddings", json={"model": "m", "input": batch})
+                    r = client.post("/v1/embeddings", json={"model": "m", "input": batch,
+                                                            "encoding_format": encoding})
                     elapsed = time.perf_counter() - start
                     if r.status_code != 200:
-                        raise RuntimeError(f"{peer.name}: {r.status_code} {r.text[:300]}\n{server.tail()}")
+                        raise RuntimeError(f"{server.peer.name}: {r.status_code} {r.text[:300]}\n{server.tail()}")
                     data = sorted(r.json()["data"], key=lambda d: d["index"])
                     assert len(data) == b
-                    first = np.array(data[0]["embedding"])
+                    first[k] = _embedding(data[0])
                     if i >= warm:
-                        times.append(elapsed)
-                out[(n, b)] = (statistics.median(times), first)
-                print(f"  {peer.name:<10} {n:>4} x {b:<4} {statistics.median(times):8.3f} s", flush=True)
+                        times[k].append(elapsed)
+            for k, server in enumerate(running):
+                out[k][(n, b)] = (statistics.median(times[k]), first[k])
+                print(f"  {server.peer.name:<10} {n:>4} x {b:<4} {statistics.median(times[k]):8.3f} s", flush=True)
+        for client in clients:
+            client.close()
     finally:
-        server.stop()
+        for server in running:
+            server.stop()
     return out
 
 
@@ -158,8 +187,16 @@ def main() -> None:
     ap.add_argument("--ubatch", type=int, default=2048, help="llama-server -b and -ub")
     ap.add_argument("--budget", type=int, default=16384, help="ours: --max-num-batched-tokens")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--encoding", choices=("base64", "float"), default="base64",
+                    help="encoding_format asked of the servers (the OpenAI client's default: base64)")
+    ap.add_argument("--peers", default="ours,llama.cpp,st", help="columns to run: ours, llama.cpp, st")
+    ap.add_argument("--before", type=Path, default=None,
+                    help="venv of ours before a change: a second server of ours, requests alternating")
     args = ap.parse_args()
-    if not (LLAMA_BIN / "llama-server").exists():
+    peers = set(args.peers.split(","))
+    if peers - {"ours", "llama.cpp", "st"} or "ours" not in peers:
+        sys.exit(f"--peers: ours plus any of llama.cpp, st; got {args.peers}")
+    if "llama.cpp" in peers and not (LLAMA_BIN / "llama-server").exists():
         sys.exit("no build/peers/llama.cpp/bin/llama-server: run benchmarks/peers/setup")
     from vllm_metal.models.offline import minilm_dir
 
@@ -172,30 +209,39 @@ def main() -> None:
              for n in lengths for b in batches]
     load_before = load_average()
     started = time.time()
-    ours = served_cells(ours_peer(gguf, args.port, args.threads, max(batches), args.budget),
-                        args.port, cells, args.reps, args.big_tokens)
-    llama = served_cells(llama_peer(gguf, args.port + 1, args.threads, args.slots, args.ubatch),
-                         args.port + 1, cells, args.reps, args.big_tokens)
-    st = sentence_transformers_cells(model_dir, cells, args.threads, args.reps, args.big_tokens)
+    ours_servers = [(ours_peer(gguf, args.port, args.threads, max(batches), args.budget), args.port)]
+    if args.before:
+        ours_servers.append((ours_peer(gguf, args.port + 2, args.threads, max(batches), args.budget,
+                                       venv=args.before, name="before"), args.port + 2))
+    results = served_cells(ours_servers, cells, args.reps, args.big_tokens, args.encoding)
+    ours, before = results[0], (results[1] if args.before else None)
+    llama = (served_cells([(llama_peer(gguf, args.port + 1, args.threads, args.slots, args.ubatch),
+                            args.port + 1)], cells, args.reps, args.big_tokens, args.encoding)[0]
+             if "llama.cpp" in peers else None)
+    st = (sentence_transformers_cells(model_dir, cells, args.threads, args.reps, args.big_tokens)
+          if "st" in peers else None)
 
     print(f"# all-MiniLM-L6-v2 F32 embeddings (mean, normalised), {args.threads} threads, {cpu_model()}, "
-          f"load {load_before} -> {load_average()}, {time.time() - started:.0f} s")
-    print(f"{'tok':>4} {'batch':>5} | {'ours in/s':>9} {'tok/s':>7} | {'st in/s':>8} {'tok/s':>7} | "
-          f"{'llama in/s':>10} {'tok/s':>7} | {'/st':>5} {'/llama':>6} | cos st, llama")
+          f"encoding {args.encoding}, load {load_before} -> {load_average()}, {time.time() - started:.0f} s")
+    columns = [("ours", ours)] + [(name, res) for name, res in (("before", before), ("st", st),
+                                                                ("llama", llama)) if res is not None]
+    print(f"{'tok':>4} {'batch':>5} | " + " | ".join(f"{name + ' in/s':>11} {'tok/s':>7}" for name, _ in columns)
+          + " | " + " ".join(f"{'/' + name:>7}" for name, _ in columns[1:]) + " | cosines")
     rows = []
     for n, b, _ in cells:
-        (t_o, e_o), (t_s, e_s), (t_l, e_l) = ours[(n, b)], st[(n, b)], llama[(n, b)]
-        row = dict(tokens=n, batch=b, ours_inputs_per_s=b / t_o, ours_tokens_per_s=b * n / t_o,
-                   st_inputs_per_s=b / t_s, st_tokens_per_s=b * n / t_s,
-                   llama_inputs_per_s=b / t_l, llama_tokens_per_s=b * n / t_l,
-                   ours_over_st=t_s / t_o, ours_over_llama=t_l / t_o,
-                   cosine_st=_cos(e_o, e_s), cosine_llama=_cos(e_o, e_l))
+        t_o, e_o = ours[(n, b)]
+        row = dict(tokens=n, batch=b, encoding=args.encoding)
+        for name, res in columns:
+            t, e = res[(n, b)]
+            row[f"{name}_inputs_per_s"], row[f"{name}_tokens_per_s"] = b / t, b * n / t
+            if name != "ours":
+                row[f"ours_over_{name}"], row[f"cosine_{name}"] = t / t_o, _cos(e_o, e)
         rows.append(row)
-        print(f"{n:>4} {b:>5} | {row['ours_inputs_per_s']:>9.1f} {row['ours_tokens_per_s']:>7.0f} | "
-              f"{row['st_inputs_per_s']:>8.1f} {row['st_tokens_per_s']:>7.0f} | "
-              f"{row['llama_inputs_per_s']:>10.1f} {row['llama_tokens_per_s']:>7.0f} | "
-              f"{row['ours_over_st']:>5.2f} {row['ours_over_llama']:>6.2f} | "
-              f"{row['cosine_st']:.5f}, {row['cosine_llama']:.5f}")
+        print(f"{n:>4} {b:>5} | "
+              + " | ".join(f"{row[name + '_inputs_per_s']:>11.1f} {row[name + '_tokens_per_s']:>7.0f}"
+                           for name, _ in columns)
+              + " | " + " ".join(f"{row['ours_over_' + name]:>7.2f}" for name, _ in columns[1:])
+              + " | " + ", ".join(f"{row['cosine_' + name]:.5f}" for name, _ in columns[1:]))
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu": cpu_model(), "threads": args.threads, "rows": rows},
                                               indent=2))

@@ -225,6 +225,17 @@ class MetalModelRunner(DeltaHooks):
         self._init_sampling()
         if self.model_config.runner_type == "pooling":
             self.pooler = build_pooler(self.model_config, self.scheduler_config, self.loaded)
+            # vLLM's pooler heads (normalise, classifier, Dense projector) are the engine's
+            # only torch ops, on [requests, hidden] rows: one thread runs them in ~0.2 ms at
+            # 256 rows, where the OpenMP team vLLM sizes (OMP_NUM_THREADS) waited 2-17 ms on
+            # threads that our kernel pool and the API server held (measured: docs/benchmarks.md)
+            import torch
+
+            torch.set_num_threads(1)
+            # an encoder step's 25-100 MB buffers reused, not faulted in anew (host_memory.py)
+            from vllm_metal.host_memory import keep_freed_memory
+
+            keep_freed_memory()
 
     def _stage_layers_only(self):
         """Pipeline parallel: the load reads only this stage's layers (stage_loading.py);
@@ -597,7 +608,7 @@ class MetalModelRunner(DeltaHooks):
         plan = self.pooler.plan(req_ids, np.array(p.cu_seqlens_q), p.positions[:p.num_tokens])
         hidden = self._forward(hidden_rows=plan.rows)
         mx.eval(hidden, self.kv_caches)
-        outputs = self.pooler.pool(plan, np.array(hidden.astype(mx.float32)))
+        outputs = self.pooler.pool(plan, host_float32(hidden))
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  pooler_output=outputs)
 
@@ -620,10 +631,12 @@ class MetalModelRunner(DeltaHooks):
         step = self.encoder_batch.step(dict(scheduler_output.num_scheduled_tokens))
         plan = self.pooler.plan(step.req_ids, step.cu_seqlens, step.positions)
         ctx = SimpleNamespace(cu_seqlens_q=step.cu_seqlens, positions=step.positions)
-        hidden = self.model.hidden_states(mx.array(step.input_ids), ctx, mx.array(plan.rows),
+        # MEAN / ALL pooling take every packed row in order: no gather copy of [T, hidden]
+        rows = None if plan.takes_all_rows(len(step.input_ids)) else mx.array(plan.rows)
+        hidden = self.model.hidden_states(mx.array(step.input_ids), ctx, rows,
                                           token_type_ids=mx.array(step.token_type_ids))
         mx.eval(hidden)
-        outputs = self.pooler.pool(plan, np.array(hidden.astype(mx.float32)))
+        outputs = self.pooler.pool(plan, host_float32(hidden))
         self.encoder_batch.drop(step.req_ids)  # finished: pooled whole
         return ModelRunnerOutput(req_ids=step.req_ids,
                                  req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
@@ -929,6 +942,12 @@ class _AsyncStepOutput(AsyncModelRunnerOutput):
 
     def get_kv_connector_output(self):
         return None
+
+
+def host_float32(hidden: mx.array) -> np.ndarray:
+    """An evaluated array as a float32 NumPy copy that owns its memory (pooled outputs may
+    be views of it); a float32 array is copied once, without MLX's astype pass before."""
+    return np.array(hidden if hidden.dtype == mx.float32 else hidden.astype(mx.float32))
 
 
 def _host_tokens(result) -> np.ndarray:

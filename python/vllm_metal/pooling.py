@@ -43,13 +43,14 @@ class HiddenStateSource(Protocol):
     prompt may be prefilled in chunks; False (bidirectional encoders): one step per prompt.
     hidden_states: the final hidden states [len(rows), hidden] of the packed batch at the
     packed row indices `rows` (int32). ctx describes the packed sequences as for
-    generation (cu_seqlens_q, positions; decoders also write the paged KV cache).
+    generation (cu_seqlens_q, positions; decoders also write the paged KV cache). An
+    encoder (causal False) also takes rows=None: every packed row, in order, ungathered.
     """
 
     causal: bool
 
     def hidden_states(self, input_ids: "mx.array", ctx: "AttentionContext",
-                      rows: "mx.array") -> "mx.array": ...
+                      rows: "mx.array | None") -> "mx.array": ...
 
 
 class PoolingError(ValueError):
@@ -74,6 +75,12 @@ class StepPlan:
     its rows land in the fetched block."""
     rows: np.ndarray  # int32 [R]: packed row indices to fetch
     seqs: list  # per sequence: (req_id or None, start, stop) into the fetched block, final
+
+    def takes_all_rows(self, num_rows: int) -> bool:
+        """True when rows is 0, 1, .., num_rows - 1 (every sequence MEAN or ALL pooled whole),
+        so the source can hand over its hidden states without gathering them."""
+        r = self.rows
+        return len(r) == num_rows and (num_rows == 0 or bool(np.array_equal(r, np.arange(num_rows))))
 
 
 class _Metadata:
@@ -199,17 +206,15 @@ class Pooler:
                 pooled = req.first
             else:
                 pooled = np.concatenate(req.rows)
-            finished.setdefault(req.task, []).append((i, torch.from_numpy(np.ascontiguousarray(pooled)),
-                                                      req.params))
+            finished.setdefault(req.task, []).append((i, pooled, req.params))
         out = [None] * len(plan.seqs)
         for task, items in finished.items():
             head = self.heads[task]
             meta = _Metadata([p for _, _, p in items])
-            data = [t for _, t, _ in items]
-            if task in SEQ_TASKS:
-                results = head(torch.stack(data), meta)
+            if task in SEQ_TASKS:  # one [n, hidden] batch: a NumPy stack, not n tensors
+                results = head(torch.from_numpy(np.stack([x for _, x, _ in items])), meta)
             else:
-                results = head(data, meta)
+                results = head([torch.from_numpy(np.ascontiguousarray(x)) for _, x, _ in items], meta)
             for (i, _, _), r in zip(items, results):
                 out[i] = r.to(torch.float32).contiguous()
         return out

@@ -169,6 +169,9 @@ def test_hidden_states_source_interface(tmp_path):
     rows = mx.array([0, 5, 6, 9], mx.int32)
     got = model.hidden_states(mx.array(ids), ctx, rows)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(model(ids, cu))[[0, 5, 6, 9]])
+    # rows=None (a MEAN / ALL step): every packed row, in order
+    every = model.hidden_states(mx.array(ids), ctx, None)
+    np.testing.assert_array_equal(np.asarray(every), np.asarray(model(ids, cu)))
 
 
 def test_bad_input(tmp_path):

@@ -101,3 +101,14 @@ def test_a_bidirectional_source_refuses_a_chunked_prompt():
     with pytest.raises(PoolingError, match="one step"):
         pooler.plan(["z"], np.array([0, 4]), np.arange(0, 4))
     pooler.plan(["z"], np.array([0, 8]), np.arange(0, 8))  # whole: fine
+
+
+@pytest.mark.parametrize("method, whole", [("MEAN", True), ("CLS", False), ("LAST", False)])
+def test_a_step_that_pools_every_row_needs_no_gather(method, whole):
+    # the encoder runner hands a MEAN step's hidden states over ungathered (rows=None)
+    pooler = Pooler(_config(method), causal=False)
+    for r, n in (("a", 3), ("b", 5)):
+        pooler.add(r, PoolingParams(task="embed", use_activation=True), n)
+    plan = pooler.plan(["a", "b"], np.array([0, 3, 8]), np.array([0, 1, 2, 0, 1, 2, 3, 4]))
+    assert plan.takes_all_rows(8) is whole
+    assert plan.takes_all_rows(9) is False

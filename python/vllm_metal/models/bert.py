@@ -228,12 +228,12 @@ class EncoderModel(nn.Module):
         return classify
 
     def hidden_states(self, input_ids, ctx, rows, token_type_ids=None) -> mx.array:
-        """pooling.HiddenStateSource: hidden states at packed `rows` of the runner's batch
-        (ctx.cu_seqlens_q delimits whole prompts; ctx.positions are 0-based)."""
+        """pooling.HiddenStateSource: hidden states at packed `rows` of the runner's batch,
+        every row if None (ctx.cu_seqlens_q delimits whole prompts; ctx.positions are 0-based)."""
         cu = np.asarray(ctx.cu_seqlens_q, np.int32)
         positions = np.asarray(ctx.positions, np.int32) + self.config.position_offset
         hidden = self(input_ids, cu, token_type_ids, positions)
-        return hidden[mx.array(rows).astype(mx.int32)]
+        return hidden if rows is None else hidden[mx.array(rows).astype(mx.int32)]
 
 
 # ours <- HF names (after the "bert." / "roberta." prefix is dropped)

@@ -214,9 +214,10 @@ class Gemma3Encoder(nn.Module):
         return self.norm(h)
 
     def hidden_states(self, input_ids, ctx, rows, token_type_ids=None) -> mx.array:
-        """pooling.HiddenStateSource: hidden states at packed `rows` (whole prompts)."""
+        """pooling.HiddenStateSource: hidden states at packed `rows` (whole prompts), every
+        row if None."""
         hidden = self(input_ids, np.asarray(ctx.cu_seqlens_q, np.int32), np.asarray(ctx.positions))
-        return hidden[mx.array(rows).astype(mx.int32)]
+        return hidden if rows is None else hidden[mx.array(rows).astype(mx.int32)]
 
 
 def load_gemma3_encoder(directory: str | Path, dtype=mx.float32, linear: str = "gguf") -> Gemma3Encoder:
