@@ -68,9 +68,15 @@ def test_fused_metal_layer_is_batch_invariant(emulated, tmp_path, arch, qtype, d
     model = load_model(_gguf(tmp_path, arch, qtype), dtype)
     assert why_not_fused(model.model) is None
     seqs = [list(range(10, 22)), list(range(40, 49)), list(range(70, 81))]
+    assert_packed_equals_alone(model, seqs, [[5, 4, 1, 1, 1], [3, 1, 1, 1, 1, 1, 1], [9, 1, 1]])
+
+
+def assert_packed_equals_alone(model, seqs, schedules):
+    """In batch-invariant mode each sequence's logits packed (schedules) equal its logits
+    alone, bitwise."""
     ops.set_batch_invariant(True)
     try:
-        packed = run_packed(model, seqs, [[5, 4, 1, 1, 1], [3, 1, 1, 1, 1, 1, 1], [9, 1, 1]])
+        packed = run_packed(model, seqs, schedules)
         for i, seq in enumerate(seqs):
             alone = run_packed(model, [seq], [[len(seq)]], seed=i + 1)[0]
             differ = int((alone != packed[i]).sum())

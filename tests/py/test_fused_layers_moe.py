@@ -19,12 +19,13 @@ pytest.importorskip("gguf")
 import mlx.core as mx  # noqa: E402
 
 from test_models_qwen3_moe import write_checkpoint  # noqa: E402
-from test_fused_layers_metal import emulated, fused_and_per_op  # noqa: E402,F401 (a fixture)
+from test_fused_layers_metal import (  # noqa: E402,F401 (emulated: a fixture)
+    assert_packed_equals_alone, emulated, fused_and_per_op)
 from test_models_qwen3_moe_gguf import VOCAB, write_gguf  # noqa: E402
 from vllm_metal import _core, emulation, ops  # noqa: E402
 from vllm_metal.models import load_model  # noqa: E402
 from vllm_metal.models.fused_layers import why_not_fused  # noqa: E402
-from vllm_metal.models.testing import SCHEDULES, run_packed  # noqa: E402
+from vllm_metal.models.testing import SCHEDULES  # noqa: E402
 
 
 def _source(tmp_path, experts: str, **overrides):
@@ -86,15 +87,7 @@ def test_emulated_metal_fused_moe_layer_is_batch_invariant(emulated, tmp_path):
     model = load_model(path, "float16")
     assert why_not_fused(model.model) is None
     seqs = [list(range(10, 19)), list(range(40, 46)), list(range(70, 78))]
-    ops.set_batch_invariant(True)
-    try:
-        packed = run_packed(model, seqs, [[5, 4], [3, 1, 1, 1], [6, 1, 1]])
-        for i, seq in enumerate(seqs):
-            alone = run_packed(model, [seq], [[len(seq)]], seed=i + 1)[0]
-            differ = int((alone != packed[i]).sum())
-            assert differ == 0, f"sequence {i}: {differ} of {alone.size} logits differ from alone"
-    finally:
-        ops.set_batch_invariant(False)
+    assert_packed_equals_alone(model, seqs, [[5, 4], [3, 1, 1, 1], [6, 1, 1]])
 
 
 def test_moe_layers_it_cannot_express_keep_the_per_op_path(tmp_path):
