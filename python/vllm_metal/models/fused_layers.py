@@ -125,7 +125,7 @@ def _moe_spec(spec, block: FusedMoeBlock) -> list:
     """Fills the spec's MoE fields from a FusedMoeBlock (why_not_fused checked it); returns
     its experts' (weight, type, shape) for gate, up and down."""
     sw = block.switch_mlp
-    router_blocks, router_type, (num_experts, _) = block.gate.matmul_args()
+    _, router_type, (num_experts, _) = block.gate.matmul_args()
     spec.num_experts = num_experts
     spec.top_k = block.top_k
     spec.moe_renormalize = block.renormalize
