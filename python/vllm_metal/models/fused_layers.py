@@ -26,14 +26,13 @@ import mlx.nn as nn
 
 from vllm_metal import _core, envs, ops
 from vllm_metal.models.context import AttentionContext
-from vllm_metal.models.gguf_linear import GGUFLinear
+from vllm_metal.models.gguf_linear import DENSE_TYPES, GGUFLinear
 from vllm_metal.models.layers import PagedAttention, RMSNorm
 from vllm_metal.models.moe import FusedMoeBlock, GGUFSwitchGLU
 from vllm_metal.lora.layers import LoraLinear, base_of
 
 # GGML type ids of dense weights (gguf_linear names them by string)
 _DENSE_TYPE_IDS = {"F32": 0, "F16": 1, "BF16": 30}
-_DENSE_TYPE_NAMES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}
 # Metal plan: most tokens a step may have to run the fused kernels (decoder_layer.metal
 # reads each weight block once per 8 rows); decoder_layer_plan.cpp decides, this mirrors it
 METAL_MAX_TOKENS = 8
@@ -136,7 +135,7 @@ def _moe_spec(spec, block: FusedMoeBlock) -> list:
         spec.intermediate = sw.gate_proj.rows
         return [(p.weight, p.type_id, None) for p in projs]
     spec.intermediate = int(sw.gate_proj.weight.shape[1])  # SwitchLinear [E, I, H]
-    return [(p.weight, _DENSE_TYPE_NAMES[p.weight.dtype], None) for p in projs]
+    return [(p.weight, DENSE_TYPES[p.weight.dtype], None) for p in projs]
 
 
 def _why_not_fused_moe(i: int, block: FusedMoeBlock) -> str | None:
@@ -158,7 +157,7 @@ def _why_not_fused_moe(i: int, block: FusedMoeBlock) -> str | None:
     if any("scales" in getattr(sw, n) or "bias" in getattr(sw, n)
            for n in ("gate_proj", "up_proj", "down_proj")):
         return f"layer {i}: MLX-quantized or biased experts"
-    if weights[0].dtype not in _DENSE_TYPE_NAMES or any(w.dtype != weights[0].dtype
+    if weights[0].dtype not in DENSE_TYPES or any(w.dtype != weights[0].dtype
                                                         for w in weights):
         return f"layer {i}: experts of dtype {weights[0].dtype} or of mixed dtypes"
     return None

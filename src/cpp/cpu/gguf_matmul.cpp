@@ -565,6 +565,29 @@ void gguf_matmul(const GgufMatmul& a) {
   prefill(kern, a, xf, epi);
 }
 
+namespace {
+
+// Decode-row plans of several calls as one pool job: each call's weight rows in segments of
+// its plan's grain, the segments of all calls spread over the pool.
+void run_matvec_plans(const std::vector<MatvecPlan>& plans) {
+  struct Segment {
+    size_t plan;
+    int64_t begin, end;
+  };
+  std::vector<Segment> segments;
+  for (size_t i = 0; i < plans.size(); ++i) {
+    const int64_t n = plans[i].a->n, grain = plans[i].grain();
+    for (int64_t r = 0; r < n; r += grain) segments.push_back({i, r, std::min(n, r + grain)});
+  }
+  gguf_parallel_for(static_cast<int64_t>(segments.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      plans[segments[s].plan].rows(segments[s].begin, segments[s].end);
+    }
+  });
+}
+
+}  // namespace
+
 void gguf_matmul_group(const GgufMatmul* mats, int count) {
   if (count <= 0) return;
   const GgufMatmul& a0 = mats[0];
@@ -586,23 +609,10 @@ void gguf_matmul_group(const GgufMatmul* mats, int count) {
   GgufQ8Rows xq;  // rounded once, shared by every matrix on the integer path
   std::vector<MatvecPlan> plans;
   std::vector<std::vector<float>> bias_bufs(count);
-  struct Segment {
-    int plan;
-    int64_t begin, end;
-  };
-  std::vector<Segment> segments;
   for (int i = 0; i < count; ++i) {
     plans.push_back(plan_matvec(kern, mats[i], xf, xq, make_epilogue(mats[i], bias_bufs[i])));
-    const int64_t grain = plans.back().grain();
-    for (int64_t r = 0; r < mats[i].n; r += grain) {
-      segments.push_back({i, r, std::min(mats[i].n, r + grain)});
-    }
   }
-  gguf_parallel_for(static_cast<int64_t>(segments.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s) {
-      plans[segments[s].plan].rows(segments[s].begin, segments[s].end);
-    }
-  });
+  run_matvec_plans(plans);
 }
 
 void gguf_matmul_batch(const GgufMatmul* mats, int count) {
@@ -624,26 +634,14 @@ void gguf_matmul_batch(const GgufMatmul* mats, int count) {
   std::vector<std::vector<float>> x_bufs(n), bias_bufs(n);
   std::vector<Q8Buffers> q8_bufs(n);
   std::vector<MatvecPlan> plans;
-  plans.reserve(n);
-  struct Segment {
-    size_t plan;
-    int64_t begin, end;
-  };
-  std::vector<Segment> segments;
   for (size_t j = 0; j < n; ++j) {
     const GgufMatmul& a = mats[decode[j]];
     const float* xf = x_as_float(a, x_bufs[j]);
     GgufQ8Rows xq;
     if (int8_path(kern, a.type, a.exact)) xq = quantize_x_into(kern, xf, a.m, a.k, q8_bufs[j]);
     plans.push_back(plan_matvec(kern, a, xf, xq, make_epilogue(a, bias_bufs[j])));
-    const int64_t grain = plans.back().grain();
-    for (int64_t r = 0; r < a.n; r += grain) segments.push_back({j, r, std::min(a.n, r + grain)});
   }
-  gguf_parallel_for(static_cast<int64_t>(segments.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s) {
-      plans[segments[s].plan].rows(segments[s].begin, segments[s].end);
-    }
-  });
+  run_matvec_plans(plans);
 }
 
 bool gguf_matmul_int8_activations(GGMLType type) {
