@@ -3,7 +3,9 @@
 One server with the default V2 runner contract for everything, and one with
 VLLM_USE_V2_MODEL_RUNNER=0 for the V1 contract under concurrency; a small KV pool
 forces preemption. Every reference output is
-the same server's answer to the request sent alone (greedy is deterministic).
+the same server's answer to the request sent alone: greedy is deterministic, and batched it
+gives the same tokens up to a near-tie (exact equality is VLLM_BATCH_INVARIANT=1's promise,
+tested in test_serving_batch_invariance.py).
 """
 
 from __future__ import annotations
@@ -71,14 +73,40 @@ def test_streaming_gives_the_same_text(server):
     assert "".join(server.stream(PROMPTS[0], max_tokens=12)) == whole
 
 
+# Without VLLM_BATCH_INVARIANT=1 a batched row's logits may differ from its solo run's in the last
+# bits (docs/serving.md, "Batch invariance"), so a greedy near-tie may resolve the other way. A
+# wrong cache block or a misplaced row gives a token the solo run did not nearly choose.
+NEAR_TIE_NATS = 0.05
+
+
+def greedy_tokens(server, prompt: str, max_tokens: int) -> dict:
+    r = server.complete(prompt, max_tokens=max_tokens, logprobs=2)
+    assert r["status"] == 200, r
+    lp = r["choices"][0]["logprobs"]
+    return {"text": r["choices"][0]["text"], "tokens": lp["tokens"], "top": lp["top_logprobs"]}
+
+
+def assert_same_or_split_at_a_near_tie(together: dict, solo: dict) -> None:
+    a, b = together["tokens"], solo["tokens"]
+    if a == b:
+        return
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    assert i < min(len(a), len(b)), (together["text"], solo["text"])  # one stopped early: not a tie
+    top = solo["top"][i]  # the solo run's distribution where the two part
+    assert a[i] in top, f"token {i}: batched {a[i]!r} is not among solo's top {top} ({solo['text']!r})"
+    assert top[b[i]] - top[a[i]] < NEAR_TIE_NATS, f"token {i}: {a[i]!r} vs {b[i]!r} is no near-tie: {top}"
+
+
 def check_concurrent_requests_equal_their_solo_outputs(server):
     # different lengths, run together (with preemption), each must match its solo run
     jobs = [(PROMPTS[i % len(PROMPTS)] * (1 + i % 3), 8 + 4 * (i % 5)) for i in range(16)]
-    solo = [server.complete(p, max_tokens=n)["choices"][0]["text"] for p, n in jobs]
+    solo = [greedy_tokens(server, p, n) for p, n in jobs]
     with cf.ThreadPoolExecutor(16) as pool:
-        together = list(pool.map(lambda j: server.complete(j[0], max_tokens=j[1]), jobs))
-    assert all(r["status"] == 200 for r in together)
-    assert [r["choices"][0]["text"] for r in together] == solo
+        together = list(pool.map(lambda j: greedy_tokens(server, *j), jobs))
+    for t, s in zip(together, solo):
+        assert_same_or_split_at_a_near_tie(t, s)
+    # a near-tie is rare: most requests must match token for token
+    assert sum(t["tokens"] == s["tokens"] for t, s in zip(together, solo)) >= len(jobs) - 2
 
 
 def test_concurrent_requests_equal_their_solo_outputs(server):
