@@ -1,5 +1,5 @@
 """varlen_attention (encoder attention over packed variable-length sequences, contiguous
-q/k/v) against a float64 NumPy reference on both backends; bidirectional and causal, with and
+q/k/v, and any view of them) against a float64 NumPy reference on both backends; bidirectional and causal, with and
 without a sliding window (|i - j| < window: Gemma 3's bidirectional sliding layers); a
 sequence's rows unaffected by its neighbours; against MLX's own scaled_dot_product_attention;
 the errors."""
@@ -140,6 +140,29 @@ def test_strided_inputs(backend):
     out = ops.varlen_attention(q, k, v, cu_seqlens=mx.array(cu), scale=0.25)
     assert_close(out, reference(to_numpy(q), to_numpy(k), to_numpy(v), cu, 0.25, False),
                  "float32", "strided")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_every_layout_gives_the_dense_inputs_result(backend, dtype):
+    # the CPU kernel reads token rows in place when each token's heads are dense (slices of a
+    # fused [T, 3, H, D] projection) and gathers other layouts first; same sums either way
+    rng = np.random.default_rng(4)
+    lengths, h, d = (3, 20, 1), 4, 40  # a tail of 8 dims; a 1-row sequence
+    t = sum(lengths)
+    cu = mx.array(cu_of(lengths))
+    fused = mx.array(rng.standard_normal((t, 3, h, d)).astype(np.float32)).astype(DTYPES[dtype])
+    dense = [mx.array(to_numpy(fused[:, i])).astype(DTYPES[dtype]) for i in range(3)]
+    want = to_numpy(ops.varlen_attention(*dense, cu_seqlens=cu, scale=0.2))
+    heads_apart = fused.transpose(0, 2, 1, 3)  # [T, H, 3, D]: a token's heads 3 D apart
+    layouts = {
+        "fused projection slices": [fused[:, i] for i in range(3)],
+        "heads not dense": [heads_apart[:, :, i] for i in range(3)],
+        "tokens reversed twice": [a[::-1][::-1] for a in dense],
+        "head-major transposed": [mx.contiguous(a.transpose(1, 0, 2)).transpose(1, 0, 2) for a in dense],
+    }
+    for name, (q, k, v) in layouts.items():
+        got = to_numpy(ops.varlen_attention(q, k, v, cu_seqlens=cu, scale=0.2))
+        np.testing.assert_array_equal(got, want, err_msg=name)
 
 
 def test_kernel_names_are_instantiated():

@@ -31,6 +31,15 @@ int64_t end_key(const VarlenAttentionParams& p, int64_t row, int64_t len) {
   return p.window > 0 ? std::min(end, row + p.window) : end;
 }
 
+// Elements from one token's row to the next in q, k and v (the params' 0 means dense).
+struct RowStrides {
+  int64_t q, k, v;
+  explicit RowStrides(const VarlenAttentionParams& p)
+      : q(p.q_stride ? p.q_stride : p.num_q_heads * p.head_size),
+        k(p.k_stride ? p.k_stride : p.num_kv_heads * p.head_size),
+        v(p.v_stride ? p.v_stride : p.num_kv_heads * p.head_size) {}
+};
+
 struct Task {
   int64_t seq, kv_head, row_begin, row_end;  // rows relative to the sequence's start
 };
@@ -55,11 +64,12 @@ void attend_tile(const VarlenAttentionParams& p, const AttentionVecOps<E>& ops, 
   float* rescale = scores + pairs;
   float* probs = rescale + pairs;
 
+  const RowStrides stride(p);
   const auto* qsrc = static_cast<const S<E>*>(p.q);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t head = t.kv_head * groups + g;
-      to_floats(E, qsrc + ((start + t.row_begin + r) * p.num_q_heads + head) * d, d,
+      to_floats(E, qsrc + (start + t.row_begin + r) * stride.q + head * d, d,
                 q + (r * groups + g) * d);
     }
   }
@@ -73,7 +83,8 @@ void attend_tile(const VarlenAttentionParams& p, const AttentionVecOps<E>& ops, 
   const auto* ksrc = static_cast<const S<E>*>(p.k);
   const auto* vsrc = static_cast<const S<E>*>(p.v);
   for (int64_t j = key_begin; j < key_end; ++j) {
-    const int64_t at = ((start + j) * p.num_kv_heads + t.kv_head) * d;
+    const int64_t k_at = (start + j) * stride.k + t.kv_head * d;
+    const int64_t v_at = (start + j) * stride.v + t.kv_head * d;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t row = t.row_begin + r;
       if (j < first_key(p, row) || j >= end_key(p, row, len)) {
@@ -83,7 +94,7 @@ void attend_tile(const VarlenAttentionParams& p, const AttentionVecOps<E>& ops, 
         continue;
       }
       float* sc = scores + r * groups;
-      ops.dot_groups(q + r * groups * d, ksrc + at, sc, static_cast<int>(groups),
+      ops.dot_groups(q + r * groups * d, ksrc + k_at, sc, static_cast<int>(groups),
                      static_cast<int>(d));
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t pair = r * groups + g;
@@ -97,7 +108,7 @@ void attend_tile(const VarlenAttentionParams& p, const AttentionVecOps<E>& ops, 
     }
     for (int64_t r = 0; r < rows; ++r) {
       ops.update_groups(acc + r * groups * d, rescale + r * groups, probs + r * groups,
-                        vsrc + at, static_cast<int>(groups), static_cast<int>(d));
+                        vsrc + v_at, static_cast<int>(groups), static_cast<int>(d));
     }
   }
 
@@ -249,15 +260,17 @@ VLLM_METAL_AVX2 void attend_tile_avx2(const VarlenAttentionParams& p, const Task
   float* vf = kt + d * nk16;
   float* q = vf + nk * d;
   float* s = q + kPairs * d;
+  const RowStrides stride(p);
   const auto* ksrc = static_cast<const S<E>*>(p.k);
   const auto* vsrc = static_cast<const S<E>*>(p.v);
   for (int64_t j = 0; j < nk; ++j) {
-    const int64_t at = ((start + k0 + j) * p.num_kv_heads + t.kv_head) * d;
+    const S<E>* krow = ksrc + (start + k0 + j) * stride.k + t.kv_head * d;
+    const S<E>* vrow = vsrc + (start + k0 + j) * stride.v + t.kv_head * d;
     alignas(32) float tmp[8];
     for (int64_t i = 0; i < d; i += 8) {
-      _mm256_store_ps(tmp, load8<E>(ksrc + at + i));
+      _mm256_store_ps(tmp, load8<E>(krow + i));
       for (int u = 0; u < 8; ++u) kt[(i + u) * nk16 + j] = tmp[u];
-      _mm256_storeu_ps(vf + j * d + i, load8<E>(vsrc + at + i));
+      _mm256_storeu_ps(vf + j * d + i, load8<E>(vrow + i));
     }
   }
   for (int64_t i = 0; i < d; ++i) std::fill(kt + i * nk16 + nk, kt + (i + 1) * nk16, 0.0f);
@@ -274,13 +287,13 @@ VLLM_METAL_AVX2 void attend_tile_avx2(const VarlenAttentionParams& p, const Task
     for (int pr = 0; pr < np; ++pr) {
       const int64_t r = t.row_begin + (p0 + pr) / groups;
       const int64_t head = t.kv_head * groups + (p0 + pr) % groups;
-      const int64_t row_at = ((start + r) * p.num_q_heads + head) * d;
+      const S<E>* qrow = qsrc + (start + r) * stride.q + head * d;
       for (int64_t i = 0; i < d; i += 8) {
-        _mm256_storeu_ps(q + pr * d + i, _mm256_mul_ps(load8<E>(qsrc + row_at + i), scale));
+        _mm256_storeu_ps(q + pr * d + i, _mm256_mul_ps(load8<E>(qrow + i), scale));
       }
       first[pr] = first_key(p, r) - k0;
       visible[pr] = end_key(p, r, len) - k0;
-      dst[pr] = out + row_at;
+      dst[pr] = out + ((start + r) * p.num_q_heads + head) * d;
     }
     switch (np) {
       case 6: attend_pairs<E, 6>(kt, vf, d, nk16, q, s, first, visible, dst); break;

@@ -11,11 +11,14 @@ namespace vllm_metal::cpu {
 
 struct VarlenAttentionParams {
   Elt elt = Elt::kF32;
-  const void* q = nullptr;  // [T, Hq, D] row-major
-  const void* k = nullptr;  // [T, Hkv, D]
-  const void* v = nullptr;  // [T, Hkv, D]
+  const void* q = nullptr;  // [T, Hq, D]: each token's heads dense, tokens q_stride apart
+  const void* k = nullptr;  // [T, Hkv, D], tokens k_stride apart
+  const void* v = nullptr;  // [T, Hkv, D], tokens v_stride apart
+  // Elements from one token to the next; 0: dense (Hq * D, Hkv * D). Strided rows let q, k
+  // and v be slices of one fused projection [T, 3, H, D] without a copy each.
+  int64_t q_stride = 0, k_stride = 0, v_stride = 0;
   const int32_t* cu_seqlens = nullptr;  // [num_seqs + 1], validated
-  void* out = nullptr;                  // [T, Hq, D]
+  void* out = nullptr;                  // [T, Hq, D], dense
   int64_t num_seqs = 0;
   int64_t num_q_heads = 0;
   int64_t num_kv_heads = 0;

@@ -2,6 +2,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 #include <stdexcept>
 
 #include "cpu/varlen_attention.h"
@@ -86,8 +88,14 @@ mx::array varlen_attention(const mx::array& q, const mx::array& k, const mx::arr
   }
   mx::array cu = checked_cu_seqlens(cu_seqlens, t, s);
   if (t == 0) return mx::zeros({0, hq, d}, q.dtype(), s);
-  auto prim = std::make_shared<VarlenAttention>(mx::to_stream(s), default_kernel_backend(), scale,
-                                                causal, window);
+  const mx::Stream stream = mx::to_stream(s);
+  const KernelBackend backend = default_kernel_backend();
+  auto prim = std::make_shared<VarlenAttention>(stream, backend, scale, causal, window);
+  // Our CPU kernel reads strided token rows (q, k and v sliced from one fused projection):
+  // no copy of each. The Metal kernels (and the emulator) take dense arrays.
+  if (backend == KernelBackend::kNative && stream.device == mx::Device::cpu) {
+    return mx::array(q.shape(), q.dtype(), prim, {q, k, v, cu});
+  }
   return mx::array(q.shape(), q.dtype(), prim, {dense(q, s), dense(k, s), dense(v, s), cu});
 }
 
@@ -136,6 +144,36 @@ bool VarlenAttention::is_equivalent(const mx::Primitive& other) const {
   return scale_ == o.scale_ && causal_ == o.causal_ && window_ == o.window_ && backend() == o.backend();
 }
 
+namespace {
+
+// Elements from one token's row to the next when each token's [heads, D] is dense (what the
+// CPU kernel reads); 0 when the array is laid out otherwise.
+int64_t token_row_stride(const mx::array& a) {
+  const auto& st = a.strides();
+  const bool dense_row = st[2] == 1 && (a.shape(1) == 1 || st[1] == a.shape(2));
+  if (!dense_row) return 0;
+  return a.shape(0) == 1 ? a.shape(1) * a.shape(2) : static_cast<int64_t>(st[0]);
+}
+
+// `a` [T, H, D] gathered into dense rows (a layout the kernel does not read).
+std::vector<char> dense_copy(const mx::array& a) {
+  const size_t elt = a.itemsize();
+  const auto& st = a.strides();
+  std::vector<char> out(a.nbytes());
+  const char* src = static_cast<const char*>(a.data<void>());
+  size_t at = 0;
+  for (int64_t t = 0; t < a.shape(0); ++t) {
+    for (int64_t h = 0; h < a.shape(1); ++h) {
+      for (int64_t i = 0; i < a.shape(2); ++i, at += elt) {
+        std::memcpy(out.data() + at, src + (t * st[0] + h * st[1] + i * st[2]) * elt, elt);
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 void VarlenAttention::eval_native_cpu(const std::vector<mx::array>& inputs,
                                       std::vector<mx::array>& outputs) {
   const VarlenAttentionProblem p = problem(inputs);
@@ -152,9 +190,22 @@ void VarlenAttention::eval_native_cpu(const std::vector<mx::array>& inputs,
   for (const auto& x : inputs) encoder.set_input_array(x);
   encoder.set_output_array(outputs[0]);
   encoder.dispatch([params, inputs, out = outputs[0]]() mutable {
-    params.q = inputs[0].data<void>();
-    params.k = inputs[1].data<void>();
-    params.v = inputs[2].data<void>();
+    std::vector<char> copies[3];
+    const void* data[3];
+    int64_t* strides[3] = {&params.q_stride, &params.k_stride, &params.v_stride};
+    for (int i = 0; i < 3; ++i) {
+      *strides[i] = token_row_stride(inputs[i]);
+      if (*strides[i] == 0 && inputs[i].size() > 0) {
+        copies[i] = dense_copy(inputs[i]);
+        *strides[i] = inputs[i].shape(1) * inputs[i].shape(2);
+        data[i] = copies[i].data();
+      } else {
+        data[i] = inputs[i].data<void>();
+      }
+    }
+    params.q = data[0];
+    params.k = data[1];
+    params.v = data[2];
     params.cu_seqlens = inputs[3].data<int32_t>();
     params.out = out.data<void>();
     cpu::varlen_attention(params);

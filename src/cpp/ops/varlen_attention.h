@@ -1,6 +1,8 @@
 // varlen_attention: scaled dot-product attention within each sequence of a
-// packed variable-length batch, over contiguous q/k/v (encoder models, whose
-// keys live only for the request: no paged KV cache).
+// packed variable-length batch (encoder models, whose keys live only for the
+// request: no paged KV cache). q/k/v may be any view: on the CPU the kernel reads
+// token rows in place where each token's [heads, D] is dense (slices of a fused
+// QKV projection); other layouts, and the Metal kernels' inputs, are made dense.
 //
 //   q           [T, Hq, D] float32/float16/bfloat16
 //   k, v        [T, Hkv, D], q's dtype; Hq a multiple of Hkv (q head h reads
