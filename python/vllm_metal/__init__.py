@@ -47,7 +47,8 @@ def register_general() -> None:
     both raise, so they become no-ops. A requested shutdown logs no engine-dead
     traceback (log_filters.py). Architectures whose vLLM classes cannot be
     imported here get descriptors. In the API server, a refused LoRA adapter at
-    /v1/load_lora_adapter answers 400 (lora/http_status.py).
+    /v1/load_lora_adapter answers 400 (lora/http_status.py), and /v1/embeddings validates
+    token-id and text bodies against one request model (embedding_validation.py).
     """
     from vllm_metal import envs
 
@@ -66,6 +67,9 @@ def register_general() -> None:
     from vllm_metal.lora import http_status
 
     http_status.install()  # a refused LoRA adapter: 400, not vLLM's 500
+    from vllm_metal import embedding_validation
+
+    embedding_validation.install()  # token-id batches: one request model validated, not five
 
 
 def _noop():

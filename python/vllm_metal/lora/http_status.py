@@ -22,13 +22,13 @@ REFUSED = "[vllm-metal] LoRA adapter "
 
 # `vllm serve`'s API server imports this module before it loads the general plugins;
 # the engine core and worker processes never serve HTTP and skip the wrap
-_SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 
 
 def install() -> bool:
     """Wraps OpenAIServingModels.load_lora_adapter in an API server process (idempotent).
     Returns whether it is wrapped."""
-    if _SERVER_MODULE not in sys.modules:
+    if SERVER_MODULE not in sys.modules:
         return False
     from vllm.entrypoints.openai.models import serving
 
