@@ -12,11 +12,15 @@ Inputs are random token ids between [CLS] and [SEP], `--lengths` tokens each (de
 and 512), `--batches` inputs per request (default 1, 32, 256). The servers get the ids in
 one /v1/embeddings request per batch; sentence-transformers runs its modules (Transformer,
 Pooling, Normalize) on the same ids as one padded batch (no padding here: equal lengths),
-so tokenisation is out of every column. A cell's time is the median over --reps after a
-warm-up; cells of more than --big-tokens tokens run once, without warm-up (the first cells
-warmed each process), to keep the run to minutes. Every server runs alone on the cores
-(--threads each). Reported: inputs/s and tokens/s, ours / peer, and the cosine of each
-peer's first embedding against ours.
+so tokenisation is out of every column. All of them are up at once and take turns: in every
+repetition of a cell each runs the batch once, back to back (the others idle), starting one
+further along each time, so load that comes and goes on a shared machine falls on all alike
+(before 2026-12-07 07:00 each ran its cells alone, one after another, and sentence-
+transformers' figures moved 1.8x between runs). A cell's time is the median over --reps
+after a warm-up; cells of more than --big-tokens tokens run once, without warm-up (the first
+cells warmed each process), to keep the run to minutes. Reported: inputs/s and tokens/s,
+ours / peer as the median over the repetitions of the paired ratio (with its lowest and
+highest), and the cosine of each peer's first embedding against ours.
 
 The servers are asked for `encoding_format` --encoding, by default "base64" (little-endian
 float32 bytes, base64-encoded): what the OpenAI Python client sends when its caller names
@@ -25,9 +29,8 @@ no format (it decodes the bytes with NumPy). vLLM and llama-server both honour i
 
 --peers picks the columns (any of ours, llama.cpp, st). --before VENV adds a second server
 of ours, run from another checkout's venv (the same repo before a change, e.g. a copy of
-.venv whose editable install points at that checkout): both of ours run at once, idle in
-turn, and their requests alternate within every cell, so load that comes and goes on a
-shared machine falls on both alike; reported as before in/s and after / before.
+.venv whose editable install points at that checkout), taking its turns like the peers;
+reported as before in/s and after / before.
 
     benchmarks/peers/setup                     # builds llama-server (once, ~15 min)
     pip install sentence-transformers          # its column (not in .venv on purpose)
@@ -110,64 +113,74 @@ def _embedding(item: dict) -> np.ndarray:
     return np.frombuffer(base64.b64decode(e), np.float32) if isinstance(e, str) else np.array(e)
 
 
-def served_cells(servers: list[tuple[Peer, int]], cells, reps: int, big: int, encoding: str) -> list[dict]:
-    """Per server, {(length, batch): (median seconds, first embedding)}. Several servers
-    run at once, and within each cell their requests alternate."""
-    running, out = [], [{} for _ in servers]
-    try:
-        for peer, port in servers:
-            running.append(RunningServer(peer, port))
-        clients = [httpx.Client(base_url=r.base, timeout=None) for r in running]
-        for n, b, batch in cells:
-            warm, timed = _reps_of(batch, reps, big)
-            times, first = [[] for _ in servers], [None] * len(servers)
-            for i in range(warm + timed):
-                for k, (client, server) in enumerate(zip(clients, running)):
-                    start = time.perf_counter()
-                    r = client.post("/v1/embeddings", json={"model": "m", "input": batch,
-                                                            "encoding_format": encoding})
-                    elapsed = time.perf_counter() - start
-                    if r.status_code != 200:
-                        raise RuntimeError(f"{server.peer.name}: {r.status_code} {r.text[:300]}\n{server.tail()}")
-                    data = sorted(r.json()["data"], key=lambda d: d["index"])
-                    assert len(data) == b
-                    first[k] = _embedding(data[0])
-                    if i >= warm:
-                        times[k].append(elapsed)
-            for k, server in enumerate(running):
-                out[k][(n, b)] = (statistics.median(times[k]), first[k])
-                print(f"  {server.peer.name:<10} {n:>4} x {b:<4} {statistics.median(times[k]):8.3f} s", flush=True)
-        for client in clients:
-            client.close()
-    finally:
-        for server in running:
-            server.stop()
-    return out
+class ServedRunner:
+    """A server of `peer`: one /v1/embeddings request per batch."""
+
+    def __init__(self, peer: Peer, port: int, encoding: str):
+        self.name, self.encoding = peer.name, encoding
+        self.server = RunningServer(peer, port)
+        self.client = httpx.Client(base_url=self.server.base, timeout=None)
+
+    def embed(self, batch: list[list[int]]) -> tuple[float, np.ndarray]:
+        start = time.perf_counter()
+        r = self.client.post("/v1/embeddings", json={"model": "m", "input": batch,
+                                                     "encoding_format": self.encoding})
+        elapsed = time.perf_counter() - start
+        if r.status_code != 200:
+            raise RuntimeError(f"{self.name}: {r.status_code} {r.text[:300]}\n{self.server.tail()}")
+        data = sorted(r.json()["data"], key=lambda d: d["index"])
+        assert len(data) == len(batch)
+        return elapsed, _embedding(data[0])
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.stop()
 
 
-def sentence_transformers_cells(model_dir: Path, cells, threads: int, reps: int, big: int) -> dict:
-    import torch
-    from sentence_transformers import SentenceTransformer
+class SentenceTransformersRunner:
+    """sentence-transformers in this process: its modules on the batch's ids (no padding)."""
 
-    torch.set_num_threads(threads)
-    model = SentenceTransformer(str(model_dir), device="cpu").eval()
-    out = {}
+    name = "st"
+
+    def __init__(self, model_dir: Path, threads: int):
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        torch.set_num_threads(threads)
+        self.torch = torch
+        self.model = SentenceTransformer(str(model_dir), device="cpu").eval()
+
+    def embed(self, batch: list[list[int]]) -> tuple[float, np.ndarray]:
+        ids = self.torch.tensor(batch)
+        features = {"input_ids": ids, "attention_mask": self.torch.ones_like(ids),
+                    "token_type_ids": self.torch.zeros_like(ids)}
+        start = time.perf_counter()
+        with self.torch.inference_mode():
+            emb = self.model(features)["sentence_embedding"]
+        return time.perf_counter() - start, emb[0].numpy()
+
+    def close(self) -> None:
+        pass
+
+
+def interleaved_cells(runners: list, cells, reps: int, big: int) -> list[dict]:
+    """Per runner, {(length, batch): (seconds of each timed repetition, first embedding)}.
+    Every runner is up at once (the idle ones wait); within a repetition each runs the
+    batch in turn, starting one further along each time, so load that comes and goes
+    falls on all of them alike."""
+    out = [{} for _ in runners]
     for n, b, batch in cells:
-        ids = torch.tensor(batch)
-        features = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                    "token_type_ids": torch.zeros_like(ids)}
         warm, timed = _reps_of(batch, reps, big)
-        times, first = [], None
+        times, first = [[] for _ in runners], [None] * len(runners)
         for i in range(warm + timed):
-            start = time.perf_counter()
-            with torch.inference_mode():
-                emb = model(dict(features))["sentence_embedding"]
-            elapsed = time.perf_counter() - start
-            first = emb[0].numpy()
-            if i >= warm:
-                times.append(elapsed)
-        out[(n, b)] = (statistics.median(times), first)
-        print(f"  {'st':<10} {n:>4} x {b:<4} {statistics.median(times):8.3f} s", flush=True)
+            for j in range(len(runners)):
+                k = (i + j) % len(runners)
+                elapsed, first[k] = runners[k].embed(batch)
+                if i >= warm:
+                    times[k].append(elapsed)
+        for k, runner in enumerate(runners):
+            out[k][(n, b)] = (times[k], first[k])
+            print(f"  {runner.name:<10} {n:>4} x {b:<4} {statistics.median(times[k]):8.3f} s", flush=True)
     return out
 
 
@@ -209,38 +222,52 @@ def main() -> None:
              for n in lengths for b in batches]
     load_before = load_average()
     started = time.time()
-    ours_servers = [(ours_peer(gguf, args.port, args.threads, max(batches), args.budget), args.port)]
-    if args.before:
-        ours_servers.append((ours_peer(gguf, args.port + 2, args.threads, max(batches), args.budget,
-                                       venv=args.before, name="before"), args.port + 2))
-    results = served_cells(ours_servers, cells, args.reps, args.big_tokens, args.encoding)
-    ours, before = results[0], (results[1] if args.before else None)
-    llama = (served_cells([(llama_peer(gguf, args.port + 1, args.threads, args.slots, args.ubatch),
-                            args.port + 1)], cells, args.reps, args.big_tokens, args.encoding)[0]
-             if "llama.cpp" in peers else None)
-    st = (sentence_transformers_cells(model_dir, cells, args.threads, args.reps, args.big_tokens)
-          if "st" in peers else None)
+    runners = []
+    try:
+        runners.append(ServedRunner(ours_peer(gguf, args.port, args.threads, max(batches), args.budget),
+                                    args.port, args.encoding))
+        if args.before:
+            runners.append(ServedRunner(ours_peer(gguf, args.port + 2, args.threads, max(batches),
+                                                  args.budget, venv=args.before, name="before"),
+                                        args.port + 2, args.encoding))
+        if "llama.cpp" in peers:
+            runners.append(ServedRunner(llama_peer(gguf, args.port + 1, args.threads, args.slots,
+                                                   args.ubatch), args.port + 1, args.encoding))
+        if "st" in peers:
+            runners.append(SentenceTransformersRunner(model_dir, args.threads))
+        results = interleaved_cells(runners, cells, args.reps, args.big_tokens)
+    finally:
+        for runner in runners:
+            runner.close()
+    names = {"vllm-metal": "ours", "before": "before", "llama.cpp": "llama", "st": "st"}
+    by_name = {names[r.name]: res for r, res in zip(runners, results)}
+    ours = by_name["ours"]
 
     print(f"# all-MiniLM-L6-v2 F32 embeddings (mean, normalised), {args.threads} threads, {cpu_model()}, "
           f"encoding {args.encoding}, load {load_before} -> {load_average()}, {time.time() - started:.0f} s")
-    columns = [("ours", ours)] + [(name, res) for name, res in (("before", before), ("st", st),
-                                                                ("llama", llama)) if res is not None]
+    columns = [(name, by_name[name]) for name in ("ours", "before", "st", "llama") if name in by_name]
     print(f"{'tok':>4} {'batch':>5} | " + " | ".join(f"{name + ' in/s':>11} {'tok/s':>7}" for name, _ in columns)
-          + " | " + " ".join(f"{'/' + name:>7}" for name, _ in columns[1:]) + " | cosines")
+          + " | " + " ".join(f"{'/' + name:>17}" for name, _ in columns[1:]) + " | cosines")
     rows = []
     for n, b, _ in cells:
         t_o, e_o = ours[(n, b)]
         row = dict(tokens=n, batch=b, encoding=args.encoding)
         for name, res in columns:
             t, e = res[(n, b)]
-            row[f"{name}_inputs_per_s"], row[f"{name}_tokens_per_s"] = b / t, b * n / t
+            med = statistics.median(t)
+            row[f"{name}_inputs_per_s"], row[f"{name}_tokens_per_s"] = b / med, b * n / med
             if name != "ours":
-                row[f"ours_over_{name}"], row[f"cosine_{name}"] = t / t_o, _cos(e_o, e)
+                # ours / peer per repetition (the two ran back to back): median, lowest, highest
+                paired = sorted(tp / to for tp, to in zip(t, t_o))
+                row[f"ours_over_{name}"] = statistics.median(paired)
+                row[f"ours_over_{name}_range"] = (paired[0], paired[-1])
+                row[f"cosine_{name}"] = _cos(e_o, e)
         rows.append(row)
         print(f"{n:>4} {b:>5} | "
               + " | ".join(f"{row[name + '_inputs_per_s']:>11.1f} {row[name + '_tokens_per_s']:>7.0f}"
                            for name, _ in columns)
-              + " | " + " ".join(f"{row['ours_over_' + name]:>7.2f}" for name, _ in columns[1:])
+              + " | " + " ".join(f"{row['ours_over_' + name]:>5.2f} ({row['ours_over_' + name + '_range'][0]:.2f}-"
+                                 f"{row['ours_over_' + name + '_range'][1]:.2f})" for name, _ in columns[1:])
               + " | " + ", ".join(f"{row['cosine_' + name]:.5f}" for name, _ in columns[1:]))
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu": cpu_model(), "threads": args.threads, "rows": rows},
