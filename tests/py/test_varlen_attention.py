@@ -163,6 +163,11 @@ def test_every_layout_gives_the_dense_inputs_result(backend, dtype):
     for name, (q, k, v) in layouts.items():
         got = to_numpy(ops.varlen_attention(q, k, v, cu_seqlens=cu, scale=0.2))
         np.testing.assert_array_equal(got, want, err_msg=name)
+    # tokens in reverse (a negative token stride, if MLX keeps the view) against dense copies
+    backwards = [a[::-1] for a in dense]
+    copies = [mx.array(to_numpy(a)).astype(DTYPES[dtype]) for a in backwards]
+    np.testing.assert_array_equal(to_numpy(ops.varlen_attention(*backwards, cu_seqlens=cu, scale=0.2)),
+                                  to_numpy(ops.varlen_attention(*copies, cu_seqlens=cu, scale=0.2)))
 
 
 def test_kernel_names_are_instantiated():
