@@ -40,10 +40,12 @@ def server(request):
     env, procs = CONTRACTS[contract]
     extra = [] if mode == "async" else ["--no-async-scheduling"]
     path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    # batch-invariant: "the others are untouched" compares batched tokens with solo ones, which
+    # only that mode promises (without it a near-tie may flip with the batch's composition)
     s = Server(smollm2_gguf(), "smollm2",
                ["--max-model-len", "512", "--max-num-seqs", "8", "--num-gpu-blocks-override", "128",
                 "--logits-processors", *procs] + extra,
-               env={**env, "PYTHONPATH": path})
+               env={**env, "PYTHONPATH": path, "VLLM_BATCH_INVARIANT": "1"})
     s.contract = contract
     yield s
     s.stop()
