@@ -225,3 +225,32 @@ def test_plans_choose_matvec_up_to_8_rows():
     assert list(l.threadgroup) == [128, 1, 1] and len(l.args) == 56
     (l,) = _core.plan_gguf_dequantize("IQ3_S", "bfloat16", 3, 512)
     assert l.kernel == "gguf_dequantize_iq3_s_bfloat16" and l.grid[0] * 256 >= 3 * 32
+
+
+@pytest.mark.parametrize("t, k", [(T.F32, 1100), (T.F16, 544), (T.BF16, 96), (T.Q4_K, 768)],
+                         ids=["F32-3-chunks", "F16-3-chunks", "BF16", "Q4_K-decoded-exact"])
+def test_prefill_tiles_of_many_rows_native(t, k):
+    """Calls of 64 rows and more on the CPU: where the table has weight panels (AVX-512) the
+    weights are laid out as 32-column panels and x is read in place, 12 rows a kernel call;
+    elsewhere 16-row x panels. Held to float64 x @ W^T, with ragged last panels (n = 33,
+    100), ragged row groups and blocks (77, 140, 300 rows), several chunks of k, and the
+    fused bias + GELU; and a row's output is bitwise the same whichever call and place in
+    it the row has (the prefill's promise: results do not depend on the batch)."""
+    rng = np.random.default_rng(k)
+    exact = t == T.Q4_K  # float sums of the decoded weights, not the 8-bit activation path
+    for n in (33, 100):
+        blocks = random_blocks(t, n, k, seed=n)
+        w = reference_dequantize(blocks, t, (n, k)).astype(np.float64)
+        bias = rng.standard_normal(n).astype(np.float32)
+        x = rng.standard_normal((300, k)).astype(np.float32)
+        outs = {}
+        for m in (64, 77, 140, 300):
+            rows = x[300 - m:]  # the last rows: each sits at another place in each call
+            got = to_numpy(ops.gguf_matmul(mx.array(rows), mx.array(blocks), t.name, [n, k], exact=exact,
+                                           bias=mx.array(bias), activation="gelu"))
+            want = _act(rows.astype(np.float64) @ w.T + bias, "gelu")
+            err = np.abs(got - want).max() / np.abs(want).max()
+            assert err <= TOLERANCE["float"]["float32"], f"{t.name} m={m} n={n}: {err:.3g}"
+            outs[m] = got
+        for m in (64, 77, 140):
+            np.testing.assert_array_equal(outs[m], outs[300][300 - m:], err_msg=f"{t.name} m={m} n={n}")

@@ -70,6 +70,17 @@ constexpr int kGgufPanelWidth = 16;
 using GgufPanelFn = void (*)(const float* xp, const float* w, int64_t ldw, int nr, int64_t k,
                              float* out, int64_t ldo, bool accumulate);
 
+// Prefill micro-kernel over packed weights (tables with enough vector registers, else
+// null): out[i * ldo + j] (+)= dot(x row i, weight column j) for i < rows <=
+// kGgufWeightPanelRows, j < kGgufWeightPanelCols, over k values; x rows are ldx floats
+// apart, wp is a panel of kGgufWeightPanelCols weight rows transposed, [k][cols] (zero
+// columns pad a short panel). Each output's sum runs over p in order whatever `rows` is,
+// so a row's result does not depend on the rows that share its call.
+constexpr int kGgufWeightPanelCols = 32;
+constexpr int kGgufWeightPanelRows = 12;
+using GgufWeightPanelFn = void (*)(const float* x, int64_t ldx, int rows, const float* wp,
+                                   int64_t k, float* out, int64_t ldo, bool accumulate);
+
 // ---- batched integer path: weight panels ---------------------------------------------
 // `cols` weight rows (8, or 16 where 512-bit dots pay) decoded once into unsigned bytes laid
 // out for the integer dot instructions, then multiplied with every activation row of the
@@ -121,6 +132,7 @@ struct GgufKernels {
   int q8_panel_cols = kGgufPanelCols;             // weight rows per panel (GgufQ8Panel::cols)
   GgufPanelFn panel = nullptr;
   int panel_rows = 0;                             // weight rows per panel call
+  GgufWeightPanelFn weight_panel = nullptr;       // preferred over `panel` where set
 };
 
 // The portable tables (always present): scalar C++, and on arm64 NEON with and
