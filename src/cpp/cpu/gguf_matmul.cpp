@@ -471,8 +471,9 @@ std::atomic<uint64_t> g_prefill_calls{0};
 // transposed, other types decoded), then for each block of kBlockRows x rows and each
 // chunk of k runs the kernel on up to kGgufWeightPanelRows x rows read in place: no x
 // packing, and the 16 x 12 panel's transposing scalar stores become vector stores into
-// the [kBlockRows, group] tile. The chunks of k are prefill's, so every output is the
-// same sum in the same order as there (bitwise equal results).
+// the [kBlockRows, group] tile. The chunks of k are the float tiles' and each output's sum
+// runs over k in order wherever its row sits, so a row's result does not depend on the call
+// (results equal the float tiles' to the last bit or so: docs/gguf.md).
 constexpr int64_t kWeightGroupCols = 3 * kGgufWeightPanelCols;
 // Below this many x rows laying the weights out costs more than the kernel saves (MiniLM's
 // projections on Zen 4: level at 64 rows, 1.2-1.6x slower at 16, 8-17 % faster at 512).
