@@ -521,8 +521,8 @@ void prefill_weight_panels(const GgufKernels& kern, const GgufMatmul& a, const f
   const int64_t blocks = (m + kBlockRows - 1) / kBlockRows;
   const int64_t groups = (n + G - 1) / G;
   // about two tasks per thread: few weight groups share out their x blocks in runs
-  const int64_t want_runs = std::max<int64_t>(1, (2 * num_threads() + groups - 1) / groups);
-  const int64_t per_run = (blocks + std::min(blocks, want_runs) - 1) / std::min(blocks, want_runs);
+  const int64_t want_runs = std::clamp<int64_t>((2 * num_threads() + groups - 1) / groups, 1, blocks);
+  const int64_t per_run = (blocks + want_runs - 1) / want_runs;  // x blocks a task
   const int64_t runs = (blocks + per_run - 1) / per_run;
   const uint64_t call = g_prefill_calls.fetch_add(1, std::memory_order_relaxed) + 1;
   char* y = static_cast<char*>(a.y);
