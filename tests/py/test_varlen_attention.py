@@ -171,9 +171,22 @@ def test_every_layout_gives_the_dense_inputs_result(backend, dtype):
 
 
 def test_kernel_names_are_instantiated():
-    names = {l.kernel for d in DTYPES for l in
-             _core.plan_varlen_attention(d, 10, 2, 4, 2, 32, 0.1)}
+    heads = _core.varlen_attention_tiled_head_sizes()
+    assert {32, 64, 128, 256} <= set(heads)  # the BERT family's heads and Gemma 3's
+    names = {l.kernel for dt in DTYPES for d in [*heads, 40] for l in
+             _core.plan_varlen_attention(dt, 10, 2, 4, 2, d, 0.1)}
+    assert {n for n in names if "tiled" in n} and {n for n in names if "tiled" not in n}
     assert names <= set(emulation.library("varlen_attention").kernels)
+
+
+def test_tiled_grid_covers_the_longest_sequence():
+    # 8 query rows a simdgroup: (tiles of the longest sequence, q heads, sequences)
+    (tiled,) = _core.plan_varlen_attention("float16", 30, 3, 4, 2, 64, 0.1, max_seq_len=17)
+    assert "tiled" in tiled.kernel and list(tiled.grid) == [3, 4, 3]
+    (unknown,) = _core.plan_varlen_attention("float16", 30, 3, 4, 2, 64, 0.1)
+    assert list(unknown.grid) == [4, 4, 3]  # without the longest: any row could be one sequence's
+    (simd,) = _core.plan_varlen_attention("float16", 30, 3, 4, 2, 40, 0.1, max_seq_len=17)
+    assert "tiled" not in simd.kernel and list(simd.grid) == [30, 4, 1]
 
 
 def _bad(**override):
@@ -206,22 +219,28 @@ def test_bad_input_raises_a_clear_error(make_call, message):
         make_call()
 
 
-def test_launches_on_numpy(causal=False, window=0):
+def launches_on_numpy(causal=False, window=0, d=40):
     """The planner's launches run directly on NumPy arrays (also under the emulator's race and
     bounds checks: test_metal_kernel_checks); nothing is written outside the output."""
     from test_hybrid_launches import guarded, guards_intact
 
-    lengths, hq, hkv, d = (3, 0, 10, 1), 4, 2, 40  # an empty sequence, two 32-dim chunks
+    # an empty sequence; d = 40: two 32-dim chunks of the simd kernel; the tiled kernel's
+    # rows past a tile (10 = 8 + 2) and a one-row sequence
+    lengths, hq, hkv = (3, 0, 10, 1), 4, 2
     q, k, v = (to_numpy(a).astype(np.float32) for a in make(lengths, hq, hkv, d, "float32", seed=6))
     cu = cu_of(lengths)
     out, back = guarded(q.shape, np.float32)
     plan = _core.plan_varlen_attention("float32", q.shape[0], len(lengths), hq, hkv, d, 0.2,
-                                       causal, window)
+                                       causal, window, max_seq_len=max(lengths))
+    assert ("tiled" in plan[0].kernel) == (d in _core.varlen_attention_tiled_head_sizes())
     emulation.run_plan(plan, [q, k, v, cu, out])
     assert guards_intact(back)
     np.testing.assert_allclose(out, reference(q, k, v, cu, 0.2, causal, window), atol=2e-5,
                                rtol=2e-5)
 
 
-def test_window_launches_on_numpy():
-    test_launches_on_numpy(causal=False, window=3)
+@pytest.mark.parametrize("window", [0, 3], ids=["no window", "window"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("d", [40, 32], ids=["simd kernel", "tiled kernel"])
+def test_launches_on_numpy(d, causal, window):
+    launches_on_numpy(causal, window, d)

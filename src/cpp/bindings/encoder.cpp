@@ -58,7 +58,8 @@ void bind_encoder(nb::module_& m) {
   m.def(
       "plan_varlen_attention",
       [](const std::string& dtype, int64_t num_tokens, int64_t num_seqs, int64_t num_q_heads,
-         int64_t num_kv_heads, int64_t head_size, float scale, bool causal, int64_t window) {
+         int64_t num_kv_heads, int64_t head_size, float scale, bool causal, int64_t window,
+         int64_t max_seq_len) {
         vm::VarlenAttentionProblem p;
         p.dtype = parse_float_dtype(dtype);
         p.num_tokens = num_tokens;
@@ -69,11 +70,15 @@ void bind_encoder(nb::module_& m) {
         p.scale = scale;
         p.causal = causal;
         p.window = window;
+        p.max_seq_len = max_seq_len;
         return vm::plan_varlen_attention(p);
       },
       "dtype"_a, "num_tokens"_a, "num_seqs"_a, "num_q_heads"_a, "num_kv_heads"_a, "head_size"_a,
-      "scale"_a, "causal"_a = false, "window"_a = 0,
-      "Kernel launches of varlen_attention. Slots: 0 q, 1 k, 2 v, 3 cu_seqlens, 4 out.");
+      "scale"_a, "causal"_a = false, "window"_a = 0, "max_seq_len"_a = 0,
+      "Kernel launches of varlen_attention. Slots: 0 q, 1 k, 2 v, 3 cu_seqlens, 4 out.\n"
+      "max_seq_len: the longest sequence (the tiled kernel's grid); 0: num_tokens.");
+  m.def("varlen_attention_tiled_head_sizes", &vm::tiled_head_sizes,
+        "Head sizes whose Metal varlen_attention is the tiled kernel.");
   m.def(
       "gelu",
       [](const mx::array& x, bool approximate, const StreamArg& s) {

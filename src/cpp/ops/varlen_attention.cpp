@@ -1,5 +1,6 @@
 #include "ops/varlen_attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -30,8 +31,10 @@ mx::array dense(const mx::array& a, mx::StreamOrDevice s) {
   return mx::contiguous(a, false, s);
 }
 
-// The metadata is tiny and host-made: checked here so the kernels can trust it.
-mx::array checked_cu_seqlens(const mx::array& cu, int64_t num_tokens, mx::StreamOrDevice s) {
+// The metadata is tiny and host-made: checked here so the kernels can trust it. Also
+// returns the longest sequence (the tiled Metal kernel's grid).
+mx::array checked_cu_seqlens(const mx::array& cu, int64_t num_tokens, mx::StreamOrDevice s,
+                             int64_t& max_seq_len) {
   if (cu.dtype() != mx::int32) fail("cu_seqlens must be int32, got " + dtype_name(cu.dtype()));
   if (cu.ndim() != 1 || cu.shape(0) < 2) {
     fail("cu_seqlens must be [num_seqs + 1] with at least one sequence, got " +
@@ -42,11 +45,13 @@ mx::array checked_cu_seqlens(const mx::array& cu, int64_t num_tokens, mx::Stream
   const int32_t* c = d.data<int32_t>();
   const int64_t n = cu.shape(0) - 1;
   if (c[0] != 0) fail("cu_seqlens[0] must be 0, got " + std::to_string(c[0]));
+  max_seq_len = 0;
   for (int64_t i = 0; i < n; ++i) {
     if (c[i + 1] < c[i]) {
       fail("cu_seqlens must be non-decreasing, got cu_seqlens[" + std::to_string(i + 1) +
            "] = " + std::to_string(c[i + 1]) + " < " + std::to_string(c[i]));
     }
+    max_seq_len = std::max<int64_t>(max_seq_len, c[i + 1] - c[i]);
   }
   if (c[n] != num_tokens) {
     fail("cu_seqlens[-1] must be the number of rows " + std::to_string(num_tokens) + ", got " +
@@ -86,11 +91,12 @@ mx::array varlen_attention(const mx::array& q, const mx::array& k, const mx::arr
   if (window < 0 || window > int64_t{UINT32_MAX}) {
     fail("window must be 0 (none) or a positive key distance, got " + std::to_string(window));
   }
-  mx::array cu = checked_cu_seqlens(cu_seqlens, t, s);
+  int64_t max_seq_len = 0;
+  mx::array cu = checked_cu_seqlens(cu_seqlens, t, s, max_seq_len);
   if (t == 0) return mx::zeros({0, hq, d}, q.dtype(), s);
   const mx::Stream stream = mx::to_stream(s);
   const KernelBackend backend = default_kernel_backend();
-  auto prim = std::make_shared<VarlenAttention>(stream, backend, scale, causal, window);
+  auto prim = std::make_shared<VarlenAttention>(stream, backend, scale, causal, window, max_seq_len);
   // Our CPU kernel reads strided token rows (q, k and v sliced from one fused projection):
   // no copy of each. The Metal kernels (and the emulator) take dense arrays.
   if (backend == KernelBackend::kNative && stream.device == mx::Device::cpu) {
@@ -98,6 +104,8 @@ mx::array varlen_attention(const mx::array& q, const mx::array& k, const mx::arr
   }
   return mx::array(q.shape(), q.dtype(), prim, {dense(q, s), dense(k, s), dense(v, s), cu});
 }
+
+std::vector<int64_t> tiled_head_sizes() { return {32, 64, 128, 256}; }
 
 KernelPlan plan_varlen_attention(const VarlenAttentionProblem& p) {
   VarlenAttentionArgs args{};
@@ -111,11 +119,21 @@ KernelPlan plan_varlen_attention(const VarlenAttentionProblem& p) {
   args.window = static_cast<uint32_t>(p.window);
   KernelLaunch l;
   l.source = "varlen_attention";
-  l.kernel = "varlen_attention_" + dtype_name(p.dtype);
   for (int i = 0; i < 5; ++i) l.bind(i, i);
   l.set_args(5, args);
-  // one simdgroup per (query row, q head)
   l.threadgroup = {32, 1, 1};
+  const auto tiled = tiled_head_sizes();
+  if (std::find(tiled.begin(), tiled.end(), p.head_size) != tiled.end()) {
+    // one simdgroup per 8 query rows of a (sequence, q head); the grid covers the longest
+    // sequence (without it known, every row could be one sequence's)
+    const int64_t longest = p.max_seq_len > 0 ? p.max_seq_len : p.num_tokens;
+    l.kernel = "varlen_attention_tiled_" + dtype_name(p.dtype) + "_d" + std::to_string(p.head_size);
+    l.grid = {static_cast<uint32_t>((longest + 7) / 8), static_cast<uint32_t>(p.num_q_heads),
+              static_cast<uint32_t>(p.num_seqs)};
+    return {l};
+  }
+  // one simdgroup per (query row, q head)
+  l.kernel = "varlen_attention_" + dtype_name(p.dtype);
   l.grid = {static_cast<uint32_t>(p.num_tokens), static_cast<uint32_t>(p.num_q_heads), 1};
   return {l};
 }
@@ -131,6 +149,7 @@ VarlenAttentionProblem VarlenAttention::problem(const std::vector<mx::array>& in
   p.scale = scale_;
   p.causal = causal_;
   p.window = window_;
+  p.max_seq_len = max_seq_len_;
   return p;
 }
 
@@ -141,7 +160,8 @@ KernelPlan VarlenAttention::plan(const std::vector<mx::array>& inputs,
 
 bool VarlenAttention::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const VarlenAttention&>(other);
-  return scale_ == o.scale_ && causal_ == o.causal_ && window_ == o.window_ && backend() == o.backend();
+  return scale_ == o.scale_ && causal_ == o.causal_ && window_ == o.window_ &&
+         max_seq_len_ == o.max_seq_len_ && backend() == o.backend();
 }
 
 namespace {

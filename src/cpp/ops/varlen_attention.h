@@ -40,7 +40,12 @@ struct VarlenAttentionProblem {
   float scale = 1.0f;
   bool causal = false;
   int64_t window = 0;
+  int64_t max_seq_len = 0;  // the longest sequence; 0: unknown (num_tokens is assumed)
 };
+
+// Head sizes with a tiled Metal kernel (8 query rows per simdgroup); others run one
+// simdgroup per (row, head).
+std::vector<int64_t> tiled_head_sizes();
 
 // Slots: 0 q, 1 k, 2 v, 3 cu_seqlens, 4 out.
 KernelPlan plan_varlen_attention(const VarlenAttentionProblem& p);
@@ -48,8 +53,12 @@ KernelPlan plan_varlen_attention(const VarlenAttentionProblem& p);
 class VarlenAttention : public KernelPrimitive {
  public:
   VarlenAttention(mx::Stream stream, KernelBackend backend, float scale, bool causal,
-                  int64_t window = 0)
-      : KernelPrimitive(stream, backend), scale_(scale), causal_(causal), window_(window) {}
+                  int64_t window = 0, int64_t max_seq_len = 0)
+      : KernelPrimitive(stream, backend),
+        scale_(scale),
+        causal_(causal),
+        window_(window),
+        max_seq_len_(max_seq_len) {}
 
   KernelPlan plan(const std::vector<mx::array>& inputs,
                   const std::vector<mx::array>& outputs) const override;
@@ -65,6 +74,7 @@ class VarlenAttention : public KernelPrimitive {
   float scale_;
   bool causal_;
   int64_t window_;
+  int64_t max_seq_len_;
 };
 
 }  // namespace vllm_metal
