@@ -244,3 +244,20 @@ def launches_on_numpy(causal=False, window=0, d=40):
 @pytest.mark.parametrize("d", [40, 32], ids=["simd kernel", "tiled kernel"])
 def test_launches_on_numpy(d, causal, window):
     launches_on_numpy(causal, window, d)
+
+
+def test_tiled_kernel_reads_each_key_once_per_eight_rows():
+    # counted in the emulator: a 64-row sequence is 8 tiles, each loading the sequence's 64
+    # keys and values once (the simd kernel loads them once per row: 8x as much)
+    length, d = 64, 32
+    q, k, v = (to_numpy(a).astype(np.float32) for a in make((length,), 1, 1, d, "float32", seed=9))
+    cu = cu_of((length,))
+    (launch,) = _core.plan_varlen_attention("float32", length, 1, 1, 1, d, 0.2, max_seq_len=length)
+    assert "tiled" in launch.kernel
+    out, counts = np.zeros_like(q), []
+    emulation.run_plan([launch], [q, k, v, cu, out], counts=counts)
+    np.testing.assert_allclose(out, reference(q, k, v, cu, 0.2, False), atol=2e-5, rtol=2e-5)
+    tiles = length // 8
+    for slot in (1, 2):  # k, v
+        assert counts[0].buffers[slot].read == tiles * length * d * 4
+    assert counts[0].buffers[0].read == length * d * 4  # each query once
