@@ -855,7 +855,7 @@ void panel_nr(const float* xp, const float* w, int64_t ldw, int64_t k, float* ou
 // 58.3 GMAC/s a core against 19-20 for panel_nr<12> in the same harness).
 template <int R>
 void weight_panel_r(const float* x, int64_t ldx, const float* wp, int64_t k, float* out,
-                    int64_t ldo, bool accumulate) {
+                    int64_t ldo, bool accumulate, const float* bias) {
   static_assert(kGgufWeightPanelCols == 32);
   __m512 lo[R], hi[R];
 #pragma GCC unroll 16
@@ -877,23 +877,87 @@ void weight_panel_r(const float* x, int64_t ldx, const float* wp, int64_t k, flo
       lo[i] = _mm512_add_ps(_mm512_loadu_ps(o), lo[i]);
       hi[i] = _mm512_add_ps(_mm512_loadu_ps(o + 16), hi[i]);
     }
-    _mm512_storeu_ps(o, lo[i]);
-    _mm512_storeu_ps(o + 16, hi[i]);
+  }
+  if (bias != nullptr) {  // after the whole sum, as a separate pass over the outputs would
+    const __m512 b_lo = _mm512_loadu_ps(bias), b_hi = _mm512_loadu_ps(bias + 16);
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      lo[i] = _mm512_add_ps(lo[i], b_lo);
+      hi[i] = _mm512_add_ps(hi[i], b_hi);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) {
+    _mm512_storeu_ps(out + i * ldo, lo[i]);
+    _mm512_storeu_ps(out + i * ldo + 16, hi[i]);
   }
 }
 
 template <int... R>
 void weight_panel_any(const float* x, int64_t ldx, int rows, const float* wp, int64_t k,
-                      float* out, int64_t ldo, bool accumulate, std::integer_sequence<int, R...>) {
-  using Fn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool);
+                      float* out, int64_t ldo, bool accumulate, const float* bias,
+                      std::integer_sequence<int, R...>) {
+  using Fn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool,
+                      const float*);
   static constexpr Fn fns[] = {weight_panel_r<R + 1>...};
-  fns[rows - 1](x, ldx, wp, k, out, ldo, accumulate);
+  fns[rows - 1](x, ldx, wp, k, out, ldo, accumulate, bias);
 }
 
 void weight_panel(const float* x, int64_t ldx, int rows, const float* wp, int64_t k, float* out,
-                  int64_t ldo, bool accumulate) {
-  weight_panel_any(x, ldx, rows, wp, k, out, ldo, accumulate,
+                  int64_t ldo, bool accumulate, const float* bias) {
+  weight_panel_any(x, ldx, rows, wp, k, out, ldo, accumulate, bias,
                    std::make_integer_sequence<int, kGgufWeightPanelRows>{});
+}
+
+// 16 x 16 floats in registers: r[i] holds row i on entry, column i on exit (pairs of rows
+// interleaved, then pairs of pairs, then 128-bit lanes gathered in two rounds).
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int c = 0; c < 4; ++c) {
+    t[c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
+    t[4 + c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xdd);
+    t[8 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+    t[12 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xdd);
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);
+    r[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xdd);
+    r[4 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0x88);
+    r[12 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0xdd);
+  }
+}
+
+// GgufPanelLayoutFn in 16 x 16 blocks: each weight row is read 64 bytes at a time and
+// every store is a whole vector (the scalar transpose was a tenth of a MiniLM projection,
+// most of it waiting on the weights' cache misses one float at a time).
+void lay_out_panel(const float* rows, int64_t ld, int cols, int64_t k, float* panel) {
+  static_assert(kGgufWeightPanelCols == 32);
+  for (int j0 = 0; j0 < 32; j0 += 16) {
+    const int jn = std::clamp(cols - j0, 0, 16);
+    for (int64_t p0 = 0; p0 < k; p0 += 16) {
+      const int pn = static_cast<int>(std::min<int64_t>(16, k - p0));
+      const __mmask16 keep = static_cast<__mmask16>((1u << pn) - 1u);
+      __m512 r[16];
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {
+        r[j] = j < jn ? _mm512_maskz_loadu_ps(keep, rows + (j0 + j) * ld + p0) : _mm512_setzero_ps();
+      }
+      transpose16(r);
+      for (int p = 0; p < pn; ++p) _mm512_storeu_ps(panel + (p0 + p) * 32 + j0, r[p]);
+    }
+  }
 }
 #else
 constexpr int kPanelRows = 6;  // 6 x 2 ymm accumulators + 2 activation vectors + 1 broadcast
@@ -968,6 +1032,7 @@ GgufKernels make_x86_kernels(const char* name) {
   t.panel_rows = kPanelRows;
 #if GGUF_X86_AVX512
   t.weight_panel = weight_panel;
+  t.lay_out_panel = lay_out_panel;
 #endif
   return t;
 }

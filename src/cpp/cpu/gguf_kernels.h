@@ -75,11 +75,17 @@ using GgufPanelFn = void (*)(const float* xp, const float* w, int64_t ldw, int n
 // kGgufWeightPanelRows, j < kGgufWeightPanelCols, over k values; x rows are ldx floats
 // apart, wp is a panel of kGgufWeightPanelCols weight rows transposed, [k][cols] (zero
 // columns pad a short panel). Each output's sum runs over p in order whatever `rows` is,
-// so a row's result does not depend on the rows that share its call.
+// so a row's result does not depend on the rows that share its call. bias (null: none,
+// else kGgufWeightPanelCols floats) is added to each stored value: out = (out +) sum + bias.
 constexpr int kGgufWeightPanelCols = 32;
 constexpr int kGgufWeightPanelRows = 12;
 using GgufWeightPanelFn = void (*)(const float* x, int64_t ldx, int rows, const float* wp,
-                                   int64_t k, float* out, int64_t ldo, bool accumulate);
+                                   int64_t k, float* out, int64_t ldo, bool accumulate,
+                                   const float* bias);
+// A weight panel from float rows: panel[p * kGgufWeightPanelCols + j] = rows[j * ld + p] for
+// j < cols (<= kGgufWeightPanelCols), p < k; columns cols .. are zero.
+using GgufPanelLayoutFn = void (*)(const float* rows, int64_t ld, int cols, int64_t k,
+                                   float* panel);
 
 // ---- batched integer path: weight panels ---------------------------------------------
 // `cols` weight rows (8, or 16 where 512-bit dots pay) decoded once into unsigned bytes laid
@@ -133,6 +139,7 @@ struct GgufKernels {
   GgufPanelFn panel = nullptr;
   int panel_rows = 0;                             // weight rows per panel call
   GgufWeightPanelFn weight_panel = nullptr;       // preferred over `panel` where set
+  GgufPanelLayoutFn lay_out_panel = nullptr;      // set with weight_panel
 };
 
 // The portable tables (always present): scalar C++, and on arm64 NEON with and

@@ -480,11 +480,10 @@ constexpr int64_t kWeightGroupCols = 3 * kGgufWeightPanelCols;
 constexpr int64_t kWeightPanelMinRows = 64;
 
 // Weight rows r0 .. r0 + nr as panels (zero columns pad the last).
-void lay_out_weight_panels(GGMLType type, const uint8_t* w, int64_t rb, int64_t r0, int64_t nr,
-                           int64_t k, float* wp, std::vector<float>& row_buf) {
+void lay_out_weight_panels(const GgufKernels& kern, GGMLType type, const uint8_t* w, int64_t rb,
+                           int64_t r0, int64_t nr, int64_t k, float* wp, std::vector<float>& row_buf) {
   constexpr int64_t C = kGgufWeightPanelCols;
   const int64_t panels = (nr + C - 1) / C;
-  if (nr % C != 0) std::fill(wp + (panels - 1) * k * C, wp + panels * k * C, 0.0f);
   // the rows as floats: F32 in place, other types decoded into row_buf
   const float* rows = reinterpret_cast<const float*>(w + r0 * rb);
   int64_t ld = rb / 4;
@@ -494,6 +493,14 @@ void lay_out_weight_panels(GGMLType type, const uint8_t* w, int64_t rb, int64_t 
     rows = decoded;
     ld = k;
   }
+  if (kern.lay_out_panel != nullptr) {
+    for (int64_t j0 = 0; j0 < nr; j0 += C) {
+      kern.lay_out_panel(rows + j0 * ld, ld, static_cast<int>(std::min(C, nr - j0)), k,
+                         wp + (j0 / C) * k * C);
+    }
+    return;
+  }
+  if (nr % C != 0) std::fill(wp + (panels - 1) * k * C, wp + panels * k * C, 0.0f);
   // 16 values of k at a time: the transposed stores land in 2 KB of the panel (L1), not
   // across all of it
   constexpr int64_t kStep = 16;
@@ -529,35 +536,45 @@ void prefill_weight_panels(const GgufKernels& kern, const GgufMatmul& a, const f
   const int64_t elt_bytes = a.elt == Elt::kF32 ? 4 : 2;
   // task t: weight group t / runs, row run t % runs; a thread's consecutive tasks on one
   // group lay its panels out once
+  // the bias goes into the kernel's last store (the sums in the order of before, then the
+  // bias, as the separate pass did); the activation runs on the finished tile
+  const Epilogue act_only{nullptr, epi.act};
   gguf_parallel_for(groups * runs, 1, [&](int64_t begin, int64_t end) {
-    static thread_local std::vector<float> wbuf, acc_buf, row_buf;
+    static thread_local std::vector<float> wbuf, acc_buf, row_buf, bias_buf;
     static thread_local uint64_t laid_call = 0;
     static thread_local int64_t laid_group = -1;
     float* acc = scratch_floats(acc_buf, kBlockRows * G);
+    float* group_bias = scratch_floats(bias_buf, G);  // zero past the group's last row
     if (static_cast<int64_t>(wbuf.size()) < G * k) laid_call = 0;
     float* wp = scratch_floats(wbuf, G * k);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t group = t / runs, run = t % runs;
       const int64_t r0 = group * G, nr = std::min(G, n - r0), panels = (nr + C - 1) / C;
       if (laid_call != call || laid_group != group) {
-        lay_out_weight_panels(a.type, w, rb, r0, nr, k, wp, row_buf);
+        lay_out_weight_panels(kern, a.type, w, rb, r0, nr, k, wp, row_buf);
         laid_call = call;
         laid_group = group;
+      }
+      if (epi.bias != nullptr) {
+        std::copy(epi.bias + r0, epi.bias + r0 + nr, group_bias);
+        std::fill(group_bias + nr, group_bias + G, 0.0f);
       }
       const int64_t b_end = std::min(blocks, (run + 1) * per_run);
       for (int64_t block = run * per_run; block < b_end; ++block) {
         const int64_t i0 = block * kBlockRows, rows = std::min(kBlockRows, m - i0);
         for (int64_t c0 = 0; c0 < k; c0 += chunk) {
           const int64_t kc = std::min(chunk, k - c0);
+          const bool biased = epi.bias != nullptr && c0 + kc == k;
           for (int64_t i = 0; i < rows; i += kGgufWeightPanelRows) {
             const int r = static_cast<int>(std::min<int64_t>(kGgufWeightPanelRows, rows - i));
             for (int64_t pnl = 0; pnl < panels; ++pnl) {
               kern.weight_panel(xf + (i0 + i) * k + c0, k, r, wp + pnl * k * C + c0 * C, kc,
-                                acc + i * G + pnl * C, G, c0 > 0);
+                                acc + i * G + pnl * C, G, c0 > 0,
+                                biased ? group_bias + pnl * C : nullptr);
             }
           }
         }
-        apply_epilogue(epi, acc, G, rows, nr, r0);
+        apply_epilogue(act_only, acc, G, rows, nr, r0);
         store_block(a.elt, acc, G, rows, nr, y + i0 * n * elt_bytes, n, r0);
       }
     }
