@@ -139,7 +139,7 @@ struct GgufKernels {
   GgufPanelFn panel = nullptr;
   int panel_rows = 0;                             // weight rows per panel call
   GgufWeightPanelFn weight_panel = nullptr;       // preferred over `panel` where set
-  GgufPanelLayoutFn lay_out_panel = nullptr;      // set with weight_panel
+  GgufPanelLayoutFn lay_out_panel = nullptr;      // weight_panel's layout (both or neither)
 };
 
 // The portable tables (always present): scalar C++, and on arm64 NEON with and

@@ -479,11 +479,11 @@ constexpr int64_t kWeightGroupCols = 3 * kGgufWeightPanelCols;
 // projections on Zen 4: level at 64 rows, 1.2-1.6x slower at 16, 8-17 % faster at 512).
 constexpr int64_t kWeightPanelMinRows = 64;
 
-// Weight rows r0 .. r0 + nr as panels (zero columns pad the last).
+// Weight rows r0 .. r0 + nr as panels (zero columns pad the last), by the table's layout
+// kernel.
 void lay_out_weight_panels(const GgufKernels& kern, GGMLType type, const uint8_t* w, int64_t rb,
                            int64_t r0, int64_t nr, int64_t k, float* wp, std::vector<float>& row_buf) {
   constexpr int64_t C = kGgufWeightPanelCols;
-  const int64_t panels = (nr + C - 1) / C;
   // the rows as floats: F32 in place, other types decoded into row_buf
   const float* rows = reinterpret_cast<const float*>(w + r0 * rb);
   int64_t ld = rb / 4;
@@ -493,28 +493,9 @@ void lay_out_weight_panels(const GgufKernels& kern, GGMLType type, const uint8_t
     rows = decoded;
     ld = k;
   }
-  if (kern.lay_out_panel != nullptr) {
-    for (int64_t j0 = 0; j0 < nr; j0 += C) {
-      kern.lay_out_panel(rows + j0 * ld, ld, static_cast<int>(std::min(C, nr - j0)), k,
-                         wp + (j0 / C) * k * C);
-    }
-    return;
-  }
-  if (nr % C != 0) std::fill(wp + (panels - 1) * k * C, wp + panels * k * C, 0.0f);
-  // 16 values of k at a time: the transposed stores land in 2 KB of the panel (L1), not
-  // across all of it
-  constexpr int64_t kStep = 16;
   for (int64_t j0 = 0; j0 < nr; j0 += C) {
-    const int64_t cols = std::min(C, nr - j0);
-    float* panel = wp + (j0 / C) * k * C;
-    for (int64_t p0 = 0; p0 < k; p0 += kStep) {
-      const int64_t pn = std::min(kStep, k - p0);
-      for (int64_t j = 0; j < cols; ++j) {
-        const float* src = rows + (j0 + j) * ld + p0;
-        float* dst = panel + p0 * C + j;
-        for (int64_t p = 0; p < pn; ++p) dst[p * C] = src[p];
-      }
-    }
+    kern.lay_out_panel(rows + j0 * ld, ld, static_cast<int>(std::min(C, nr - j0)), k,
+                       wp + (j0 / C) * k * C);
   }
 }
 
@@ -534,11 +515,11 @@ void prefill_weight_panels(const GgufKernels& kern, const GgufMatmul& a, const f
   const uint64_t call = g_prefill_calls.fetch_add(1, std::memory_order_relaxed) + 1;
   char* y = static_cast<char*>(a.y);
   const int64_t elt_bytes = a.elt == Elt::kF32 ? 4 : 2;
-  // task t: weight group t / runs, row run t % runs; a thread's consecutive tasks on one
-  // group lay its panels out once
   // the bias goes into the kernel's last store (the sums in the order of before, then the
   // bias, as the separate pass did); the activation runs on the finished tile
   const Epilogue act_only{nullptr, epi.act};
+  // task t: weight group t / runs, row run t % runs; a thread's consecutive tasks on one
+  // group lay its panels out once
   gguf_parallel_for(groups * runs, 1, [&](int64_t begin, int64_t end) {
     static thread_local std::vector<float> wbuf, acc_buf, row_buf, bias_buf;
     static thread_local uint64_t laid_call = 0;
@@ -582,7 +563,7 @@ void prefill_weight_panels(const GgufKernels& kern, const GgufMatmul& a, const f
 }
 
 void prefill(const GgufKernels& kern, const GgufMatmul& a, const float* xf, const Epilogue& epi) {
-  if (kern.weight_panel != nullptr && a.m >= kWeightPanelMinRows) {
+  if (kern.weight_panel != nullptr && kern.lay_out_panel != nullptr && a.m >= kWeightPanelMinRows) {
     return prefill_weight_panels(kern, a, xf, epi);
   }
   const int64_t m = a.m, n = a.n, k = a.k;
