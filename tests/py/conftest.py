@@ -81,19 +81,10 @@ def _cpu_stream():
         yield
 
 
-def pytest_configure(config):
-    # pytest-xdist's --dist loadfile otherwise hands modules out by their number of tests,
-    # largest first (its --loadscope-reorder default): the order set below would be lost
-    # and one-test modules of minutes (test_wheel, test_serving_batch_invariance,
-    # test_arm64_cpu_kernels) would come last, queued up behind each other on one worker.
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
-
-
 def pytest_collection_modifyitems(config, items):
-    """Modules holding slow tests run first, each kept whole and in its own order: with
-    several workers (scripts/test, --dist loadfile) a long module left for the end keeps
-    one worker busy while the others are done."""
+    """Modules holding slow tests run first, each kept whole and in its own order. Under
+    xdist (scripts/test, --dist loadfile) its scheduler reorders modules, largest first;
+    keeping this order there was tried and undone (docs/testing.md)."""
     modules: dict[str, list] = {}
     for item in items:
         modules.setdefault(item.nodeid.split("::")[0], []).append(item)

@@ -110,7 +110,11 @@ class Server:
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**START_METHOD, **os.environ, **(env or {})}, start_new_session=True)
-        self.client = httpx.Client(base_url=self.base, timeout=300.0)
+        # idle connections are dropped after 1 s, well before uvicorn closes them (5 s): a
+        # request sent on a connection the server is closing fails with "Server
+        # disconnected without sending a response" (seen under load in a fresh-clone run)
+        self.client = httpx.Client(base_url=self.base, timeout=300.0,
+                                   limits=httpx.Limits(keepalive_expiry=1.0))
 
     def _wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
