@@ -124,10 +124,13 @@ def test_v1_runner_contract_serves_concurrent_requests_with_preemption(tmp_path)
     gguf = Path(smollm2_gguf())
     make_hub_cache(tmp_path / "hub", "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF",
                    {gguf.name: gguf, "mmproj-" + gguf.name: b"a projector, never picked"})
-    # spawn: a forked engine core may be force-killed at shutdown, before the scheduler logs
+    # spawn: a forked engine core may be force-killed at shutdown, before the scheduler logs;
+    # --shutdown-timeout: vLLM's default (0 s) force-kills an engine core still tearing down,
+    # which a loaded machine can make before the log line too (seen in a fresh-clone run)
     env = {"VLLM_USE_V2_MODEL_RUNNER": "0", "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"),
            "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-    s = Server("HuggingFaceTB/SmolLM2-135M-Instruct-GGUF:Q4_1", "smollm2", SERVER_ARGS, env=env)
+    s = Server("HuggingFaceTB/SmolLM2-135M-Instruct-GGUF:Q4_1", "smollm2",
+               SERVER_ARGS + ["--shutdown-timeout", "10"], env=env)
     try:
         assert "Paris" in s.chat("What is the capital of France?")["choices"][0]["message"]["content"]
         check_concurrent_requests_equal_their_solo_outputs(s)
