@@ -519,7 +519,7 @@ void prefill_weight_panels(const GgufKernels& kern, const GgufMatmul& a, const f
   // bias, as the separate pass did); the activation runs on the finished tile
   const Epilogue act_only{nullptr, epi.act};
   // task t: weight group t / runs, row run t % runs; a thread's consecutive tasks on one
-  // group lay its panels out once
+  // group lay its panels (and bias) out once
   gguf_parallel_for(groups * runs, 1, [&](int64_t begin, int64_t end) {
     static thread_local std::vector<float> wbuf, acc_buf, row_buf, bias_buf;
     static thread_local uint64_t laid_call = 0;
@@ -533,12 +533,12 @@ void prefill_weight_panels(const GgufKernels& kern, const GgufMatmul& a, const f
       const int64_t r0 = group * G, nr = std::min(G, n - r0), panels = (nr + C - 1) / C;
       if (laid_call != call || laid_group != group) {
         lay_out_weight_panels(kern, a.type, w, rb, r0, nr, k, wp, row_buf);
+        if (epi.bias != nullptr) {
+          std::copy(epi.bias + r0, epi.bias + r0 + nr, group_bias);
+          std::fill(group_bias + nr, group_bias + G, 0.0f);
+        }
         laid_call = call;
         laid_group = group;
-      }
-      if (epi.bias != nullptr) {
-        std::copy(epi.bias + r0, epi.bias + r0 + nr, group_bias);
-        std::fill(group_bias + nr, group_bias + G, 0.0f);
       }
       const int64_t b_end = std::min(blocks, (run + 1) * per_run);
       for (int64_t block = run * per_run; block < b_end; ++block) {
