@@ -77,7 +77,36 @@ def load(source: str) -> None:
         _core.register_emulated_library(source, library(source).so_path)
 
 
+@functools.lru_cache(maxsize=None)
+def build_all() -> None:
+    """Builds (or finds in the cache) the emulator library of every kernel source, sharing
+    the work with other processes doing the same: a source whose build lock another process
+    holds is left to it and waited for at the end. On a cold cache, processes that load at
+    once (pytest workers, servers started together) would otherwise each compile all ~17
+    sources at the same time, tens of seconds each. A lock is one file per source in the
+    cache directory; builds land in the cache atomically whether or not it is held."""
+    import fcntl
+
+    root = Path(mslemu_module().default_cache_dir())
+    root.mkdir(parents=True, exist_ok=True)
+    busy = []
+    for source in kernel_sources():
+        lock = open(root / f".{source}.build-lock", "w")  # closing it releases the lock
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            busy.append((source, lock))
+            continue
+        with lock:
+            library(source)
+    for source, lock in busy:
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # the other process's build is in the cache now
+            library(source)
+
+
 def load_all() -> None:
+    build_all()
     for source in kernel_sources():
         load(source)
 

@@ -1,7 +1,4 @@
-import fcntl
-import functools
 import os
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -12,48 +9,11 @@ os.environ.setdefault("MSLEMU_POISON", "1")
 os.environ.setdefault("MSLEMU_STRICT", "1")
 
 from op_harness import metal_available  # noqa: E402
-from vllm_metal import emulation, ops  # noqa: E402
+from vllm_metal import ops  # noqa: E402
 
 # "metal": the op on a GPU stream, i.e. eval_gpu and the real metallib; only on a Mac
 # (.github/workflows/macos.yml), skipped elsewhere.
 BACKENDS = ["native", "emulated", "metal"]
-
-
-_library, _load_all = emulation.library, emulation.load_all
-
-
-@functools.lru_cache(maxsize=None)
-def _build_every_source_once_across_workers() -> None:
-    """Builds the emulator library of every kernel source, sharing the work with the other
-    pytest workers: a source one worker is building (its lock held) is left to it and
-    waited for at the end. On a cold cache (a fresh clone) each worker otherwise builds
-    all of them at the same time, ~40 s of compiling thrown away per extra worker. The
-    builds are the ones emulation.library makes (the same cache and key)."""
-    root = Path(emulation.mslemu_module().default_cache_dir())
-    root.mkdir(parents=True, exist_ok=True)
-    taken = []
-    for source in emulation.kernel_sources():
-        lock = open(root / f".{source}.build-lock", "w")  # closing it releases the lock
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            taken.append((source, lock))
-            continue
-        with lock:
-            _library(source)
-    for source, lock in taken:
-        with lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            _library(source)
-
-
-def _load_all_sharing_builds() -> None:
-    _build_every_source_once_across_workers()
-    _load_all()
-
-
-# ops.set_kernel_backend("emulated") loads every source through emulation.load_all
-emulation.load_all = _load_all_sharing_builds
 
 
 @pytest.fixture(params=BACKENDS)
