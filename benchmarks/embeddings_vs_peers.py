@@ -19,8 +19,10 @@ further along each time, so load that comes and goes on a shared machine falls o
 transformers' figures moved 1.8x between runs). A cell's time is the median over --reps
 after a warm-up; cells of more than --big-tokens tokens run once, without warm-up (the first
 cells warmed each process), to keep the run to minutes. Reported: inputs/s and tokens/s,
-ours / peer as the median over the repetitions of the paired ratio (with its lowest and
-highest), and the cosine of each peer's first embedding against ours.
+ours / peer as the median over the repetitions of the paired ratio, with a 95 % interval for
+that median (benchmarks/paired_ratio.py; the lowest and highest ratio when there are fewer
+than 6 repetitions) and the number of repetitions ours was faster in, and the cosine of each
+peer's first embedding against ours. --json keeps every repetition's seconds too.
 
 The servers are asked for `encoding_format` --encoding, by default "base64" (little-endian
 float32 bytes, base64-encoded): what the OpenAI Python client sends when its caller names
@@ -57,6 +59,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "compare"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from paired_ratio import summarise  # noqa: E402
 from rope_bench import cpu_model, load_average  # noqa: E402
 from servers import Peer, RunningServer  # noqa: E402
 
@@ -188,6 +191,15 @@ def _cos(a, b) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
+def _ratio_cell(row: dict, name: str) -> str:
+    """'1.10 [1.02-1.18] 41/60': the median paired ratio, its 95 % interval (lowest-highest
+    when there are too few repetitions for one) and the repetitions ours won."""
+    key = "ours_over_" + name
+    low, high = row[key + "_interval95"] or row[key + "_range"]
+    wins, n = row[key + "_wins"]
+    return f"{row[key]:>5.2f} [{low:.2f}-{high:.2f}] {wins:>2}/{n:<2}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="16,512")
@@ -247,27 +259,31 @@ def main() -> None:
           f"encoding {args.encoding}, load {load_before} -> {load_average()}, {time.time() - started:.0f} s")
     columns = [(name, by_name[name]) for name in ("ours", "before", "st", "llama") if name in by_name]
     print(f"{'tok':>4} {'batch':>5} | " + " | ".join(f"{name + ' in/s':>11} {'tok/s':>7}" for name, _ in columns)
-          + " | " + " ".join(f"{'/' + name:>17}" for name, _ in columns[1:]) + " | cosines")
+          + " | " + " ".join(f"{'/' + name:>23}" for name, _ in columns[1:]) + " | cosines")
     rows = []
     for n, b, _ in cells:
         t_o, e_o = ours[(n, b)]
-        row = dict(tokens=n, batch=b, encoding=args.encoding)
+        row = dict(tokens=n, batch=b, encoding=args.encoding, ours_seconds=t_o)
         for name, res in columns:
             t, e = res[(n, b)]
             med = statistics.median(t)
             row[f"{name}_inputs_per_s"], row[f"{name}_tokens_per_s"] = b / med, b * n / med
             if name != "ours":
-                # ours / peer per repetition (the two ran back to back): median, lowest, highest
+                # ours / peer per repetition (the two ran back to back): the median, its 95 %
+                # interval, how many repetitions ours won, lowest and highest
                 paired = sorted(tp / to for tp, to in zip(t, t_o))
-                row[f"ours_over_{name}"] = statistics.median(paired)
+                summary = summarise(paired)
+                row[f"ours_over_{name}"] = summary["median"]
+                row[f"ours_over_{name}_interval95"] = summary["interval95"]
+                row[f"ours_over_{name}_wins"] = (summary["above_one"], summary["n"])
                 row[f"ours_over_{name}_range"] = (paired[0], paired[-1])
+                row[f"{name}_seconds"] = t
                 row[f"cosine_{name}"] = _cos(e_o, e)
         rows.append(row)
         print(f"{n:>4} {b:>5} | "
               + " | ".join(f"{row[name + '_inputs_per_s']:>11.1f} {row[name + '_tokens_per_s']:>7.0f}"
                            for name, _ in columns)
-              + " | " + " ".join(f"{row['ours_over_' + name]:>5.2f} ({row['ours_over_' + name + '_range'][0]:.2f}-"
-                                 f"{row['ours_over_' + name + '_range'][1]:.2f})" for name, _ in columns[1:])
+              + " | " + " ".join(_ratio_cell(row, name) for name, _ in columns[1:])
               + " | " + ", ".join(f"{row['cosine_' + name]:.5f}" for name, _ in columns[1:]))
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu": cpu_model(), "threads": args.threads, "rows": rows},
