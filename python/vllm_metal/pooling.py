@@ -183,6 +183,8 @@ class Pooler:
         (a torch tensor) when its prompt is complete, else None."""
         import torch
 
+        from vllm_metal.ops import batch_invariant
+
         finished: dict[str, list] = {}  # task -> [(seq index, pooled, params)]
         for i, (req_id, lo, hi, final) in enumerate(plan.seqs):
             if req_id is None:
@@ -211,7 +213,12 @@ class Pooler:
         for task, items in finished.items():
             head = self.heads[task]
             meta = _Metadata([p for _, _, p in items])
-            if task in SEQ_TASKS:  # one [n, hidden] batch: a NumPy stack, not n tensors
+            if task in SEQ_TASKS and batch_invariant():
+                # torch picks its GEMM kernel by the batch's shape (a classifier's or Dense
+                # projector's row then differs in the last bits alone and among 63 others):
+                # every request through the head as a batch of one
+                results = [head(torch.from_numpy(x[None]), _Metadata([p]))[0] for _, x, p in items]
+            elif task in SEQ_TASKS:  # one [n, hidden] batch: a NumPy stack, not n tensors
                 results = head(torch.from_numpy(np.stack([x for _, x, _ in items])), meta)
             else:
                 results = head([torch.from_numpy(np.ascontiguousarray(x)) for _, x, _ in items], meta)
