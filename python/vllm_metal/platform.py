@@ -414,6 +414,7 @@ def _refuse_unsupported(vllm_config: VllmConfig) -> None:
         # the runner feeds token ids only: embeddings would be replaced by placeholder ids
         _refuse("--enable-prompt-embeds (prompt embeddings as input)",
                 "send prompts as text or token ids")
+    _refuse_unsupported_outputs(vllm_config)
     archs = set(getattr(model.hf_config, "architectures", None) or [])
     if model.runner_type == "pooling":
         _refuse_unsupported_pooling(vllm_config, archs)
@@ -431,6 +432,20 @@ def _refuse_unsupported(vllm_config: VllmConfig) -> None:
         _refuse(f"quantization '{model.quantization}'", "serve safetensors in float16/bfloat16 or a GGUF file")
     if "moe_expert_offload" in (getattr(vllm_config, "additional_config", None) or {}):
         _refuse_unsupported_offload(vllm_config, archs)
+
+
+def _refuse_unsupported_outputs(vllm_config: VllmConfig) -> None:
+    """vLLM options that change what a request's output is, which the runner and its sampler
+    do not do: served anyway, each would answer as if it were off (text that is not
+    watermarked, tokens sampled instead of replayed, responses without routing data)."""
+    if getattr(vllm_config, "watermark_config", None) is not None:
+        _refuse("--watermark-config (watermarked sampling)", "the sampler does not watermark")
+    if getattr(vllm_config.model_config, "enable_trace_replay", False):
+        _refuse("--enable-trace-replay (trace_decode_token_ids)", "the sampler does not replay traces")
+    if getattr(getattr(vllm_config, "aux_output_config", None), "enable_return_routed_experts", False):
+        _refuse("--enable-return-routed-experts", "the MoE layers do not record their routing")
+    if getattr(vllm_config, "diffusion_config", None) is not None:
+        _refuse("--diffusion-config (diffusion decoding)")
 
 
 def _refuse_unsupported_offload(vllm_config: VllmConfig, archs: set[str]) -> None:
