@@ -20,12 +20,33 @@ class ModelArgumentError(argparse.ArgumentTypeError, ValueError):
     from a type function it prints only "invalid resolve_model_argument value"."""
 
 
+# prepared directory -> the model argument as the user gave it (a .gguf path or owner/repo:TAG)
+_given_as: dict[str, str] = {}
+
+
 def resolve_model_argument(value: str) -> str:
     """argparse type of --model / model_tag / --tokenizer: *.gguf or owner/repo:TAG -> directory."""
     try:
-        return _resolve_model_argument(value)
+        directory = _resolve_model_argument(value)
     except (ValueError, OSError) as e:
         raise ModelArgumentError(str(e)) from e
+    if directory != value:
+        _given_as[directory] = value
+    return directory
+
+
+def name_models_as_given(namespace) -> None:
+    """Parsed `vllm serve` arguments: a model argument that resolved to a prepared directory
+    is served under the name it was given (`vllm serve ./m.gguf` answers requests for
+    "./m.gguf" and lists it in /v1/models), unless --served-model-name names it. vLLM's front
+    end names the model after args.model, which is the directory by then."""
+    if getattr(namespace, "served_model_name", None) is not None:
+        return
+    for dest in ("model_tag", "model"):  # vLLM's serve: the positional one wins
+        given = _given_as.get(getattr(namespace, dest, None))
+        if given is not None:
+            namespace.served_model_name = [given]
+            return
 
 
 def _resolve_model_argument(value: str) -> str:

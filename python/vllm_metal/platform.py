@@ -165,8 +165,19 @@ class MetalPlatform(Platform):
         # vLLM's front end reads like any local checkpoint.
         if parser is None:
             return
-        from vllm_metal.model_paths import resolve_model_argument
+        from vllm_metal.model_paths import name_models_as_given, resolve_model_argument
 
+        if not getattr(parser, "_vllm_metal_names_models", False):
+            # argparse hands a subcommand's arguments to the subparser's parse_known_args
+            parse_known_args = parser.parse_known_args
+
+            def parse_naming_models(args=None, namespace=None):
+                namespace, rest = parse_known_args(args, namespace)
+                name_models_as_given(namespace)
+                return namespace, rest
+
+            parser.parse_known_args = parse_naming_models
+            parser._vllm_metal_names_models = True
         for action in parser._actions:
             if action.dest in ("model_tag", "model", "tokenizer"):
                 action.type = resolve_model_argument

@@ -86,9 +86,10 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: str, name: str, extra_args: list[str], env: dict | None = None,
+    def __init__(self, model: str, name: str | None, extra_args: list[str], env: dict | None = None,
                  startup_timeout: float = 600.0):
-        self.name = name
+        """name: the --served-model-name; None passes none (the model argument names it)."""
+        self.name, self._served_name = (model if name is None else name), name
         for attempt in range(3):
             self._start(model, extra_args, env)
             try:
@@ -105,8 +106,9 @@ class Server:
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-metal-serve-{self.port}.log"
         vllm = Path(sys.executable).with_name("vllm")
-        cmd = [str(vllm), "serve", model, "--served-model-name", self.name, "--host", "127.0.0.1",
-               "--port", str(self.port), *extra_args]
+        naming = [] if self._served_name is None else ["--served-model-name", self._served_name]
+        cmd = [str(vllm), "serve", model, *naming, "--host", "127.0.0.1", "--port", str(self.port),
+               *extra_args]
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**START_METHOD, **os.environ, **(env or {})}, start_new_session=True)
