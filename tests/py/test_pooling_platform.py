@@ -108,3 +108,23 @@ def test_gguf_reranker_file_is_refused(tmp_path):
     vllm_config.model_config.hf_config.gguf_pooling_type = config["gguf_pooling_type"]
     with pytest.raises(UnsupportedConfiguration, match="GGUF reranker"):
         _refuse_unsupported_pooling(vllm_config, archs)
+
+
+@pytest.mark.parametrize("fields, parameter", [
+    (dict(late_interaction_params="cache_query"), "late_interaction_params"),
+    (dict(step_tag_id=5), "step_tag_id"),
+    (dict(returned_token_ids=[3, 4]), "step_tag_id"),
+])
+def test_pooling_requests_the_runner_cannot_serve_are_refused(fields, parameter):
+    from vllm.exceptions import VLLMValidationError
+    from vllm.pooling_params import LateInteractionParams, PoolingParams
+
+    from vllm_metal.request_validation import validate_sampling_params
+
+    validate_sampling_params(PoolingParams(task="embed"))  # the same request without them passes
+    if "late_interaction_params" in fields:
+        fields = dict(late_interaction_params=LateInteractionParams(mode=fields["late_interaction_params"],
+                                                                   query_key="q"))
+    with pytest.raises(VLLMValidationError, match=r"\[vllm-metal\] .* not supported") as refused:
+        validate_sampling_params(PoolingParams(task="embed", **fields))
+    assert refused.value.parameter == parameter
