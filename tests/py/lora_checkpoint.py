@@ -24,10 +24,11 @@ def base_weights(checkpoint) -> dict[str, np.ndarray]:
 
 def write_adapter(out_dir, weights: dict, num_layers: int, *, r: int, alpha: float, seed: int,
                   targets=tuple(PROJECTIONS), layers=None, rank_pattern=None, alpha_pattern=None,
-                  magnitude: float = 1.0, modules=None) -> dict:
+                  magnitude: float = 1.0, modules=None, use_rslora: bool = False) -> dict:
     """adapter_config.json + adapter_model.safetensors with PEFT's key names. Returns
     module name ("model.layers.0.self_attn.q_proj") -> (A [r, in], B [out, r], scale),
-    float64, the scale as PEFT defines it (alpha / r, per-module patterns).
+    float64, the scale as PEFT defines it (alpha / r, per-module patterns; alpha / sqrt(r)
+    with use_rslora).
     modules: the module names to adapt (e.g. a MoE layer's "model.layers.0.mlp.experts.3.up_proj"),
     in place of layers x targets."""
     rng = np.random.default_rng(seed)
@@ -50,10 +51,11 @@ def write_adapter(out_dir, weights: dict, num_layers: int, *, r: int, alpha: flo
         a, b = a.astype(np.float32), b.astype(np.float32)
         tensors[f"base_model.model.{module}.lora_A.weight"] = a
         tensors[f"base_model.model.{module}.lora_B.weight"] = b
-        deltas[module] = (a.astype(np.float64), b.astype(np.float64), a_ / rank)
+        deltas[module] = (a.astype(np.float64), b.astype(np.float64),
+                          a_ / (np.sqrt(rank) if use_rslora else rank))
     config = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(targets),
               "bias": "none", "task_type": "CAUSAL_LM", "rank_pattern": rank_pattern,
-              "alpha_pattern": alpha_pattern}
+              "alpha_pattern": alpha_pattern, "use_rslora": use_rslora}
     (out / "adapter_config.json").write_text(json.dumps(config))
     mx.save_safetensors(str(out / "adapter_model.safetensors"),
                         {k: mx.array(v) for k, v in tensors.items()})
@@ -73,14 +75,15 @@ def write_merged(base_dir, out_dir, deltas: dict) -> Path:
     return out
 
 
-def write_gguf_adapter(path, weights: dict, num_layers: int, *, arch: str, r: int, alpha: float,
+def write_gguf_adapter(path, weights: dict, num_layers: int, *, arch: str, r: int, alpha: float | None,
                        seed: int, n_heads: int, n_kv_heads: int, targets=tuple(PROJECTIONS),
-                       layers=None, magnitude: float = 1.0, b_dtype=np.float16) -> dict:
+                       layers=None, magnitude: float = 1.0, b_dtype=np.float16, extra=None) -> dict:
     """A llama.cpp GGUF LoRA file (general.type adapter, adapter.lora.alpha, tensors
     blk.N.<tensor>.weight.lora_a [r, in] / .lora_b [out, r] in NumPy order), laid out as
     llama.cpp's converter does: for arch "llama" lora_b's q/k rows permuted per head like
     the base weights. lora_b is stored in `b_dtype`. Returns module -> (A, B, scale) in HF
-    row order, float64, B as stored (rounded), scale alpha / r."""
+    row order, float64, B as stored (rounded), scale alpha / r (1 when alpha is None, not
+    written, or 0, as llama.cpp reads it). extra: more (key, uint32 list) metadata."""
     import gguf
 
     from vllm_metal.models.gguf_loader import _BLOCK_NAMES, permute_rows
@@ -90,7 +93,11 @@ def write_gguf_adapter(path, weights: dict, num_layers: int, *, arch: str, r: in
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_type("adapter")
     writer.add_string("adapter.type", "lora")
-    writer.add_float32("adapter.lora.alpha", float(alpha))
+    if alpha is not None:
+        writer.add_float32("adapter.lora.alpha", float(alpha))
+    for key, values in (extra or {}).items():
+        writer.add_array(key, list(values))
+    scale = alpha / r if alpha else 1.0
     deltas = {}
     for layer in (range(num_layers) if layers is None else layers):
         for proj in targets:
@@ -104,7 +111,7 @@ def write_gguf_adapter(path, weights: dict, num_layers: int, *, arch: str, r: in
             name = f"blk.{layer}.{gguf_name[f'{PROJECTIONS[proj]}.{proj}']}.weight"
             writer.add_tensor(name + ".lora_a", a)
             writer.add_tensor(name + ".lora_b", np.ascontiguousarray(stored_b))
-            deltas[module] = (a.astype(np.float64), b.astype(np.float64), alpha / r)
+            deltas[module] = (a.astype(np.float64), b.astype(np.float64), scale)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

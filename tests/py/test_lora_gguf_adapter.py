@@ -81,6 +81,26 @@ def test_gguf_adapter_on_a_llama_gguf_base_equals_the_merged_dequantized_model(t
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("alpha", [None, 0.0])
+def test_an_adapter_without_alpha_has_a_scale_of_one(tmp_path, alpha):
+    """llama.cpp's reading of a file without adapter.lora.alpha (or with 0): B @ A unscaled,
+    so an adapter trained for scale 1 is neither dropped nor scaled by 0."""
+    cfg = tiny_config("qwen3", num_hidden_layers=LAYERS, tie_word_embeddings=False)
+    base = write_random_checkpoint(cfg, tmp_path / "base", seed=1)
+    deltas = write_gguf_adapter(tmp_path / "g.gguf", base_weights(base), LAYERS, arch="qwen3", r=8,
+                                alpha=alpha, seed=5, n_heads=cfg["num_attention_heads"],
+                                n_kv_heads=cfg["num_key_value_heads"], targets=("q_proj", "down_proj"))
+    assert {scale for _, _, scale in deltas.values()} == {1.0}
+    loaded = load_model(str(base), "float32")
+    lora = LoraManager(loaded.model, lora_config(max_loras=1))
+    lora.add(request(1, tmp_path / "g.gguf"))
+    got = run(loaded, lora, PROMPTS[:1], [1])[0]
+    want = prefill_logits(load_model(str(write_merged(base, tmp_path / "m", deltas)), "float32"), PROMPTS[:1])[0]
+    base_logits = prefill_logits(load_model(str(base), "float32"), PROMPTS[:1])[0]
+    assert np.abs(want - base_logits).max() > 1e-2  # the adapter moves the logits
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_bad_gguf_adapters_are_refused_naming_the_problem(tmp_path):
     import gguf
 
@@ -91,6 +111,8 @@ def test_bad_gguf_adapters_are_refused_naming_the_problem(tmp_path):
     write_gguf_adapter(tmp_path / "qwen.gguf", w, LAYERS, arch="qwen3", r=4, alpha=4, seed=1, **heads)
     write_gguf_adapter(tmp_path / "big.gguf", w, LAYERS, arch="llama", r=32, alpha=4, seed=1,
                        targets=("v_proj",), **heads)
+    write_gguf_adapter(tmp_path / "alora.gguf", w, LAYERS, arch="llama", r=4, alpha=4, seed=1,
+                       extra={"adapter.alora.invocation_tokens": [5, 6]}, **heads)
     write_tiny_gguf(cfg, tmp_path / "model.gguf", seed=1)  # a model, not an adapter
     odd = gguf.GGUFWriter(str(tmp_path / "embd.gguf"), "llama")
     odd.add_type("adapter")
@@ -104,6 +126,7 @@ def test_bad_gguf_adapters_are_refused_naming_the_problem(tmp_path):
     for lid, (name, message) in enumerate([
             ("qwen.gguf", "adapter architecture 'qwen3' does not match the model (llama)"),
             ("big.gguf", "rank 32 exceeds --max-lora-rank 16"),
+            ("alora.gguf", "activated LoRA (adapter.alora.*) is not supported"),
             ("model.gguf", "not a GGUF LoRA adapter (general.type"),
             ("embd.gguf", "target tensor token_embd.weight is not one LoRA applies to")], 1):
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

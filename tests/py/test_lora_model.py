@@ -40,8 +40,9 @@ def setup(request, tmp_path_factory):
         2: write_adapter(tmp / "a2", w, LAYERS, r=4, alpha=4, seed=12,
                          targets=("q_proj", "v_proj", "o_proj"), rank_pattern={"v_proj": 2},
                          alpha_pattern={"o_proj": 12}),
+        # rank-stabilised (rsLoRA): alpha / sqrt(r), here 2 where alpha / r would be 0.5
         3: write_adapter(tmp / "a3", w, LAYERS, r=16, alpha=8, seed=13, layers=[1],
-                         targets=("gate_proj", "up_proj", "down_proj", "k_proj")),
+                         targets=("gate_proj", "up_proj", "down_proj", "k_proj"), use_rslora=True),
     }
     merged = {lid: write_merged(base, tmp / f"m{lid}", d) for lid, d in adapters.items()}
     return SimpleNamespace(tmp=tmp, base=base, merged=merged)
