@@ -6,8 +6,10 @@ prefill forced by a small token budget, prefix caching on and a KV pool small en
 crowded compositions preempt (and later recompute) requests. The probes of issue 30 (seeded at
 temperature 1.0 over the full vocabulary, with top-p and top-k, and greedy) are sent alone,
 then inside random compositions of 1-32 other requests of random lengths, some sharing the
-probes' prompts as cached prefixes. A hook in the server logs the request ids the scheduler
-preempts, so the test knows that probes themselves were preempted and recomputed.
+probes' prompts as cached prefixes. One probe's prompt is longer than the token budget, so it
+is prefilled in chunks and, after its first run, starts from the prefix cache. A hook in the
+server logs the request ids the scheduler preempts, starts from the cache or prefills in
+chunks, so the test knows that probes themselves went through each.
 """
 
 from __future__ import annotations
@@ -23,34 +25,46 @@ from serving_harness import Server, runner_hook
 
 pytestmark = [pytest.mark.slow, pytest.mark.serving]
 
+WORDS = ("river stone market garden winter engine letter window silver music bridge "
+         "forest paper candle harbor mountain story morning copper lantern").split()
+
+# a prompt longer than the token budget (96): prefilled in chunks on its first run, and
+# later runs take its full blocks from the prefix cache
+LONG_PROMPT = "A list of things: " + ", ".join(WORDS * 3) + "."
+
 PROBES = [
     {"prompt": "Once upon a time", "max_tokens": 20, "seed": 1234, "temperature": 1.0},
     {"prompt": "Once upon a time", "max_tokens": 20, "seed": 99, "temperature": 1.0,
      "top_p": 0.9, "top_k": 50},
     {"prompt": "Count from 0 to 5:", "max_tokens": 12, "temperature": 0},
+    {"prompt": LONG_PROMPT, "max_tokens": 12, "seed": 7, "temperature": 1.0},
 ]
-
-WORDS = ("river stone market garden winter engine letter window silver music bridge "
-         "forest paper candle harbor mountain story morning copper lantern").split()
 
 # 56 blocks of 16 tokens: a crowded composition does not fit and some requests are preempted
 SERVER_ARGS = ["--max-model-len", "512", "--max-num-seqs", "40", "--max-num-batched-tokens", "96",
                "--num-gpu-blocks-override", "56", "--enable-prefix-caching"]
 
 
-# Logs, per step, the request ids the scheduler preempted (sitecustomize on PYTHONPATH), so
-# the test can tell that the probes themselves were preempted and recomputed.
-PREEMPTION_LOG_HOOK = runner_hook(
+# Logs, per step, the request ids the scheduler preempted, and new requests whose prompt
+# starts from the prefix cache or is prefilled in chunks (sitecustomize on PYTHONPATH), so the
+# test can tell that the probes themselves went through each.
+SCHEDULE_LOG_HOOK = runner_hook(
     """
     import os
 
 
     def wrap(execute_model):
-        log = open(os.environ["PREEMPTION_LOG"], "a")
+        log = open(os.environ["SCHEDULE_LOG"], "a")
 
         def logged(self, so):
             for rid in so.preempted_req_ids or ():
-                log.write(rid + "\\n")
+                log.write("preempted " + rid + "\\n")
+            for new in so.scheduled_new_reqs:
+                if new.num_computed_tokens > 0:
+                    log.write("cached " + new.req_id + "\\n")
+                scheduled = so.num_scheduled_tokens.get(new.req_id, 0)
+                if new.num_computed_tokens + scheduled < len(new.prompt_token_ids or ()):
+                    log.write("chunked " + new.req_id + "\\n")
             log.flush()
             return execute_model(self, so)
 
@@ -64,11 +78,11 @@ def server(tmp_path_factory):
     from vllm_metal.models.offline import smollm2_gguf
 
     tmp = tmp_path_factory.mktemp("invariant-server")
-    (tmp / "sitecustomize.py").write_text(PREEMPTION_LOG_HOOK)
-    env = {"VLLM_BATCH_INVARIANT": "1", "PREEMPTION_LOG": str(tmp / "preempted.log"),
+    (tmp / "sitecustomize.py").write_text(SCHEDULE_LOG_HOOK)
+    env = {"VLLM_BATCH_INVARIANT": "1", "SCHEDULE_LOG": str(tmp / "schedule.log"),
            "PYTHONPATH": os.pathsep.join([str(tmp), os.environ.get("PYTHONPATH", "")])}
     s = Server(str(smollm2_gguf()), "smollm2", SERVER_ARGS, env=env)
-    s.preemption_log = tmp / "preempted.log"
+    s.schedule_log = tmp / "schedule.log"
     yield s
     s.stop()
 
@@ -136,9 +150,15 @@ def test_probes_are_bit_identical_alone_and_in_random_compositions(server):
             j.result()
         assert all(same_output(have, want) for have, want in zip(got, alone)), "after preemption"
         probe_ids += [have["id"] for have in got]
-    preempted = server.preemption_log.read_text().split()
+    logged = [line.split() for line in server.schedule_log.read_text().splitlines()]
     # the engine's request id extends the response's id
-    assert any(rid.startswith(pid) for rid in preempted for pid in probe_ids), (
-        f"no probe was preempted ({len(preempted)} preemptions of other requests): the pool is too large")
+    def probes_that_were(event):
+        return [pid for what, rid in logged if what == event for pid in probe_ids if rid.startswith(pid)]
+    assert probes_that_were("preempted"), "no probe was preempted: the pool is too large"
+    long_ids = probe_ids[3::len(PROBES)]
+    # its prompt is prefilled in chunks unless the cache holds most of it (a later run's
+    # remainder can fit one step): both happened to it within the compositions
+    assert set(probes_that_were("chunked")) & set(long_ids), "the long probe was never chunked"
+    assert set(probes_that_were("cached")) & set(long_ids), "the long probe never hit the prefix cache"
     # and alone again, after all that (prefix cache warm, preempted requests recomputed)
     assert all(same_output(a, b) for a, b in zip([complete(server, p) for p in PROBES], alone))
