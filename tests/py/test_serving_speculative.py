@@ -102,6 +102,7 @@ def _counter(server, name: str) -> float:
 def test_greedy_output_is_the_same_with_and_without_speculation(reference, any_speculative):
     speculative = any_speculative
     drafts_before = _counter(speculative, "vllm:spec_decode_num_draft_tokens_total")
+    proposals_before = _counter(speculative, "vllm:spec_decode_num_drafts_total")
     accepted_before = _counter(speculative, "vllm:spec_decode_num_accepted_tokens_total")
     preempted_before = _counter(speculative, "vllm:num_preemptions_total")
     want = _all(reference, PROMPTS, **OVERFLOWING)
@@ -113,6 +114,8 @@ def test_greedy_output_is_the_same_with_and_without_speculation(reference, any_s
     drafts = _counter(speculative, "vllm:spec_decode_num_draft_tokens_total") - drafts_before
     accepted = _counter(speculative, "vllm:spec_decode_num_accepted_tokens_total") - accepted_before
     assert drafts > 0 and 0 < accepted <= drafts, (drafts, accepted)
+    proposals = _counter(speculative, "vllm:spec_decode_num_drafts_total") - proposals_before
+    assert 0 < proposals <= drafts, (proposals, drafts)  # a draft holds one token or more
     assert _counter(speculative, "vllm:spec_decode_num_accepted_tokens_per_pos_total") > 0
     assert _counter(speculative, "vllm:num_preemptions_total") > preempted_before
 

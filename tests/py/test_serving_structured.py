@@ -412,3 +412,7 @@ def test_structured_output_combines_with_prompt_logprobs_echo_and_n(server, clie
         assert c.text.startswith("Phone:")
         assert re.fullmatch(PHONE, c.text[len("Phone:"):]), c.text
     assert r.choices[0].model_extra.get("prompt_logprobs"), r.choices[0]
+    # a stop string inside the grammar's language ends the output there
+    r = client.completions.create(model="smollm2", prompt="Phone:", max_tokens=20, temperature=0.8,
+                                  seed=3, stop=["-"], extra_body={"structured_outputs": {"regex": PHONE}})
+    assert re.fullmatch(r"[0-9]{3}", r.choices[0].text) and r.choices[0].finish_reason == "stop", r.choices[0]
