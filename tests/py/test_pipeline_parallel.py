@@ -117,3 +117,15 @@ def test_tensor_and_pipeline_parallel_together_are_refused():
     config.observability_config = SimpleNamespace(kv_cache_metrics=False)
     with pytest.raises(UnsupportedConfiguration, match="tensor and pipeline parallelism together"):
         _refuse_unsupported(config)
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_data_parallel_with_tensor_or_pipeline_parallel_is_refused(tp, pp):
+    config = _config(pp, tp=tp)
+    config.parallel_config.data_parallel_size = 2
+    config.cache_config = SimpleNamespace(prefix_caching_hash_algo="sha256")
+    config.kv_transfer_config = None
+    config.observability_config = SimpleNamespace(kv_cache_metrics=False)
+    with pytest.raises(UnsupportedConfiguration,
+                       match="data parallelism together with tensor or pipeline parallelism"):
+        _refuse_unsupported(config)
