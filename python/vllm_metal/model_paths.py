@@ -25,11 +25,17 @@ _given_as: dict[str, str] = {}
 
 
 def resolve_model_argument(value: str) -> str:
-    """argparse type of --model / model_tag / --tokenizer: *.gguf or owner/repo:TAG -> directory."""
+    """argparse type of --tokenizer (and the draft model): *.gguf or owner/repo:TAG -> directory."""
     try:
-        directory = _resolve_model_argument(value)
+        return _resolve_model_argument(value)
     except (ValueError, OSError) as e:
         raise ModelArgumentError(str(e)) from e
+
+
+def resolve_served_model(value: str) -> str:
+    """argparse type of --model / model_tag: resolve_model_argument, remembering the name
+    given for name_models_as_given."""
+    directory = resolve_model_argument(value)
     if directory != value:
         _given_as[directory] = value
     return directory

@@ -165,7 +165,8 @@ class MetalPlatform(Platform):
         # vLLM's front end reads like any local checkpoint.
         if parser is None:
             return
-        from vllm_metal.model_paths import name_models_as_given, resolve_model_argument
+        from vllm_metal.model_paths import (name_models_as_given, resolve_model_argument,
+                                            resolve_served_model)
 
         if not getattr(parser, "_vllm_metal_names_models", False):
             # argparse hands a subcommand's arguments to the subparser's parse_known_args
@@ -179,7 +180,9 @@ class MetalPlatform(Platform):
             parser.parse_known_args = parse_naming_models
             parser._vllm_metal_names_models = True
         for action in parser._actions:
-            if action.dest in ("model_tag", "model", "tokenizer"):
+            if action.dest in ("model_tag", "model"):
+                action.type = resolve_served_model
+            elif action.dest == "tokenizer":
                 action.type = resolve_model_argument
             elif action.dest == "speculative_config" and action.type is not None:
                 action.type = _draft_model_resolved(action.type)

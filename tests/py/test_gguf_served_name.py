@@ -33,6 +33,8 @@ def test_the_name_is_the_argument_as_given(tmp_path, monkeypatch):
     args = parser.parse_args(["serve", "--model", str(gguf)])
     assert args.served_model_name == [str(gguf)]
     assert parser.parse_args(["serve", "m.gguf", "--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
+    # the tokenizer argument, the same file spelled otherwise, does not rename the model
+    assert parser.parse_args(["serve", "m.gguf", "--tokenizer", str(gguf)]).served_model_name == ["m.gguf"]
     assert parser.parse_args(["serve", str(tmp_path)]).served_model_name is None  # a directory: vLLM's rule
 
 
