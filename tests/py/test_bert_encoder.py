@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from pooling_reference import minilm_dir_or_skip
 from vllm_metal.models.bert import EncoderConfig, load_encoder
 
 torch = pytest.importorskip("torch")
@@ -45,12 +46,7 @@ def torch_hidden(model, seqs, token_types=None):
 
 @pytest.fixture(scope="module")
 def minilm():
-    from vllm_metal.models.offline import OfflineModelMissing, minilm_dir
-
-    try:
-        directory = minilm_dir()
-    except OfflineModelMissing as e:
-        pytest.skip(str(e))
+    directory = minilm_dir_or_skip()
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     reference = transformers.AutoModel.from_pretrained(directory).eval()
     return load_encoder(directory), tokenizer, reference

@@ -14,6 +14,7 @@ import json
 import numpy as np
 import pytest
 
+from pooling_reference import minilm_dir_or_skip
 from serving_harness import Server
 from test_serving_encoder import check_score_and_rerank, write_random_cross_encoder
 
@@ -40,15 +41,6 @@ _BLOCK = {"attention.self.query": "attn_q", "attention.self.key": "attn_k",
           "attention.self.value": "attn_v", "attention.output.dense": "attn_output",
           "attention.output.LayerNorm": "attn_output_norm", "intermediate.dense": "ffn_up",
           "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm"}
-
-
-def _minilm():
-    from vllm_metal.models.offline import OfflineModelMissing, minilm_dir
-
-    try:
-        return minilm_dir()
-    except OfflineModelMissing as e:
-        pytest.skip(str(e))
 
 
 def _gguf_name(hf: str) -> str | None:
@@ -113,7 +105,7 @@ def write_bert_gguf(model_dir, path, qtype: str, pooling=None) -> None:
 
 @pytest.mark.parametrize("qtype", ["F32", "F16"])
 def test_served_bert_gguf_matches_transformers(tmp_path, qtype):
-    model_dir = _minilm()
+    model_dir = minilm_dir_or_skip()
     path = tmp_path / f"minilm-{qtype}.gguf"
     write_bert_gguf(model_dir, path, qtype)
     reference = transformers.AutoModel.from_pretrained(str(model_dir)).eval()

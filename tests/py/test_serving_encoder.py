@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pooling_reference import minilm_dir_or_skip
 from serving_harness import Server
 
 pytestmark = [pytest.mark.slow, pytest.mark.serving]
@@ -25,18 +26,9 @@ ARGS = ["--runner", "pooling", "--dtype", "float32", "--max-num-seqs", "64"]
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def _minilm():
-    from vllm_metal.models.offline import OfflineModelMissing, minilm_dir
-
-    try:
-        return minilm_dir()
-    except OfflineModelMissing as e:
-        pytest.skip(str(e))
-
-
 @pytest.fixture(scope="module")
 def minilm():
-    directory = _minilm()
+    directory = minilm_dir_or_skip()
     s = Server(str(directory), "minilm", ARGS)
     reference = transformers.AutoModel.from_pretrained(str(directory)).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
@@ -59,7 +51,7 @@ def write_random_cross_encoder(out):
         model.classifier.bias.fill_(0.25)  # a head loaded without its bias shows
     model.save_pretrained(out, safe_serialization=True)
     for name in TOKENIZER_FILES:
-        shutil.copy(_minilm() / name, Path(out) / name)
+        shutil.copy(minilm_dir_or_skip() / name, Path(out) / name)
     return model
 
 
@@ -200,7 +192,7 @@ def test_cross_encoder_token_types_matter(cross_encoder):
 @pytest.fixture(scope="module")
 def minilm_emulated():
     """MiniLM served with every op on its Metal kernel in the MSL emulator."""
-    s = Server(str(_minilm()), "minilm-emulated", ARGS, env={"VLLM_METAL_KERNELS": "emulated"})
+    s = Server(str(minilm_dir_or_skip()), "minilm-emulated", ARGS, env={"VLLM_METAL_KERNELS": "emulated"})
     yield s
     s.stop()
 
@@ -226,7 +218,7 @@ def xlm_roberta(tmp_path_factory):
     model = transformers.XLMRobertaModel(config, add_pooling_layer=False).eval()
     model.save_pretrained(out, safe_serialization=True)
     for name in TOKENIZER_FILES:
-        shutil.copy(_minilm() / name, out / name)
+        shutil.copy(minilm_dir_or_skip() / name, out / name)
     s = Server(str(out), "xlmr", ARGS + ["--max-model-len", "64", "--pooler-config",
                                          '{"pooling_type": "CLS"}'])
     yield s, model

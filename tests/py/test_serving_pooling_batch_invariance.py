@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from pooling_checkpoint import VOCAB, write_classifier
+from pooling_reference import minilm_dir_or_skip
 from serving_harness import Server
 
 pytestmark = [pytest.mark.slow, pytest.mark.serving]
@@ -63,13 +64,7 @@ def classifier(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def minilm():
-    from vllm_metal.models.offline import OfflineModelMissing, minilm_dir
-
-    try:
-        directory = minilm_dir()
-    except OfflineModelMissing as e:
-        pytest.skip(str(e))
-    s = Server(str(directory), "minilm", ENCODER_ARGS, env=INVARIANT)
+    s = Server(str(minilm_dir_or_skip()), "minilm", ENCODER_ARGS, env=INVARIANT)
     yield s
     s.stop()
 
