@@ -215,6 +215,30 @@ def test_min_tokens_is_honoured(server):
     assert r["status"] == 200 and r["usage"]["completion_tokens"] >= 15
 
 
+def test_bad_words_are_never_generated(server):
+    """A multi-token word the greedy continuation contains is banned: its token sequence never
+    appears (the sampler reads each row's history under async scheduling), and the
+    continuation changes where it would have started."""
+    free = server.complete(PROMPTS[3], max_tokens=32, return_token_ids=True)
+    ids = free["choices"][0]["token_ids"]
+
+    def tokens(text):
+        r = server.client.post("/tokenize", json={"model": server.name, "prompt": text,
+                                                  "add_special_tokens": False})
+        return r.json()["tokens"]
+
+    def holds(seq, sub):
+        return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+    words = [" " + w for w in free["choices"][0]["text"].split() if w.isalpha()]
+    word = next(w for w in words if len(tokens(w)) >= 2 and holds(ids, tokens(w)))
+    banned = server.complete(PROMPTS[3], max_tokens=32, return_token_ids=True, bad_words=[word])
+    assert banned["status"] == 200, banned
+    got = banned["choices"][0]["token_ids"]
+    assert not holds(got, tokens(word)), (word, banned["choices"][0]["text"])
+    assert got != ids[:len(got)]
+
+
 def test_too_long_prompt_gets_a_400_and_the_server_keeps_serving(server):
     r = server.complete("hello " * 2000, max_tokens=4)
     assert r["status"] == 400
