@@ -31,6 +31,7 @@ ATTENTION_BACKEND = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "MinistralForCausalLM",
     "Ministral3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
@@ -312,6 +313,12 @@ def _refuse_unsupported_lora(vllm_config: VllmConfig) -> None:
     lora = vllm_config.lora_config
     if getattr(lora, "fully_sharded_loras", False):
         _refuse("--fully-sharded-loras")
+    if getattr(lora, "target_modules", None):
+        _refuse("--lora-target-modules", "an adapter applies to every module it holds weights for")
+    lora_dtype = getattr(lora, "lora_dtype", None)
+    if lora_dtype not in (None, "auto", getattr(model, "dtype", None)):
+        _refuse(f"--lora-dtype {str(lora_dtype).removeprefix('torch.')}",
+                "adapters run in the model's dtype (auto)")
 
 
 def _refuse_parallel_features(vllm_config: VllmConfig, what: str, speculation=(),
@@ -460,6 +467,8 @@ def _refuse_unsupported_outputs(vllm_config: VllmConfig) -> None:
         _refuse("--enable-return-routed-experts", "the MoE layers do not record their routing")
     if getattr(vllm_config, "diffusion_config", None) is not None:
         _refuse("--diffusion-config (diffusion decoding)")
+    if getattr(vllm_config.model_config, "return_sampling_mask", False):
+        _refuse("--return-sampling-mask", "the sampler does not report its masks")
 
 
 def _refuse_unsupported_offload(vllm_config: VllmConfig, archs: set[str]) -> None:

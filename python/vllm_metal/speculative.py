@@ -145,6 +145,12 @@ def unsupported_reason(vllm_config) -> str | None:
     if spec.method not in ("ngram", "draft_model", "mtp", "eagle3"):
         return (f"speculative method {spec.method!r} is not supported yet "
                 "(supported: ngram, draft_model, mtp, eagle3)")
+    rejection = getattr(spec, "rejection_sample_method", "standard")
+    if rejection not in (None, "standard"):
+        return (f"rejection_sample_method {rejection!r} is not supported (drafts are verified "
+                "by the standard rejection sampler)")
+    if getattr(spec, "draft_sample_method", "greedy") not in (None, "greedy"):
+        return "draft_sample_method 'probabilistic' is not supported (drafters draft greedily)"
     from vllm_metal.hybrid import is_hybrid_config
 
     text = getattr(vllm_config.model_config, "hf_text_config", None)

@@ -49,3 +49,56 @@ def test_vllm_serve_refuses_to_start_with_a_watermark():
                ["--max-model-len", "256", "--num-gpu-blocks-override", "32",
                 "--watermark-config", '{"key": 7}'], startup_timeout=300)
     assert "--watermark-config (watermarked sampling) is not supported" in str(failure.value)
+
+
+def test_every_architecture_the_loader_builds_is_served():
+    """The loader's table (models/architectures.py) and the platform's allow-list agree: an
+    architecture the docs list and the loader builds is not refused at startup."""
+    from vllm_metal.models.architectures import ARCHITECTURES
+    from vllm_metal.platform import SUPPORTED_ARCHITECTURES
+
+    for arch in ARCHITECTURES.values():
+        assert arch.hf_architecture in SUPPORTED_ARCHITECTURES, arch
+        _refuse_unsupported(config(hf_config=SimpleNamespace(architectures=[arch.hf_architecture])))
+
+
+@pytest.mark.parametrize("spec, named", [
+    (dict(rejection_sample_method="synthetic"), "rejection_sample_method 'synthetic'"),
+    (dict(draft_sample_method="probabilistic"), "draft_sample_method 'probabilistic'"),
+])
+def test_speculative_sampling_methods_we_do_not_run_are_refused(spec, named):
+    from vllm_metal.speculative import unsupported_reason
+
+    def vllm_config(**fields):
+        return SimpleNamespace(speculative_config=SimpleNamespace(**{
+            **dict(method="ngram", rejection_sample_method="standard", draft_sample_method="greedy"),
+            **fields}),
+            model_config=SimpleNamespace(hf_text_config=None, logits_processors=None))
+
+    assert unsupported_reason(vllm_config()) is None
+    assert named in unsupported_reason(vllm_config(**spec))
+
+
+@pytest.mark.parametrize("lora, named", [
+    (dict(target_modules=["o_proj"]), "--lora-target-modules"),
+    (dict(lora_dtype="float32"), "--lora-dtype float32"),
+])
+def test_lora_options_we_do_not_honour_are_refused(lora, named):
+    from vllm_metal.platform import _refuse_unsupported_lora
+
+    def vllm_config(**fields):
+        return SimpleNamespace(
+            lora_config=SimpleNamespace(**{**dict(fully_sharded_loras=False, target_modules=None,
+                                                  lora_dtype="float16"), **fields}),
+            model_config=SimpleNamespace(dtype="float16", hf_config=SimpleNamespace(
+                architectures=["LlamaForCausalLM"])))
+
+    _refuse_unsupported_lora(vllm_config())  # auto resolved to the model's dtype: accepted
+    with pytest.raises(UnsupportedConfiguration, match=named):
+        _refuse_unsupported_lora(vllm_config(**lora))
+
+
+def test_return_sampling_mask_is_refused():
+    _refuse_unsupported(config(return_sampling_mask=False))
+    with pytest.raises(UnsupportedConfiguration, match="--return-sampling-mask is not supported"):
+        _refuse_unsupported(config(return_sampling_mask=True))
