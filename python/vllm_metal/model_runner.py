@@ -307,8 +307,11 @@ class MetalModelRunner(DeltaHooks):
 
     def _init_sampling(self) -> None:
         mode = str(getattr(self.model_config, "logprobs_mode", "raw_logprobs"))
+        # unseeded requests draw their seeds from --seed (vLLM's default 0), as vLLM's workers
+        # do: the same server command and requests give the same samples after a restart
         self.sampling_table = SamplingTable(self.model_config.get_vocab_size(),
-                                            rows=self.scheduler_config.max_num_seqs)
+                                            rows=self.scheduler_config.max_num_seqs,
+                                            seed=getattr(self.model_config, "seed", None))
         self.prompt_logprobs = PromptLogprobs(self.sampling_table)
         self.thinking_budget = ThinkingBudget.from_config(self.vllm_config,
                                                           self.scheduler_config.max_num_seqs)
