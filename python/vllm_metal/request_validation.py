@@ -15,20 +15,23 @@ from __future__ import annotations
 
 import math
 
-# The sampler adds logit_bias in float32: a larger magnitude is an infinity there, and
-# NaN or +inf on a logit make the row's softmax NaN (docs/reliability.md).
-FLOAT32_MAX = 3.4028234663852886e38
+# The sampler adds logit_bias in float32, then divides by the temperature (down to vLLM's
+# 1e-5, below which a request is greedy): a bias past 1e30 can reach infinity there, and NaN
+# or +inf on a logit make the row's softmax NaN (docs/reliability.md). vLLM's HTTP front end
+# clamps biases to [-100, 100]; the offline API passes them as given.
+MAX_LOGIT_BIAS = 1e30
 
 
 def unsupported_sampling_parameters(params) -> list[tuple[str, str]]:
     """(parameter, why) for every setting the runner cannot honour."""
     problems = []
     bad_bias = [(t, b) for t, b in (params.logit_bias or {}).items()
-                if not (math.isfinite(b) and abs(b) < FLOAT32_MAX)]
+                if not (math.isfinite(b) and abs(b) <= MAX_LOGIT_BIAS)]
     if bad_bias:
         t, b = bad_bias[0]
-        problems.append(("logit_bias", f"logit_bias values must be finite float32 numbers, got {b} "
-                                       f"for token {t} ({len(bad_bias)} such value(s))"))
+        problems.append(("logit_bias", f"logit_bias values must be finite numbers of magnitude at "
+                                       f"most {MAX_LOGIT_BIAS:g}, got {b} for token {t} "
+                                       f"({len(bad_bias)} such value(s))"))
     return problems
 
 

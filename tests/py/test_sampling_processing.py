@@ -178,12 +178,30 @@ def test_request_validation_passes_what_is_sampled_and_names_what_is_not():
     with pytest.raises(VLLMValidationError):
         validate_sampling_params("not sampling params")
     # the offline API passes logit_bias unclamped (HTTP clamps it to [-100, 100]): a value
-    # that is not a finite float32 would make the row's softmax NaN
-    validate_sampling_params(SamplingParams(logit_bias={1: -1e30, 2: 3e38}))
-    for bad in (float("nan"), float("inf"), -1e39):
+    # that is not finite, or reaches infinity once divided by a temperature, would make the
+    # row's softmax NaN
+    validate_sampling_params(SamplingParams(logit_bias={1: -1e30, 2: 1e30}))
+    for bad in (float("nan"), float("inf"), -1e39, 3e38, 1.01e30):
         with pytest.raises(VLLMValidationError, match="logit_bias") as e:
             validate_sampling_params(SamplingParams(logit_bias={1: 0.0, 7: bad}))
         assert e.value.parameter == "logit_bias" and "token 7" in str(e.value)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 1e-4])
+def test_the_largest_allowed_bias_samples_finite_logprobs(temperature):
+    from vllm_metal.request_validation import MAX_LOGIT_BIAS
+
+    # two tokens at the largest bias tie: one of them is drawn, its processed logprob finite
+    # (bias, then temperature: past the bound the scaled logits reach infinity, the softmax
+    # is NaN and another token comes out; at 1e30 float32 cannot hold the tie's log(1/2))
+    params = [SamplingParams(temperature=temperature, seed=3, logprobs=2,
+                             logit_bias={7: MAX_LOGIT_BIAS, 9: MAX_LOGIT_BIAS})]
+    _, b = batch_of(params, [[1, 2]], [2])
+    r = Sampler("processed_logprobs")(mx.array(rand_logits(1, seed=4)), b)
+    token = int(np.array(r.tokens)[0])
+    ids, lps, _ = (np.array(a) for a in r.logprobs)
+    assert token in (7, 9) and ids[0, 0] == token
+    assert np.isfinite(lps[0, 0]) and lps[0, 0] <= 0, lps
 
 
 def test_a_resumed_request_does_not_send_its_prompt_logprobs_again():
