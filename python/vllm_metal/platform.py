@@ -436,6 +436,7 @@ def _refuse_unsupported(vllm_config: VllmConfig) -> None:
         _refuse("--enable-prompt-embeds (prompt embeddings as input)",
                 "send prompts as text or token ids")
     _refuse_unsupported_outputs(vllm_config)
+    _refuse_unapplied_hf_overrides(model)
     archs = set(getattr(model.hf_config, "architectures", None) or [])
     if model.runner_type == "pooling":
         _refuse_unsupported_pooling(vllm_config, archs)
@@ -453,6 +454,27 @@ def _refuse_unsupported(vllm_config: VllmConfig) -> None:
         _refuse(f"quantization '{model.quantization}'", "serve safetensors in float16/bfloat16 or a GGUF file")
     if "moe_expert_offload" in (getattr(vllm_config, "additional_config", None) or {}):
         _refuse_unsupported_offload(vllm_config, archs)
+
+
+# --hf-overrides keys that take effect here: vLLM reads them from its own config (the
+# architecture, max_model_len from max_position_embeddings) or the runner does (the
+# Qwen3-Reranker-style classifier: models/token_classifier.py). The model itself is built
+# from config.json on disk, so any other key (rope_scaling, sliding_window, ...) would be
+# accepted and not applied.
+HF_OVERRIDES_APPLIED = {"architectures", "max_position_embeddings", "classifier_from_token",
+                        "method", "is_original_qwen3_reranker"}
+
+
+def _refuse_unapplied_hf_overrides(model) -> None:
+    overrides = getattr(model, "hf_overrides", None) or {}
+    if callable(overrides):
+        _refuse("--hf-overrides as a function", "pass a JSON object of "
+                f"{', '.join(sorted(HF_OVERRIDES_APPLIED))}")
+    unapplied = sorted(set(overrides) - HF_OVERRIDES_APPLIED)
+    if unapplied:
+        _refuse(f"--hf-overrides {', '.join(unapplied)} (the model is built from its config.json)",
+                f"the keys applied are {', '.join(sorted(HF_OVERRIDES_APPLIED))}; edit the "
+                "checkpoint's config.json for the others")
 
 
 def _refuse_unsupported_outputs(vllm_config: VllmConfig) -> None:

@@ -102,3 +102,15 @@ def test_return_sampling_mask_is_refused():
     _refuse_unsupported(config(return_sampling_mask=False))
     with pytest.raises(UnsupportedConfiguration, match="--return-sampling-mask is not supported"):
         _refuse_unsupported(config(return_sampling_mask=True))
+
+
+def test_hf_overrides_the_model_would_not_apply_are_refused():
+    reranker = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+                "is_original_qwen3_reranker": True}
+    _refuse_unsupported(config(hf_overrides=reranker))  # applied: vLLM's config and the runner
+    _refuse_unsupported(config(hf_overrides={"max_position_embeddings": 4096}))
+    with pytest.raises(UnsupportedConfiguration, match=r"--hf-overrides rope_scaling \(the model is built"):
+        _refuse_unsupported(config(hf_overrides={"rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+                                                 "max_position_embeddings": 4096}))
+    with pytest.raises(UnsupportedConfiguration, match="--hf-overrides as a function"):
+        _refuse_unsupported(config(hf_overrides=lambda c: c))
