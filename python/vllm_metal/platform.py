@@ -450,6 +450,11 @@ def _refuse_unsupported(vllm_config: VllmConfig) -> None:
                 f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
     if vllm_config.cache_config.cache_dtype not in ("auto", None):
         _refuse(f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype}", "use auto")
+    for flag in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
+        value = getattr(vllm_config.cache_config, flag, "auto")
+        if value not in ("auto", None) and archs & HYBRID_ARCHITECTURES:
+            _refuse(f"--{flag.replace('_', '-')} {value}",
+                    "the linear-attention state is kept in the model's dtype, its SSM part in float32")
     if model.quantization not in (None, "gguf"):
         _refuse(f"quantization '{model.quantization}'", "serve safetensors in float16/bfloat16 or a GGUF file")
     if "moe_expert_offload" in (getattr(vllm_config, "additional_config", None) or {}):

@@ -114,3 +114,15 @@ def test_hf_overrides_the_model_would_not_apply_are_refused():
                                                  "max_position_embeddings": 4096}))
     with pytest.raises(UnsupportedConfiguration, match="--hf-overrides as a function"):
         _refuse_unsupported(config(hf_overrides=lambda c: c))
+
+
+@pytest.mark.parametrize("flag", ["mamba_cache_dtype", "mamba_ssm_cache_dtype"])
+def test_hybrid_state_dtypes_other_than_auto_are_refused(flag):
+    hybrid = dict(hf_config=SimpleNamespace(architectures=["Qwen3_5ForCausalLM"]))
+    cache = SimpleNamespace(cache_dtype="auto", prefix_caching_hash_algo="sha256",
+                            mamba_cache_dtype="auto", mamba_ssm_cache_dtype="auto")
+    _refuse_unsupported(config(dict(cache_config=cache), **hybrid))
+    cache = SimpleNamespace(**{**vars(cache), flag: "float16"})
+    _refuse_unsupported(config(dict(cache_config=cache)))  # a model without that state: moot
+    with pytest.raises(UnsupportedConfiguration, match=f"--{flag.replace('_', '-')} float16 is not supported"):
+        _refuse_unsupported(config(dict(cache_config=cache), **hybrid))
