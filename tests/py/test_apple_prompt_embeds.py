@@ -8,24 +8,10 @@ and killed the engine under VLLM_USE_V2_MODEL_RUNNER=0 (ValueError in execute_mo
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
+from test_refused_output_options import config
 from vllm_metal.platform import UnsupportedConfiguration, _refuse_unsupported
-
-
-def config(**model):
-    model = SimpleNamespace(**{**dict(runner_type="generate", quantization=None,
-                                      enable_prompt_embeds=False,
-                                      hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"])),
-                               **model})
-    return SimpleNamespace(
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
-                                        data_parallel_size=1),
-        lora_config=None, speculative_config=None, model_config=model,
-        cache_config=SimpleNamespace(cache_dtype="auto", prefix_caching_hash_algo="sha256"),
-        kv_transfer_config=None, observability_config=SimpleNamespace(kv_cache_metrics=False))
 
 
 def test_prompt_embeds_are_refused_by_the_config_check():
